@@ -1,0 +1,1 @@
+"""Command line: `wamkit eval | serve | train | export | data | bench | report | demo`."""

@@ -1,0 +1,204 @@
+"""Typed configs: dataclasses with defaults next to the code, filled from YAML and `key=value` overrides.
+
+    cfg = load_config(EvalConfig, yaml_path, ["suite=libero_object", "tasks=0,1", "policy_args.size=tiny"])
+
+Rules
+- Keys are dataclass field names; nested dataclasses and dict fields take dotted keys (`server.port=8001`).
+- Values are coerced to the field's annotated type: int, float, bool, str, list[int]/list[str] (comma separated),
+  Optional[...] ("none"/"null" -> None), nested dataclass, dict (free-form; values parsed as YAML scalars).
+- An unknown key raises ConfigError naming the valid keys. Nothing is half-applied: a new object is returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from wamkit.core.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """['a=1', 'b.c=x'] -> {'a': '1', 'b.c': 'x'} (strings; coercion happens against the dataclass)."""
+    out: dict[str, Any] = {}
+    for a in args:
+        if "=" not in a:
+            raise ConfigError(f"expected key=value, got {a!r}")
+        k, v = a.split("=", 1)
+        k = k.strip()
+        if not k:
+            raise ConfigError(f"empty key in {a!r}")
+        out[k] = v
+    return out
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for k, v in flat.items():
+        parts = k.split(".")
+        d = nested
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+            if not isinstance(d, dict):
+                raise ConfigError(f"key {k!r} sets a field inside a non-mapping value")
+        d[parts[-1]] = v
+    return nested
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _yaml_scalar(v: Any) -> Any:
+    if isinstance(v, str):
+        try:
+            return yaml.safe_load(v)
+        except yaml.YAMLError:
+            return v
+    return v
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return _yaml_scalar(value)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(a, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: cannot parse {value!r}")
+    if typing.get_origin(tp) is typing.Literal:
+        if value not in args:
+            sval = str(value)
+            for a in args:
+                if str(a) == sval:
+                    return a
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return _build(tp, value, prefix=key + ".")
+    if origin in (list, tuple) or tp in (list, tuple):
+        inner = args[0] if args else Any
+        if isinstance(value, str):
+            items = [s for s in value.split(",") if s.strip() != ""]
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:
+            items = [value]
+        vals = [_coerce(inner, it, key) for it in items]
+        return tuple(vals) if (origin is tuple or tp is tuple) else vals
+    if origin is dict or tp is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return {k: _yaml_scalar(v) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        s = str(value).strip().lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        try:
+            return int(str(value).strip())
+        except ValueError:
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if tp is float:
+        try:
+            return float(str(value).strip())
+        except ValueError:
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        valid = ", ".join(sorted(fields))
+        raise ConfigError(f"unknown config key {prefix + unknown[0]!r}; valid keys: {valid}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _coerce(hints[name], data[name], prefix + name)
+        elif dataclasses.is_dataclass(hints.get(name)) and f.default is dataclasses.MISSING and \
+                f.default_factory is dataclasses.MISSING:
+            kwargs[name] = _build(hints[name], {}, prefix + name + ".")
+    obj = cls(**kwargs)
+    post = getattr(obj, "validate", None)
+    if callable(post):
+        post()
+    return obj
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | dict | None = None,
+                base: T | None = None) -> T:
+    """Build `cls` from (base or defaults) <- YAML file <- overrides. Raises ConfigError on any bad key/value."""
+    data: dict[str, Any] = to_dict(base) if base is not None else {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping")
+        data = _merge(data, loaded)
+    if overrides:
+        flat = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides)
+        data = _merge(data, _nest(flat))
+    return _build(cls, data)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-able dict of a config dataclass (for summaries and checkpoints)."""
+    d = dataclasses.asdict(cfg)
+
+    def clean(x):
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        if isinstance(x, Path):
+            return str(x)
+        return x
+
+    return clean(d)

@@ -1,0 +1,1 @@
+"""wamkit.data layer (see ARCHITECTURE.md)."""

@@ -1,0 +1,91 @@
+"""The environment interface every simulator implements, and the registry that builds them by name.
+
+An Env hosts one simulator instance. One episode is: `reset(task_id, trial)` -> Observation, then repeated
+`execute(chunk)` until `ChunkResult.done`. Only steps whose observation is used are rendered (render skipping):
+`execute` renders once, after the last executed step of the chunk, unless `render_every_step=True`
+(the single-batch baseline, and video recording). Episode step counting, max steps, wait steps and success
+checks live inside the env, so every scheduler gets the same answer.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from wamkit.core.errors import unknown_choice
+from wamkit.core.types import ChunkResult, Observation
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    task_id: int
+    name: str          # short name, e.g. the bddl file stem or "pick-place-v3"
+    instruction: str   # natural-language task text given to the policy
+    num_trials: int    # number of distinct init states
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    env: str                  # "libero" | "metaworld"
+    suite: str                # e.g. "libero_object", or "mt" for MetaWorld
+    action_dim: int
+    cameras: tuple[str, ...]  # camera keys of Observation.images
+    image_size: int
+    state_dim: int
+    max_steps: int            # policy steps per episode (not counting wait steps)
+    control_hz: float
+
+
+class Env(abc.ABC):
+    """One simulator instance. Not thread-safe; one per process."""
+
+    spec: EnvSpec
+
+    @abc.abstractmethod
+    def tasks(self) -> list[TaskInfo]:
+        """Tasks of the configured suite, indexed by task_id."""
+
+    @abc.abstractmethod
+    def reset(self, task_id: int, trial: int) -> Observation:
+        """Start an episode at (task, init state `trial`); returns the first observation (wait steps done)."""
+
+    @abc.abstractmethod
+    def execute(self, actions: np.ndarray, *, render_every_step: bool = False,
+                run_to_max_steps: bool = False) -> ChunkResult:
+        """Execute an action chunk (H, action_dim). Stops early at success (unless run_to_max_steps) or max steps.
+
+        Renders only the observation after the last executed step (render skipping), or every step when
+        render_every_step (frames then also come back in ChunkResult.frames, for video)."""
+
+    def close(self) -> None:  # noqa: B027
+        pass
+
+
+_REGISTRY: dict[str, str] = {
+    "libero": "wamkit.envs.libero:LiberoEnv",
+    "metaworld": "wamkit.envs.metaworld:MetaWorldEnv",
+}
+
+
+def register_env(name: str, target: str) -> None:
+    """Register an env class by 'module:Class' (imported lazily)."""
+    _REGISTRY[name] = target
+
+
+def env_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def env_class(name: str):
+    if name not in _REGISTRY:
+        raise unknown_choice("env", name, env_names())
+    mod, cls = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+def make_env(name: str, **kwargs) -> Env:
+    """Build an env by registered name; kwargs go to its constructor (suite, image_size, ...)."""
+    return env_class(name)(**kwargs)

@@ -1,0 +1,1 @@
+"""wamkit.eval layer (see ARCHITECTURE.md)."""

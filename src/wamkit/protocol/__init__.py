@@ -1,0 +1,1 @@
+"""wamkit.protocol layer (see ARCHITECTURE.md)."""

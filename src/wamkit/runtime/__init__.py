@@ -1,0 +1,1 @@
+"""wamkit.runtime layer (see ARCHITECTURE.md)."""

@@ -1,0 +1,1 @@
+"""wamkit.serve layer (see ARCHITECTURE.md)."""

@@ -1,0 +1,1 @@
+"""wamkit.train layer (see ARCHITECTURE.md)."""
