@@ -1,0 +1,72 @@
+"""`wamkit eval` configuration: one flat, typed dataclass; defaults live here.
+
+    wamkit eval env=libero suite=libero_object tasks=0,1 trials=2 policy=zero out=runs/x
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from wamkit.core.errors import ConfigError
+
+
+@dataclass
+class ServerOptions:
+    """The local action server started when inference=server."""
+
+    port: int = 0                 # 0 = pick a free port
+    max_batch_size: int = 64
+    max_wait_ms: float = 2.0
+    token: str | None = None
+    url: str | None = None        # use an already running server (wamkit serve or SGLang) instead of starting one
+    startup_timeout_s: float = 300.0
+
+
+@dataclass
+class EvalConfig:
+    env: str = "libero"
+    suite: str = "libero_object"
+    tasks: list[int] | None = None          # task ids; None = every task of the suite
+    trials: int = 50                        # init states per task: trial = init-state index 0..trials-1
+    trial_start: int = 0
+    policy: str = "zero"
+    policy_args: dict[str, Any] = field(default_factory=dict)
+    horizon: int | None = None              # actions per chunk; None = the policy's / env's default
+    max_steps: int | None = None            # None = the suite's standard max steps
+    image_size: int = 256
+    env_args: dict[str, Any] = field(default_factory=dict)
+    out: str = "runs/eval"
+    save_videos: int = 0                    # record the first N planned episodes as mp4 (renders every step for them)
+    inference: Literal["inprocess", "server"] = "inprocess"
+    server: ServerOptions = field(default_factory=ServerOptions)
+    mode: Literal["serial", "pipelines", "auto"] = "serial"
+    num_envs: int = 1                       # env worker processes (serial forces 1)
+    batch: int = 1                          # pipelines: observations per request (B)
+    pipelines: int = 1                      # pipelines: number of env groups (P)
+    depth: int = 0                          # auto: max requests in flight (0 = chosen from measurements)
+    max_batch: int = 0                      # auto: cap on observations per request (0 = policy/server max)
+    group_by_task: bool | None = None       # one task per request (None: only for SGLang, which needs equal prompts)
+    run_to_max_steps: bool = False          # the reference's semantics: keep stepping after success
+    render_every_step: bool = False         # the single-batch baseline: render every step
+    resume: bool = False
+    seed: int = 0
+    progress: bool = True
+    runtime: Literal["local", "ray"] = "local"
+    ray: dict[str, Any] = field(default_factory=dict)
+    max_episode_retries: int = 3            # re-runs of an episode whose env worker crashed
+
+    def validate(self) -> None:
+        if self.trials < 1:
+            raise ConfigError("trials must be >= 1")
+        if self.mode == "serial":
+            self.num_envs, self.batch, self.pipelines = 1, 1, 1
+        if self.num_envs < 1:
+            raise ConfigError("num_envs must be >= 1")
+        if self.mode == "pipelines":
+            if self.pipelines < 1 or self.batch < 1:
+                raise ConfigError("pipelines and batch must be >= 1")
+            if self.num_envs < self.pipelines:
+                raise ConfigError(f"num_envs ({self.num_envs}) must be >= pipelines ({self.pipelines})")
+        if self.save_videos < 0:
+            raise ConfigError("save_videos must be >= 0")

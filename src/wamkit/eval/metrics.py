@@ -1,0 +1,49 @@
+"""Summary of an evaluation (OUT/summary.json): the results contract later issues keep."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def summarize(records: list[dict[str, Any]], *, wall_s: float, config: dict[str, Any], versions: dict[str, Any],
+              inference_obs: int = 0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """records: per-episode results (success, steps, task_id, ...). Throughput is over this run's wall time."""
+    records = sorted(records, key=lambda r: (r["suite"], r["task_id"], r["trial"]))
+    per_task: dict[str, dict[str, Any]] = {}
+    for r in records:
+        t = per_task.setdefault(str(r["task_id"]), {"task": r.get("task", ""), "episodes": 0, "successes": 0,
+                                                   "steps": 0})
+        t["episodes"] += 1
+        t["successes"] += int(bool(r["success"]))
+        t["steps"] += int(r["steps"])
+    for t in per_task.values():
+        t["success_rate"] = t["successes"] / t["episodes"] if t["episodes"] else 0.0
+        t["mean_steps"] = t.pop("steps") / t["episodes"] if t["episodes"] else 0.0
+    n = len(records)
+    succ = sum(int(bool(r["success"])) for r in records)
+    run_records = [r for r in records if r.get("run_id") == (extra or {}).get("run_id")] if extra else records
+    env_steps = sum(int(r.get("env_steps", r["steps"])) for r in run_records)
+    eps = len(run_records)
+    out = {
+        "episodes": n,
+        "successes": succ,
+        "success_rate": succ / n if n else 0.0,
+        "per_task": dict(sorted(per_task.items(), key=lambda kv: int(kv[0]))),
+        "throughput": {
+            "wall_s": wall_s,
+            "episodes_this_run": eps,
+            "episodes_per_hour": eps / wall_s * 3600 if wall_s > 0 else 0.0,
+            "env_steps_per_s": env_steps / wall_s if wall_s > 0 else 0.0,
+            "inference_obs_per_s": inference_obs / wall_s if wall_s > 0 else 0.0,
+        },
+        "config": config,
+        "versions": versions,
+    }
+    if extra:
+        out.update({k: v for k, v in extra.items() if k != "run_id"})
+    return out
+
+
+def outcome_view(records: list[dict[str, Any]]) -> dict[str, tuple[bool, int]]:
+    """key -> (success, steps): what must not depend on the schedule."""
+    return {r["key"]: (bool(r["success"]), int(r["steps"])) for r in records}

@@ -1,0 +1,363 @@
+"""The evaluation scheduler: M env workers, one work queue of episodes, three ways to feed them actions.
+
+- serial:    one env, one observation per request, one request at a time (the single-batch baseline when it also
+             renders every step and runs episodes to max steps).
+- pipelines: the reference design. Envs split into P groups; each group loops "simulate all its envs -> send its
+             observations in requests of B, one after another, each awaited -> act", so one group simulates while
+             another waits for inference.
+- auto:      asynchronous flow. Each env that finishes its chunk joins the next request batch without waiting for a
+             group; several requests in flight; the batch size and in-flight depth are chosen from measured
+             simulation and inference times (see AutoBatcher.plan).
+
+Common to all: each env takes the next (task, init state) as soon as its episode ends; every planned episode runs
+exactly once (a crashed env worker is restarted and its episode re-run from its init state); the policy's noise
+seed is a function of (episode, env step) only, so per-episode results do not depend on the schedule."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from wamkit.core.types import ChunkResult, Observation
+from wamkit.eval.inference import Inference
+from wamkit.eval.plan import Episode, step_seed
+from wamkit.eval.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+
+class EpisodeFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class EpisodeOutcome:
+    episode: Episode
+    success: bool
+    steps: int
+    env_steps: int        # steps executed (with run_to_max_steps this can exceed `steps`)
+    wall_s: float
+    env_index: int
+    attempts: int
+    frames: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOptions:
+    mode: str = "serial"
+    batch: int = 1
+    pipelines: int = 1
+    depth: int = 0
+    max_batch: int = 0
+    group_by_task: bool = False
+    run_to_max_steps: bool = False
+    render_every_step: bool = False
+    video_episodes: frozenset[int] = frozenset()
+    seed: int = 0
+    max_episode_retries: int = 3
+    cores: int = 2
+
+
+def _crash_types():
+    try:
+        from wamkit.envs.worker import EnvWorkerCrashed
+
+        return (EnvWorkerCrashed,)
+    except ImportError:  # pragma: no cover
+        return ()
+
+
+class Scheduler:
+    """Runs `episodes` on `envs` (objects with async reset/execute, restart(), index) with `inference`.
+
+    on_done(outcome) is called once per finished episode, in completion order (the journal appends there)."""
+
+    def __init__(self, envs: list[Any], inference: Inference, episodes: list[Episode], opts: SchedulerOptions,
+                 on_done: Callable[[EpisodeOutcome], None], timeline: Timeline | None = None):
+        self.envs, self.inference, self.opts, self.on_done = envs, inference, opts, on_done
+        self.queue: deque[Episode] = deque(episodes)
+        self.timeline = timeline
+        self.crash_types = _crash_types()
+        self.restarts = 0
+        self.simulating = 0
+        self.active_envs = 0
+        self.sim_samples: deque[tuple[float, int]] = deque(maxlen=200)   # (seconds, concurrent sims)
+        self.batcher: AutoBatcher | None = None
+
+    # ---- env-side primitives (with timeline spans) -------------------------------------------------------------
+    async def _reset(self, i: int, ep: Episode) -> Observation:
+        t0 = time.time()
+        self.simulating += 1
+        try:
+            return await self.envs[i].reset(ep.task_id, ep.trial)
+        finally:
+            self.simulating -= 1
+            if self.timeline is not None:
+                self.timeline.add(f"env/{i}", "reset", t0, time.time())
+
+    async def _execute(self, i: int, ep: Episode, chunk: np.ndarray) -> ChunkResult:
+        t0 = time.time()
+        self.simulating += 1
+        conc = self.simulating
+        try:
+            return await self.envs[i].execute(
+                chunk, render_every_step=self.opts.render_every_step or ep.index in self.opts.video_episodes,
+                run_to_max_steps=self.opts.run_to_max_steps)
+        finally:
+            self.simulating -= 1
+            t1 = time.time()
+            self.sim_samples.append((t1 - t0, conc))
+            if self.timeline is not None:
+                self.timeline.add(f"env/{i}", "sim", t0, t1)
+
+    async def _restart_env(self, i: int) -> None:
+        self.restarts += 1
+        log.warning("env worker %d crashed; restarting it and re-running its episode", i)
+        await asyncio.to_thread(self.envs[i].restart)
+
+    def _next_episode(self) -> Episode | None:
+        return self.queue.popleft() if self.queue else None
+
+    # ---- one episode, actions from `get_actions` ----------------------------------------------------------------
+    async def _run_episode(self, i: int, ep: Episode, get_actions) -> EpisodeOutcome:
+        attempts = 0
+        while True:
+            attempts += 1
+            t0 = time.time()
+            frames: list[np.ndarray] = []
+            try:
+                obs = await self._reset(i, ep)
+                if ep.index in self.opts.video_episodes:
+                    frames.append(next(iter(obs.images.values())))
+                env_steps = 0
+                while True:
+                    # seed from the env step at which the observation was taken: schedule-independent
+                    seed = step_seed(self.opts.seed, ep, env_steps)
+                    chunk = await get_actions(i, ep, obs, seed)
+                    res = await self._execute(i, ep, chunk)
+                    env_steps += res.steps
+                    frames.extend(res.frames)
+                    if res.done:
+                        return EpisodeOutcome(ep, bool(res.success), int(res.episode_steps), env_steps,
+                                              time.time() - t0, i, attempts, frames)
+                    obs = res.obs
+            except self.crash_types:
+                if attempts > self.opts.max_episode_retries:
+                    raise EpisodeFailed(f"episode {ep.key} crashed its env worker {attempts} times") from None
+                await self._restart_env(i)
+
+    async def _env_loop(self, i: int, get_actions) -> None:
+        self.active_envs += 1
+        try:
+            while (ep := self._next_episode()) is not None:
+                out = await self._run_episode(i, ep, get_actions)
+                self.on_done(out)
+        finally:
+            self.active_envs -= 1
+            if self.batcher is not None:
+                self.batcher.poke()
+
+    # ---- modes --------------------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        mode = self.opts.mode
+        if mode == "serial":
+            await self._env_loop(0, self._direct_actions)
+        elif mode == "auto":
+            self.batcher = AutoBatcher(self)
+            await asyncio.gather(*(self._env_loop(i, self.batcher.submit) for i in range(len(self.envs))))
+        elif mode == "pipelines":
+            p = self.opts.pipelines
+            groups = [list(range(len(self.envs)))[g::p] for g in range(p)]
+            await asyncio.gather(*(self._group_loop(g) for g in groups if g))
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+
+    async def _direct_actions(self, i: int, ep: Episode, obs: Observation, seed: int) -> np.ndarray:
+        return (await self.inference.predict([obs], [seed]))[0]
+
+    async def _group_loop(self, env_ids: list[int]) -> None:
+        """Reference pipeline stage: lockstep over the group's envs; requests of B sent one after another."""
+        b = max(1, self.opts.batch)
+
+        async def start(i: int):
+            while (ep := self._next_episode()) is not None:
+                try:
+                    return {"ep": ep, "obs": await self._reset(i, ep), "steps": 0, "t0": time.time(),
+                            "frames": [], "attempts": 1}
+                except self.crash_types:
+                    await self._restart_env(i)
+                    self.queue.appendleft(ep)
+            return None
+
+        state: dict[int, dict | None] = dict(zip(env_ids, await asyncio.gather(*(start(i) for i in env_ids))))
+
+        async def step(i: int, chunk: np.ndarray):
+            st = state[i]
+            ep = st["ep"]
+            try:
+                res = await self._execute(i, ep, chunk)
+            except self.crash_types:
+                st["attempts"] += 1
+                if st["attempts"] > self.opts.max_episode_retries + 1:
+                    raise EpisodeFailed(f"episode {ep.key} crashed its env worker repeatedly") from None
+                await self._restart_env(i)
+                st.update(obs=await self._reset(i, ep), steps=0, t0=time.time(), frames=[])
+                return
+            st["steps"] += res.steps
+            st["frames"].extend(res.frames)
+            if res.done:
+                self.on_done(EpisodeOutcome(ep, bool(res.success), int(res.episode_steps), st["steps"],
+                                            time.time() - st["t0"], i, st["attempts"], st["frames"]))
+                state[i] = await start(i)
+            else:
+                st["obs"] = res.obs
+                st["episode_steps"] = res.episode_steps
+
+        while True:
+            active = [i for i in env_ids if state[i] is not None]
+            if not active:
+                return
+            chunks: dict[int, np.ndarray] = {}
+            for k in range(0, len(active), b):
+                ids = active[k:k + b]
+                obs = [state[i]["obs"] for i in ids]
+                seeds = [step_seed(self.opts.seed, state[i]["ep"], state[i]["steps"]) for i in ids]
+                out = await self.inference.predict(obs, seeds)   # blocking within the group, as the reference
+                chunks.update(zip(ids, out))
+            await asyncio.gather(*(step(i, chunks[i]) for i in active))
+
+
+class AutoBatcher:
+    """Collects observations from envs as they finish their chunks and sends them in batches.
+
+    Plan: with A active envs, a single-env simulation cost s0 per chunk on C cores, and inference latency
+    I(n) = a + b n (fitted online from measured calls), split the envs into k cohorts of n = ceil(A/k) and pick k
+    minimizing the cycle time
+        cycle(k) = max(k * I(n),                     # the inference side serves k batches per cycle
+                       S(n) + I(n),                  # one env's own loop: simulate, then wait for its batch
+                       A * s0 / C)                   # the CPU side simulates every env once per cycle
+    with S(n) = s0 * max(1, n / C). The target batch is n; up to k requests are in flight (depth). A batch is sent
+    when n observations wait, or when no simulating env could still join it, or after a short timeout."""
+
+    def __init__(self, sched: Scheduler):
+        self.s = sched
+        self.inf = sched.inference
+        self.pending: list[tuple[Observation, int, Episode, asyncio.Future, float]] = []  # (.., arrival time)
+        self.in_flight = 0
+        self.cap = sched.opts.max_batch or self.inf.max_batch
+        self.cap = max(1, min(self.cap, self.inf.max_batch))
+        self.fixed_depth = sched.opts.depth
+        self._timer: asyncio.TimerHandle | None = None
+        self.decisions: list[tuple[int, int]] = []
+
+    # -- measurements -> plan
+    def _fit_inference(self) -> tuple[float, float]:
+        lat = self.inf.latencies[-100:]
+        if not lat:
+            return 0.05, 0.0
+        ns = np.array([n for n, _ in lat], float)
+        ts = np.array([t for _, t in lat], float)
+        if len(set(ns.tolist())) >= 2:
+            b, a = np.polyfit(ns, ts, 1)
+            a, b = max(float(a), 0.0), max(float(b), 0.0)
+            return a, b
+        return float(np.median(ts)), 0.0
+
+    def _sim_cost(self) -> float:
+        if not self.s.sim_samples:
+            return 0.1
+        c = self.s.opts.cores
+        per = [t * min(conc, c) / conc for t, conc in self.s.sim_samples]
+        return float(statistics.median(per))
+
+    def plan(self) -> tuple[int, int]:
+        """(target batch n, depth k) for the current number of active envs."""
+        a_envs = max(1, self.s.active_envs)
+        if self.fixed_depth > 0:
+            k = min(self.fixed_depth, a_envs)
+            return min(self.cap, math.ceil(a_envs / k)), k
+        a, b = self._fit_inference()
+        s0 = self._sim_cost()
+        c = max(1, self.s.opts.cores)
+        best = None
+        for k in range(1, a_envs + 1):
+            n = math.ceil(a_envs / k)
+            if n > self.cap:
+                continue
+            inf = a + b * n
+            cycle = max(k * inf, s0 * max(1.0, n / c) + inf, a_envs * s0 / c)
+            if best is None or cycle < best[0] - 1e-9:
+                best = (cycle, n, k)
+        if best is None:
+            return self.cap, math.ceil(a_envs / self.cap)
+        return best[1], best[2]
+
+    # -- flow
+    async def submit(self, i: int, ep: Episode, obs: Observation, seed: int) -> np.ndarray:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((obs, seed, ep, fut, time.monotonic()))
+        self.poke()
+        return await fut
+
+    def poke(self) -> None:
+        n, k = self.plan()
+        while self.pending and self.in_flight < k:
+            waiting_or_busy = len(self.pending)
+            could_join = self.s.simulating
+            if waiting_or_busy >= n or could_join == 0 or self._timed_out():
+                self._dispatch(n)
+            else:
+                self._arm_timer()
+                break
+
+    def _timed_out(self) -> bool:
+        return bool(self.pending) and (time.monotonic() - self.pending[0][4]) >= self._max_wait()
+
+    def _max_wait(self) -> float:
+        return max(0.002, 0.5 * self._sim_cost())
+
+    def _arm_timer(self) -> None:
+        if self._timer is None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self._max_wait(), self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        if self.pending and self.in_flight < self.plan()[1]:
+            self._dispatch(self.plan()[0])
+            self.poke()
+
+    def _dispatch(self, n: int) -> None:
+        n = max(1, min(n, self.cap))
+        if self.s.opts.group_by_task:
+            task = self.pending[0][2].task_id
+            take = [p for p in self.pending if p[2].task_id == task][:n]
+        else:
+            take = self.pending[:n]
+        ids = {id(p[3]) for p in take}
+        self.pending = [p for p in self.pending if id(p[3]) not in ids]
+        self.in_flight += 1
+        self.decisions.append((len(take), self.in_flight))
+        asyncio.get_running_loop().create_task(self._send(take))
+
+    async def _send(self, take) -> None:
+        try:
+            out = await self.inf.predict([p[0] for p in take], [p[1] for p in take])
+            for p, a in zip(take, out):
+                if not p[3].done():
+                    p[3].set_result(a)
+        except Exception as e:  # noqa: BLE001 - surfaces in the env loops that wait on these futures
+            for p in take:
+                if not p[3].done():
+                    p[3].set_exception(e)
+        finally:
+            self.in_flight -= 1
+            self.poke()

@@ -1,0 +1,105 @@
+"""Spans of an evaluation run (env simulating, request in flight, server computing), saved as OUT/timeline.json
+and drawn as a PNG with one lane per env and per inference side."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Span:
+    lane: str       # "env/3", "request", "server"
+    kind: str       # "reset", "sim", "request", "compute"
+    t0: float
+    t1: float
+    n: int = 1      # observations in a request / batch
+
+
+class Timeline:
+    def __init__(self, t_origin: float | None = None):
+        self.t_origin = time.time() if t_origin is None else t_origin
+        self.spans: list[Span] = []
+
+    def add(self, lane: str, kind: str, t0: float, t1: float, n: int = 1) -> None:
+        self.spans.append(Span(lane, kind, t0, t1, n))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"t_origin": self.t_origin,
+                                          "spans": [s.__dict__ for s in self.spans]}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Timeline":
+        d = json.loads(Path(path).read_text())
+        tl = cls(d["t_origin"])
+        tl.spans = [Span(**s) for s in d["spans"]]
+        return tl
+
+    @staticmethod
+    def _union(intervals: list[tuple[float, float]]) -> float:
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(intervals):
+            if b <= end:
+                continue
+            total += b - max(a, end)
+            end = b
+        return total
+
+    def utilization(self) -> dict[str, float]:
+        if not self.spans:
+            return {"wall_s": 0.0, "env_busy": 0.0, "inference_busy": 0.0}
+        t0 = min(s.t0 for s in self.spans)
+        t1 = max(s.t1 for s in self.spans)
+        wall = max(t1 - t0, 1e-9)
+        env_lanes = {s.lane for s in self.spans if s.lane.startswith("env/")}
+        env_busy = sum(s.t1 - s.t0 for s in self.spans if s.lane.startswith("env/"))
+        compute = [(s.t0, s.t1) for s in self.spans if s.kind == "compute"]
+        if not compute:
+            compute = [(s.t0, s.t1) for s in self.spans if s.kind == "request"]
+        batches = [s.n for s in self.spans if s.kind == "compute"] or [s.n for s in self.spans if s.kind == "request"]
+        return {
+            "wall_s": wall,
+            "env_busy": env_busy / (wall * max(len(env_lanes), 1)),
+            "inference_busy": self._union(compute) / wall,
+            "mean_batch": sum(batches) / len(batches) if batches else 0.0,
+            "requests": len([s for s in self.spans if s.kind == "request"]),
+        }
+
+    def draw(self, path: str | Path, max_seconds: float | None = None) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        lanes = sorted({s.lane for s in self.spans if s.lane.startswith("env/")},
+                       key=lambda x: int(x.split("/")[1]))
+        lanes += [ln for ln in ("request", "server") if any(s.lane == ln for s in self.spans)]
+        colors = {"reset": "#bbbbbb", "sim": "#4c72b0", "request": "#dd8452", "compute": "#55a868"}
+        t0 = min((s.t0 for s in self.spans), default=0.0)
+        fig, ax = plt.subplots(figsize=(14, 0.35 * len(lanes) + 1.5))
+        for s in self.spans:
+            if s.lane not in lanes:
+                continue
+            a, b = s.t0 - t0, s.t1 - t0
+            if max_seconds is not None and a > max_seconds:
+                continue
+            y = lanes.index(s.lane)
+            # overlapping requests: draw thinner so concurrency stays visible
+            h = 0.8 if s.kind != "request" else 0.25
+            ax.barh(y, b - a, left=a, height=h, color=colors.get(s.kind, "k"), alpha=0.85 if h > 0.5 else 0.4)
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds")
+        u = self.utilization()
+        ax.set_title(f"env busy {u['env_busy']:.0%} | inference busy {u['inference_busy']:.0%} | "
+                     f"mean batch {u['mean_batch']:.1f}")
+        from matplotlib.patches import Patch
+
+        ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper right", fontsize=7)
+        fig.tight_layout()
+        p = Path(path)
+        fig.savefig(p, dpi=90)
+        plt.close(fig)
+        return p

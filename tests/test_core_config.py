@@ -1,0 +1,57 @@
+from dataclasses import dataclass, field
+
+import pytest
+
+from wamkit.core.config import load_config, to_dict
+from wamkit.core.errors import ConfigError
+from wamkit.eval.config import EvalConfig
+
+
+def test_overrides_are_typed():
+    cfg = load_config(EvalConfig, None, ["suite=libero_goal", "tasks=0,3", "trials=2", "run_to_max_steps=true",
+                                         "policy_args.size=tiny", "server.port=8123", "mode=auto", "num_envs=3"])
+    assert cfg.suite == "libero_goal" and cfg.tasks == [0, 3] and cfg.trials == 2
+    assert cfg.run_to_max_steps is True and cfg.policy_args == {"size": "tiny"}
+    assert cfg.server.port == 8123 and cfg.num_envs == 3
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        load_config(EvalConfig, None, ["suit=libero_goal"])
+    assert "'suit'" in str(e.value) and "suite" in str(e.value)
+
+
+def test_bad_values_name_the_key():
+    with pytest.raises(ConfigError, match="trials"):
+        load_config(EvalConfig, None, ["trials=many"])
+    with pytest.raises(ConfigError, match="mode"):
+        load_config(EvalConfig, None, ["mode=fast"])
+    with pytest.raises(ConfigError, match="server.nope"):
+        load_config(EvalConfig, None, ["server.nope=1"])
+
+
+def test_yaml_then_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("suite: libero_10\ntrials: 5\nserver:\n  max_batch_size: 8\n")
+    cfg = load_config(EvalConfig, p, ["trials=7"])
+    assert (cfg.suite, cfg.trials, cfg.server.max_batch_size) == ("libero_10", 7, 8)
+    assert to_dict(cfg)["server"]["max_batch_size"] == 8
+
+
+def test_serial_forces_one_env():
+    cfg = load_config(EvalConfig, None, ["mode=serial", "num_envs=4", "batch=8"])
+    assert (cfg.num_envs, cfg.batch, cfg.pipelines) == (1, 1, 1)
+
+
+def test_optional_and_nested_defaults():
+    @dataclass
+    class Inner:
+        a: int = 1
+
+    @dataclass
+    class Outer:
+        x: int | None = 3
+        inner: Inner = field(default_factory=Inner)
+
+    assert load_config(Outer, None, ["x=none"]).x is None
+    assert load_config(Outer, None, ["inner.a=5"]).inner.a == 5

@@ -1,0 +1,57 @@
+import json
+
+import pytest
+
+from wamkit.eval.journal import Journal
+from wamkit.eval.metrics import summarize
+from wamkit.eval.plan import Episode, make_plan, step_seed
+
+
+def rec(key, task_id, trial, success, steps=10):
+    return {"key": key, "suite": "s", "task_id": task_id, "trial": trial, "task": "t", "success": success,
+            "steps": steps}
+
+
+def test_plan_order_and_keys():
+    plan = make_plan("libero_object", [2, 5], trials=3, instructions={2: "a", 5: "b"})
+    assert [(e.task_id, e.trial) for e in plan] == [(2, 0), (2, 1), (2, 2), (5, 0), (5, 1), (5, 2)]
+    assert [e.index for e in plan] == list(range(6))
+    assert len({e.key for e in plan}) == 6 and plan[3].task == "b"
+
+
+def test_step_seed_depends_on_episode_and_step_only():
+    a = Episode(0, "s", 1, 2)
+    b = Episode(7, "s", 1, 2)   # same episode at another plan position
+    assert step_seed(0, a, 16) == step_seed(0, b, 16)
+    assert step_seed(0, a, 16) != step_seed(0, a, 32)
+    assert step_seed(0, a, 16) != step_seed(1, a, 16)
+
+
+def test_journal_resume_skips_torn_and_duplicate_lines(tmp_path):
+    p = tmp_path / "results.jsonl"
+    j = Journal(p)
+    j.append(rec("s/0/0", 0, 0, True))
+    j.append(rec("s/0/1", 0, 1, False))
+    with pytest.raises(RuntimeError):
+        j.append(rec("s/0/1", 0, 1, False))
+    j.close()
+    with open(p, "a") as f:   # a duplicate and a torn line from a killed process
+        f.write(json.dumps(rec("s/0/0", 0, 0, False)) + "\n")
+        f.write('{"key": "s/0/2", "succ')
+    j2 = Journal(p)
+    assert set(j2.records) == {"s/0/0", "s/0/1"}
+    assert j2.records["s/0/0"]["success"] is True   # the first record wins
+    assert len(p.read_text().splitlines()) == 2
+
+
+def test_summary_contract():
+    recs = [rec("s/0/0", 0, 0, True, 50), rec("s/0/1", 0, 1, False, 100), rec("s/1/0", 1, 0, True, 30)]
+    s = summarize(recs, wall_s=10.0, config={"a": 1}, versions={"mujoco": "x"}, inference_obs=20)
+    assert (s["episodes"], s["successes"]) == (3, 2)
+    assert s["success_rate"] == pytest.approx(2 / 3)
+    assert s["per_task"]["0"] == {"task": "t", "episodes": 2, "successes": 1, "success_rate": 0.5,
+                                  "mean_steps": 75.0}
+    assert s["throughput"]["episodes_per_hour"] == pytest.approx(3 / 10 * 3600)
+    assert s["throughput"]["env_steps_per_s"] == pytest.approx(18.0)
+    assert s["throughput"]["inference_obs_per_s"] == pytest.approx(2.0)
+    assert s["config"] == {"a": 1} and s["versions"] == {"mujoco": "x"}
