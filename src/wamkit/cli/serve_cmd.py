@@ -1,0 +1,54 @@
+"""`wamkit serve [config.yaml] policy=NAME port=P max_batch_size=N max_wait_ms=MS token=... policy_args.k=v ...`
+
+Runs the action server (wamkit.serve.app) on uvicorn. SIGTERM / Ctrl-C: stop accepting, finish in-flight work, exit.
+The token may also come from the environment variable WAMKIT_TOKEN."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from wamkit.cli.main import split_args
+from wamkit.core.config import load_config
+from wamkit.serve.config import ServeConfig
+
+
+def _watch_parent(pid: int, server) -> None:
+    """Exit (gracefully) when the process that launched us dies: no orphaned servers."""
+    ev = threading.Event()
+    while not ev.wait(1.0):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            server.should_exit = True
+            return
+        except PermissionError:
+            pass
+        if os.getppid() == 1 and pid != 1:
+            server.should_exit = True
+            return
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    path, overrides = split_args(argv)
+    cfg = load_config(ServeConfig, path, overrides)
+    import uvicorn
+
+    from wamkit.serve.app import create_app
+
+    app = create_app(cfg)
+    srv = app.state.server
+    ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+                          timeout_graceful_shutdown=cfg.graceful_timeout_s, lifespan="on")
+    server = uvicorn.Server(ucfg)
+    if cfg.parent_pid > 0:
+        threading.Thread(target=_watch_parent, args=(cfg.parent_pid, server), daemon=True).start()
+    auth = "token required" if srv.token else "no auth"
+    print(f"wamkit serve: policy={cfg.policy} max_batch_size={srv.max_batch_size} max_wait_ms={cfg.max_wait_ms} "
+          f"on http://{cfg.host}:{cfg.port} ({auth})", file=sys.stderr, flush=True)
+    server.run()
+    return 0

@@ -1,0 +1,248 @@
+"""The action server: Starlette app over a policy and a dynamic batcher (run on uvicorn by `wamkit serve`).
+
+Routes
+- ``GET  /health``                    200 {"status": "ok"} (503 while shutting down); never needs the token.
+- ``GET  /v1/actions/metadata``       policy spec, max batch size, action dim/horizon (SGLang's metadata layout).
+- ``POST /v1/actions/generations``    SGLang's action API (+ wamkit extensions), JSON or msgpack.
+- ``GET  /metrics``                   JSON: counts, batch-size histogram, queue/compute p50/p99.
+
+Errors answer ``{"error": {"message", "type", "path", "code"}, "detail": message}``: 400 malformed (the message names
+the field path), 401 bad/missing token, 413 body too large, 415 content type, 422 valid but unsupported here,
+500 the policy failed, 503 queue full or shutting down (with Retry-After).
+Requests are never unpickled: JSON or msgpack without extension types only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import math
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from wamkit.policies.base import Policy
+from wamkit.protocol import ProtocolError, build_response, decode_body, encode_body, is_msgpack, parse_request
+from wamkit.protocol.messages import ActionRequest
+from wamkit.serve.batcher import Batcher, QueueFull
+from wamkit.serve.config import ServeConfig
+from wamkit.serve.metrics import ServerMetrics
+
+log = logging.getLogger("wamkit.serve")
+_OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are decoded in a helper thread, not on the event loop
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str, path: str = "", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.path, self.headers = status, message, path, headers or {}
+
+
+def _error(status: int, message: str, path: str = "", headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = {401: "authentication_error", 413: "request_too_large", 415: "unsupported_media_type",
+            503: "server_busy", 500: "server_error"}.get(status, "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "path": path, "code": status},
+                         "detail": message}, status_code=status, headers=headers)
+
+
+class ActionServer:
+    """State behind the routes: the policy, the batcher, metrics, limits."""
+
+    def __init__(self, cfg: ServeConfig, policy: Policy):
+        self.cfg = cfg
+        self.policy = policy
+        self.spec = policy.spec
+        pmax = int(policy.max_batch_size())
+        self.max_batch_size = min(cfg.max_batch_size, pmax) if cfg.max_batch_size > 0 else pmax
+        self.max_body = int(cfg.max_body_mb * 1024 * 1024)
+        self.token = cfg.resolved_token()
+        self.model = cfg.model_name or self.spec.name
+        self.metrics = ServerMetrics()
+        self.batcher = Batcher(policy.predict, self.max_batch_size, cfg.max_wait_ms, cfg.max_queue, self.metrics)
+        self.decode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="wamkit-decode")
+        self._log_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        await self.batcher.start()
+        if self.cfg.log_every_s > 0:
+            self._log_task = asyncio.create_task(self._log_loop())
+        try:
+            yield
+        finally:
+            if self._log_task is not None:
+                self._log_task.cancel()
+            await self.batcher.close()          # runs whatever is still queued
+            self.decode_pool.shutdown(wait=False)
+            with contextlib.suppress(Exception):
+                self.policy.close()
+
+    async def _log_loop(self) -> None:
+        last = -1
+        while True:
+            await asyncio.sleep(self.cfg.log_every_s)
+            s = self.metrics.snapshot()
+            n = s["counts"].get("observations_computed", 0)
+            if n != last:
+                last = n
+                print(f"[wamkit serve] obs={n} batches={s['counts'].get('batches', 0)} "
+                      f"mean_batch={s['mean_batch_size']} queue_ms p50={s['queue_ms']['p50']} "
+                      f"p99={s['queue_ms']['p99']} compute_ms p50={s['compute_ms']['p50']} "
+                      f"queued={self.batcher.queued}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ helpers
+    def _check_token(self, request: Request) -> None:
+        if self.token is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, given = auth.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.token.encode())
+        if not ok:
+            raise _HTTPError(401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _read_body(self, request: Request) -> bytes:
+        cl = request.headers.get("content-length")
+        if cl is not None:
+            try:
+                if int(cl) > self.max_body:
+                    raise _HTTPError(413, f"body of {int(cl)} bytes exceeds the cap of {self.max_body} bytes "
+                                          f"(max_body_mb={self.cfg.max_body_mb})")
+            except ValueError:
+                raise _HTTPError(400, "invalid content-length") from None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise _HTTPError(413, f"body exceeds the cap of {self.max_body} bytes (max_body_mb="
+                                      f"{self.cfg.max_body_mb})")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_against_policy(self, req: ActionRequest) -> None:
+        a = self.spec.action
+        p = req.parameters
+        if p.get("action_horizon", 0) > a.horizon:
+            raise ProtocolError("parameters.action_horizon", f"{p['action_horizon']} > this policy's horizon "
+                                                             f"{a.horizon}", status=422)
+        if p.get("raw_action_dim", 0) > a.dim:
+            raise ProtocolError("parameters.raw_action_dim", f"{p['raw_action_dim']} > this policy's action dim "
+                                                             f"{a.dim}", status=422)
+        if p.get("action_dim", a.dim) != a.dim:
+            raise ProtocolError("parameters.action_dim", f"this policy's action dim is {a.dim}", status=422)
+        cams = [c for c in self.spec.input.cameras if c]
+        sd = self.spec.input.state_dim
+        for i, o in enumerate(req.observations):
+            for c in cams:
+                if c not in o.images:
+                    raise ProtocolError(f"input.images[{i}].{c}", f"missing camera (policy reads {cams})",
+                                        status=422)
+            if sd:
+                if o.state is None:
+                    raise ProtocolError(f"input.state[{i}]", f"missing (policy reads a {sd}-D state)", status=422)
+                if o.state.shape[0] != sd:
+                    raise ProtocolError(f"input.state[{i}].shape", f"expected [{sd}], got {list(o.state.shape)}",
+                                        status=422)
+
+    def _decode(self, body: bytes, content_type: str) -> ActionRequest:
+        return parse_request(decode_body(body, content_type))
+
+    # ------------------------------------------------------------------ routes
+    async def health(self, request: Request) -> Response:
+        if self.batcher.closing:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    def metadata_dict(self) -> dict[str, Any]:
+        s = self.spec
+        return {
+            "object": "action.metadata", "model": self.model, "policy_family": s.name, "policy": s.to_dict(),
+            "input": {"image_keys": list(s.input.cameras), "image_size": s.input.image_size,
+                      "state_dim": s.input.state_dim or None, "text": s.input.text},
+            "output": {"action_type": "continuous", "action_horizon": s.action.horizon, "action_dim": s.action.dim,
+                       "padded_action_dim": s.action.dim, "dtype": "float32"},
+            "defaults": {"action_mode": "policy", "action_horizon": s.action.horizon},
+            "capabilities": {"action_modes": ["policy"], "batch_inputs": True, "max_batch_size": self.max_batch_size,
+                             "batched_action_modes": ["policy"], "multiple_candidates": False,
+                             "realtime_websocket": False, "multiple_cameras": True, "state": True,
+                             "per_observation_seeds": True, "msgpack": True},
+            "server": {"name": "wamkit", "max_wait_ms": self.cfg.max_wait_ms, "max_queue": self.cfg.max_queue,
+                       "max_body_bytes": self.max_body, "auth": self.token is not None},
+        }
+
+    async def metadata(self, request: Request) -> Response:
+        self._check_token(request)
+        return JSONResponse(self.metadata_dict())
+
+    async def metrics_route(self, request: Request) -> Response:
+        self._check_token(request)
+        return JSONResponse(self.metrics.snapshot(queued=self.batcher.queued, max_batch_size=self.max_batch_size,
+                                                  max_wait_ms=self.cfg.max_wait_ms))
+
+    async def generations(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        self.metrics.count("requests")
+        self._check_token(request)
+        body = await self._read_body(request)
+        ct = request.headers.get("content-type", "")
+        binary = is_msgpack(ct) or "msgpack" in request.headers.get("accept", "").lower()
+        if len(body) > _OFFLOAD_BYTES:
+            req = await asyncio.get_running_loop().run_in_executor(self.decode_pool, self._decode, body, ct)
+        else:
+            req = self._decode(body, ct)
+        n = len(req)
+        if n > self.cfg.max_queue:
+            raise _HTTPError(413, f"{n} observations in one request; the server queues at most {self.cfg.max_queue}",
+                             path="input")
+        self._check_against_policy(req)
+        keys = [req.group_key(i) for i in range(n)]
+        self.metrics.count("observations", n)
+        actions, timing = await self.batcher.submit(req.observations, req.seeds, keys)
+        out = build_response(req, actions, self.model, binary, timing=timing,
+                             denoise_steps=req.parameters.get("num_inference_steps", 0))
+        data, media = encode_body(out, binary)
+        self.metrics.response(200, (time.perf_counter() - t0) * 1000.0)
+        return Response(data, media_type=media)
+
+
+def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
+    """The Starlette app for `cfg` (the policy is built from cfg.policy / cfg.policy_args unless given)."""
+    if policy is None:
+        from wamkit.policies import make_policy
+
+        policy = make_policy(cfg.policy, **cfg.policy_args)
+    srv = ActionServer(cfg, policy)
+
+    def guarded(fn):
+        async def handler(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except ProtocolError as e:
+                resp = _error(e.status, str(e), e.path)
+            except _HTTPError as e:
+                resp = _error(e.status, e.message, e.path, e.headers)
+            except QueueFull as e:
+                srv.metrics.count("rejected_busy")
+                resp = _error(503, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
+            except Exception as e:  # the policy failed: answer 500, keep serving
+                log.exception("request failed")
+                resp = _error(500, f"{type(e).__name__}: {e}")
+            srv.metrics.response(resp.status_code)
+            return resp
+        return handler
+
+    routes = [Route("/health", srv.health, methods=["GET"]),
+              Route("/v1/actions/metadata", guarded(srv.metadata), methods=["GET"]),
+              Route("/v1/actions/generations", guarded(srv.generations), methods=["POST"]),
+              Route("/metrics", guarded(srv.metrics_route), methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=srv.lifespan)
+    app.state.server = srv
+    return app

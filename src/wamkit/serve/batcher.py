@@ -1,0 +1,213 @@
+"""Dynamic batcher: observations from concurrent requests -> batches for policy.predict, off the event loop.
+
+- Every observation carries a group key (parameters except seed, camera names and image shapes, state length);
+  a batch only ever holds observations of one key.
+- A group is dispatched when it holds max_batch_size observations or its oldest observation has waited max_wait_ms
+  (or the batcher is closing). Among ready groups the one with the oldest observation goes first (FIFO fairness).
+- predict runs in one worker thread; the event loop keeps accepting and parsing requests meanwhile, so observations
+  that arrive while a batch computes form the next batch.
+- The queue is bounded (max_queue observations): submit raises QueueFull (the server answers 503 + Retry-After).
+- close() stops accepting, runs everything already queued, then stops the worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
+
+from wamkit.core.types import Observation
+
+
+class QueueFull(Exception):
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ShuttingDown(QueueFull):
+    pass
+
+
+@dataclass
+class _Request:
+    n: int
+    t_arrival: float                      # time.time()
+    future: asyncio.Future
+    actions: np.ndarray | None = None
+    remaining: int = 0
+    t_start: float | None = None
+    t_end: float | None = None
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Item:
+    obs: Observation
+    seed: int
+    req: _Request
+    index: int
+    t: float                              # time.perf_counter() at arrival
+
+
+class Batcher:
+    def __init__(self, predict: Callable[[Sequence[Observation], Sequence[int]], np.ndarray], max_batch_size: int,
+                 max_wait_ms: float, max_queue: int, metrics: Any = None):
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.predict = predict
+        self.max_batch_size = int(max_batch_size)
+        self.max_wait_s = max(0.0, float(max_wait_ms)) / 1000.0
+        self.max_queue = int(max_queue)
+        self.metrics = metrics
+        self._groups: collections.OrderedDict[Hashable, collections.deque[_Item]] = collections.OrderedDict()
+        self._queued = 0
+        self._closing = False
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._busy = False
+        self._ema_batch_s = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wamkit-predict")
+        self._task = asyncio.create_task(self._loop(), name="wamkit-batcher")
+
+    async def close(self) -> None:
+        """Stop accepting; run what is queued; stop the worker thread."""
+        self._closing = True
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            await self._task
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    # ------------------------------------------------------------------ submit
+    async def submit(self, observations: Sequence[Observation], seeds: Sequence[int],
+                     keys: Sequence[Hashable]) -> tuple[np.ndarray, dict[str, Any]]:
+        """Queue N observations; wait for their (N, H, D) actions and the request's timing."""
+        n = len(observations)
+        if self._closing:
+            raise ShuttingDown("server is shutting down", retry_after_s=1.0)
+        if self._queued + n > self.max_queue:
+            raise QueueFull(f"queue full ({self._queued} of {self.max_queue} observations waiting)",
+                            retry_after_s=self._retry_after())
+        loop = asyncio.get_running_loop()
+        req = _Request(n=n, t_arrival=time.time(), future=loop.create_future(), remaining=n)
+        now = time.perf_counter()
+        for i in range(n):
+            dq = self._groups.get(keys[i])
+            if dq is None:
+                dq = self._groups[keys[i]] = collections.deque()
+            dq.append(_Item(observations[i], int(seeds[i]), req, i, now))
+        self._queued += n
+        self._wake.set()
+        actions = await req.future
+        timing = {"queue_ms": round((req.t_start - req.t_arrival) * 1000.0, 3),
+                  "compute_ms": round((req.t_end - req.t_start) * 1000.0, 3),
+                  "batch_size": max(req.batch_sizes), "batches": len(req.batch_sizes),
+                  "t_start": req.t_start, "t_end": req.t_end}
+        if self.metrics is not None:
+            self.metrics.queued(timing["queue_ms"])
+        return actions, timing
+
+    def _retry_after(self) -> float:
+        batches_ahead = self._queued / self.max_batch_size + 1
+        return max(1.0, round(batches_ahead * max(self._ema_batch_s, 0.01), 1))
+
+    # ------------------------------------------------------------------ loop
+    def _pick(self) -> tuple[Hashable | None, float]:
+        """(ready group key or None, seconds until the oldest observation's deadline)."""
+        now = time.perf_counter()
+        best, best_t, oldest_t = None, None, None
+        for key, dq in self._groups.items():
+            t = dq[0].t
+            oldest_t = t if oldest_t is None else min(oldest_t, t)
+            if self._closing or len(dq) >= self.max_batch_size or now - t >= self.max_wait_s:
+                if best_t is None or t < best_t:
+                    best, best_t = key, t
+        wait = 0.0 if oldest_t is None else max(0.0, oldest_t + self.max_wait_s - now)
+        return best, wait
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._groups:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            key, wait = self._pick()
+            if key is None:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=max(wait, 1e-4))
+                except (asyncio.TimeoutError, TimeoutError):
+                    pass
+                continue
+            dq = self._groups[key]
+            batch = [dq.popleft() for _ in range(min(len(dq), self.max_batch_size))]
+            if not dq:
+                del self._groups[key]
+            self._queued -= len(batch)
+            await self._run(loop, batch)
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
+        obs = [it.obs for it in batch]
+        seeds = [it.seed for it in batch]
+        t0 = time.time()
+        p0 = time.perf_counter()
+        err: BaseException | None = None
+        out = None
+        try:
+            out = await loop.run_in_executor(self._pool, self.predict, obs, seeds)
+            out = np.asarray(out, dtype=np.float32)
+            if out.ndim != 3 or out.shape[0] != len(batch):
+                raise RuntimeError(f"policy returned shape {list(out.shape)} for a batch of {len(batch)}")
+        except Exception as e:  # the requests in this batch fail; the server keeps serving
+            err = e
+        dt = time.perf_counter() - p0
+        t1 = t0 + dt
+        self._ema_batch_s = dt if self._ema_batch_s == 0 else 0.8 * self._ema_batch_s + 0.2 * dt
+        if self.metrics is not None:
+            self.metrics.batch(len(batch), dt * 1000.0)
+        seen: set[int] = set()
+        for j, it in enumerate(batch):
+            r = it.req
+            if id(r) not in seen:
+                seen.add(id(r))
+                r.batch_sizes.append(len(batch))
+            if r.future.done():
+                continue
+            if err is not None:
+                r.future.set_exception(err)
+                continue
+            if r.actions is None:
+                r.actions = np.empty((r.n,) + out.shape[1:], np.float32)
+            elif r.actions.shape[1:] != out.shape[1:]:
+                r.future.set_exception(RuntimeError("policy returned differently shaped chunks for one request"))
+                continue
+            r.actions[it.index] = out[j]
+            if r.t_start is None:
+                r.t_start = t0
+            r.t_end = t1
+            r.remaining -= 1
+            if r.remaining == 0:
+                r.future.set_result(r.actions)
