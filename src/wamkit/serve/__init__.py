@@ -1,1 +1,8 @@
-"""wamkit.serve layer (see ARCHITECTURE.md)."""
+"""wamkit.serve: the action server (`wamkit serve`: Starlette + uvicorn, dynamic batcher), server workers that
+launch / health-check / stop a server process (wamkit's own or `sglang serve`), and the async action client.
+The app itself lives in wamkit.serve.app (create_app)."""
+
+from wamkit.serve.client import ActionClient, ActionClientError, SyncActionClient  # noqa: F401
+from wamkit.serve.config import ServeConfig  # noqa: F401
+from wamkit.serve.workers import (  # noqa: F401
+    ServerStartError, ServerWorker, SGLangServerWorker, WamkitServerWorker, free_port)

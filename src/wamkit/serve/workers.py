@@ -1,0 +1,258 @@
+"""Server workers: launch an action server process, health-check it, stop it; never leave one behind.
+
+    with WamkitServerWorker("fixed-cost", {"base_ms": 20}, max_batch_size=16) as w:   # started and healthy
+        client = ActionClient(w.url)
+        ...
+    # stopped: SIGTERM to its process group, wait, SIGKILL
+
+- Each server runs in its own process group (start_new_session) so stop() also reaches its children.
+- Every started process is registered with weakref.finalize: it is stopped when the worker is garbage-collected and at
+  interpreter exit. A wamkit server additionally watches our pid (parent_pid=) and exits if we die.
+- port=0 picks a free loopback port once; restart() keeps it, so the url stays valid.
+- Output goes to a log file (`log_path`); wait_healthy() quotes its tail when the server dies or times out.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Sequence
+
+import httpx
+
+
+class ServerStartError(RuntimeError):
+    """The server process exited or did not become healthy in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stop_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM to the process group, wait up to `timeout`, then SIGKILL; reap the leader."""
+    pgid = proc.pid  # start_new_session: the leader's pid is the group id
+    if proc.poll() is None:
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # whatever is left of the group (the leader if it ignored SIGTERM, or its children)
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class ServerWorker(abc.ABC):
+    """A server process: start(), wait_healthy(timeout), url, healthy(), stop(), restart(); a context manager."""
+
+    health_path = "/health"
+    default_start_timeout = 60.0
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", log_path: str | Path | None = None,
+                 env: dict[str, str] | None = None, stop_timeout: float = 10.0):
+        self.host = host
+        self.port = int(port) or free_port(host)
+        self.env = dict(env or {})
+        self.stop_timeout = float(stop_timeout)
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=f"wamkit-server-{self.port}-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+        self._finalizer: weakref.finalize | None = None
+        self.starts = 0
+
+    @abc.abstractmethod
+    def command(self) -> list[str]:
+        """The command line that runs the server."""
+
+    def child_env(self) -> dict[str, str]:
+        return {**os.environ, **self.env}
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> "ServerWorker":
+        if self.running():
+            return self
+        log = open(self.log_path, "ab")
+        try:
+            log.write(f"\n=== start {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(self.command())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.child_env(), start_new_session=True, close_fds=True)
+        finally:
+            log.close()
+        self._finalizer = weakref.finalize(self, _stop_group, self.proc, self.stop_timeout)
+        self.starts += 1
+        return self
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        if not self.running():
+            return False
+        try:
+            r = httpx.get(self.url + self.health_path, timeout=timeout)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout: float | None = None, poll_s: float = 0.2) -> "ServerWorker":
+        timeout = self.default_start_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is None:
+                raise ServerStartError("server was not started")
+            rc = self.proc.poll()
+            if rc is not None:
+                raise ServerStartError(f"server exited with code {rc} before becoming healthy; log {self.log_path}:\n"
+                                       f"{self.log_tail()}")
+            if self.healthy(timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
+                return self
+            if time.monotonic() >= deadline:
+                raise ServerStartError(f"server not healthy after {timeout:.0f}s at {self.url}; log {self.log_path}:\n"
+                                       f"{self.log_tail()}")
+            time.sleep(poll_s)
+
+    def stop(self) -> None:
+        """SIGTERM to the process group (in-flight work finishes), wait, then SIGKILL."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs _stop_group once and unregisters it
+            self._finalizer = None
+
+    def restart(self, timeout: float | None = None) -> "ServerWorker":
+        self.stop()
+        self.start()
+        return self.wait_healthy(timeout)
+
+    def ensure_healthy(self, timeout: float | None = None) -> bool:
+        """Restart the server if its process died or stopped answering; True if a restart happened."""
+        if self.running() and self.healthy():
+            return False
+        self.restart(timeout)
+        return True
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def __enter__(self) -> "ServerWorker":
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(url={self.url!r}, pid={self.pid}, running={self.running()})"
+
+
+def _kv_args(d: dict[str, Any] | Sequence[str] | None, prefix: str = "") -> list[str]:
+    if d is None:
+        return []
+    if isinstance(d, dict):
+        return [f"{prefix}{k}={v}" for k, v in d.items()]
+    return list(d)
+
+
+class WamkitServerWorker(ServerWorker):
+    """`python -m wamkit.cli.main serve policy=... port=...` as a subprocess. The token travels in the environment
+    (WAMKIT_TOKEN), not on the command line."""
+
+    def __init__(self, policy: str = "random", policy_args: dict[str, Any] | None = None, port: int = 0,
+                 max_batch_size: int = 0, max_wait_ms: float = 5.0, token: str | None = None,
+                 extra_args: dict[str, Any] | Sequence[str] | None = None, host: str = "127.0.0.1",
+                 python: str | None = None, log_path: str | Path | None = None, env: dict[str, str] | None = None,
+                 stop_timeout: float = 10.0):
+        super().__init__(port=port, host=host, log_path=log_path, env=env, stop_timeout=stop_timeout)
+        self.policy, self.policy_args = policy, dict(policy_args or {})
+        self.max_batch_size, self.max_wait_ms = int(max_batch_size), float(max_wait_ms)
+        self.token, self.extra_args = token, extra_args
+        self.python = python or sys.executable
+
+    def child_env(self) -> dict[str, str]:
+        env = super().child_env()
+        env.pop("WAMKIT_TOKEN", None)
+        if self.token:
+            env["WAMKIT_TOKEN"] = self.token
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def command(self) -> list[str]:
+        return [self.python, "-m", "wamkit.cli.main", "serve", f"policy={self.policy}", f"host={self.host}",
+                f"port={self.port}", f"max_batch_size={self.max_batch_size}", f"max_wait_ms={self.max_wait_ms}",
+                f"parent_pid={os.getpid()}", *_kv_args(self.policy_args, "policy_args."), *_kv_args(self.extra_args)]
+
+
+class SGLangServerWorker(ServerWorker):
+    """`sglang serve --model-type diffusion ... --batching-mode dynamic` (GPU only). Model loads can take minutes."""
+
+    default_start_timeout = 900.0
+
+    def __init__(self, model_path: str, port: int = 0, batching_max_size: int = 16, batching_delay_ms: float = 5.0,
+                 attention_backend: str = "fa", extra_args: Sequence[str] | None = None, host: str = "127.0.0.1",
+                 sglang_bin: str = "sglang", log_path: str | Path | None = None, env: dict[str, str] | None = None,
+                 stop_timeout: float = 30.0):
+        super().__init__(port=port, host=host, log_path=log_path, env=env, stop_timeout=stop_timeout)
+        self.model_path = str(model_path)
+        self.batching_max_size, self.batching_delay_ms = int(batching_max_size), batching_delay_ms
+        self.attention_backend, self.extra_args, self.sglang_bin = attention_backend, list(extra_args or []), sglang_bin
+
+    def command(self) -> list[str]:
+        d = self.batching_delay_ms
+        d = int(d) if float(d).is_integer() else d
+        return [self.sglang_bin, "serve", "--model-path", self.model_path, "--model-type", "diffusion",
+                "--host", self.host, "--port", str(self.port), "--attention-backend", self.attention_backend,
+                "--batching-mode", "dynamic", "--batching-max-size", str(self.batching_max_size),
+                "--batching-delay-ms", str(d), *self.extra_args]
+
+    def has_action_api(self, timeout: float = 5.0) -> bool:
+        """Released SGLang versions may lack the action endpoint: probe GET /v1/actions/metadata."""
+        try:
+            return httpx.get(self.url + "/v1/actions/metadata", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
