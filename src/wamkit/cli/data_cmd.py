@@ -1,0 +1,140 @@
+"""`wamkit data inspect DIR` | `wamkit data stats DIR [horizon=16] [representation=rot6d10|raw] [num_chunks=N]
+[seed=0] [out=FILE.json]` | `wamkit data record ...` (wamkit.eval.record)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from wamkit.core.errors import UserError
+
+USAGE = """usage:
+  wamkit data inspect DIR                  episodes, frames, fps, features, tasks
+  wamkit data stats DIR [horizon=16] [representation=rot6d10|raw] [num_chunks=10000] [seed=0] [out=FILE.json]
+                                           stats.json summary; with horizon=..., action-chunk quantile stats
+  wamkit data record ...                   record a dataset from a policy in simulation (wamkit.eval.record)"""
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _fmt(v, n=4) -> str:
+    import numpy as np
+
+    a = np.asarray(v, dtype=float).reshape(-1)
+    return "[" + ", ".join(f"{x:.{n}g}" for x in a[:10]) + (", ..." if a.size > 10 else "") + "]"
+
+
+def inspect_cmd(root: str) -> int:
+    from rich.table import Table
+
+    from wamkit.data.lerobot import LeRobotDataset
+
+    ds = LeRobotDataset(root)
+    con = _console()
+    con.print(f"[bold]{ds.root}[/bold]  LeRobot {ds.info.get('codebase_version')}  robot={ds.info.get('robot_type')}")
+    con.print(f"episodes {ds.num_episodes}   frames {len(ds)}   fps {ds.fps}   tasks {len(ds.tasks)}")
+    t = Table(title="features")
+    for c in ("name", "dtype", "shape", "details"):
+        t.add_column(c)
+    for name, f in ds.features.items():
+        det = ""
+        if f.get("dtype") == "video":
+            i = f.get("info", {})
+            det = f"{i.get('video.codec')} {i.get('video.pix_fmt')} {i.get('video.fps')} fps"
+        elif f.get("names"):
+            det = ", ".join(map(str, f["names"]))[:60]
+        t.add_row(name, str(f.get("dtype")), str(f.get("shape")), det)
+    con.print(t)
+    tt = Table(title="tasks")
+    tt.add_column("task_index", justify="right")
+    tt.add_column("episodes", justify="right")
+    tt.add_column("task")
+    counts: dict[str, int] = {}
+    for e in ds.episodes:
+        for task in e.get("tasks") or []:
+            counts[task] = counts.get(task, 0) + 1
+    for ti, task in sorted(ds.tasks.items()):
+        tt.add_row(str(ti), str(counts.get(task, 0)), task)
+    con.print(tt)
+    lengths = [int(e["length"]) for e in ds.episodes]
+    if lengths:
+        con.print(f"episode length: min {min(lengths)}  mean {sum(lengths) / len(lengths):.1f}  max {max(lengths)}")
+    return 0
+
+
+def stats_cmd(root: str, overrides: list[str]) -> int:
+    from rich.table import Table
+
+    from wamkit.core.config import parse_overrides
+    from wamkit.data.lerobot import LeRobotDataset
+    from wamkit.data.transforms import ActionPipeline, Rot6dStep, compute_action_stats
+
+    opts = parse_overrides(overrides)
+    valid = {"horizon", "representation", "num_chunks", "seed", "out"}
+    bad = [k for k in opts if k not in valid]
+    if bad:
+        raise UserError(f"unknown option {bad[0]!r}; valid: {', '.join(sorted(valid))}")
+    ds = LeRobotDataset(root, cameras=[])
+    con = _console()
+    stats = ds.stats
+    t = Table(title=f"{ds.root}/meta/stats.json")
+    for c in ("feature", "count", "min", "max", "mean", "std", "q01", "q99"):
+        t.add_column(c)
+    for feat, s in stats.items():
+        t.add_row(feat, str(_count(s.get("count"))), *(_fmt(s[k], 3) if k in s else "-" for k in
+                                                        ("min", "max", "mean", "std", "q01", "q99")))
+    con.print(t)
+    if "horizon" in opts or "representation" in opts:
+        try:
+            horizon = int(opts.get("horizon", 16))
+            num_chunks = int(opts.get("num_chunks", 10000))
+            seed = int(opts.get("seed", 0))
+        except ValueError as e:
+            raise UserError(f"bad number: {e}") from None
+        rep = opts.get("representation", "rot6d10")
+        if rep not in ("rot6d10", "raw"):
+            raise UserError(f"unknown representation {rep!r}; valid choices: rot6d10, raw")
+        pipe = ActionPipeline([Rot6dStep()]) if rep == "rot6d10" else ActionPipeline([])
+        st = compute_action_stats(ds, horizon=horizon, pipeline_before_norm=pipe, num_chunks=num_chunks, seed=seed)
+        ct = Table(title=f"action chunks: horizon {horizon}, {rep}, {st['num_chunks']} chunks, {st['count']} actions")
+        for c in ("dim", "q01", "q50", "q99", "min", "max", "mean", "std"):
+            ct.add_column(c, justify="right")
+        for d in range(len(st["q01"])):
+            ct.add_row(str(d), *(f"{st[k][d]:.4g}" for k in ("q01", "q50", "q99", "min", "max", "mean", "std")))
+        con.print(ct)
+        if "out" in opts:
+            with open(opts["out"], "w") as f:
+                json.dump({"representation": rep, **st}, f, indent=2)
+            con.print(f"wrote {opts['out']}")
+    return 0
+
+
+def _count(c):
+    if isinstance(c, list) and c:
+        return c[0]
+    return c
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    sub, rest = argv[0], argv[1:]
+    if sub == "record":
+        from wamkit.eval import record  # written by the eval layer's owner
+
+        return int(record.main(rest) or 0)
+    if sub not in ("inspect", "stats"):
+        raise UserError(f"unknown data subcommand {sub!r}; valid choices: inspect, stats, record")
+    if not rest:
+        print(USAGE, file=sys.stderr)
+        raise UserError(f"data {sub}: missing dataset directory")
+    if sub == "inspect":
+        if len(rest) > 1:
+            raise UserError(f"data inspect takes one directory, got {rest}")
+        return inspect_cmd(rest[0])
+    return stats_cmd(rest[0], rest[1:])
