@@ -1,0 +1,19 @@
+"""`wamkit export CKPT OUT [weights=auto|ema|model]`: training checkpoint -> directory that `wamkit serve policy=OUT`
+and `wamkit eval policy=OUT` load. CKPT: a step dir, a run's checkpoints/ dir or a run dir (newest checkpoint)."""
+
+from __future__ import annotations
+
+from wamkit.core.errors import UserError
+
+
+def main(argv: list[str]) -> int:
+    from wamkit.train.export import export_checkpoint
+
+    pos = [a for a in argv if "=" not in a]
+    kv = dict(a.split("=", 1) for a in argv if "=" in a)
+    unknown = set(kv) - {"weights"}
+    if len(pos) != 2 or unknown:
+        raise UserError("usage: wamkit export CKPT_DIR OUT_DIR [weights=auto|ema|model]")
+    out = export_checkpoint(pos[0], pos[1], weights=kv.get("weights", "auto"))
+    print(f"exported {pos[0]} -> {out}")
+    return 0

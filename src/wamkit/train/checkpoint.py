@@ -1,0 +1,242 @@
+"""Training checkpoints: sharded, atomic, resumable on any number of ranks.
+
+Layout of one checkpoint (`OUT/checkpoints/step-000500/`):
+
+    model/               weights, sharded safetensors written by every rank through torch.distributed.checkpoint's
+                         HuggingFaceStorageWriter (each file carries the offsets of its shards; DCP reshards on load)
+    ema/                 EMA weights of the trainable parameters (same format; only with ema > 0)
+    optim/               AdamW state in DCP's default format (only read when resuming)
+    trainer_state.json   step, LR-scheduler state, data-sampler state of every rank, world size, samples seen
+    rng/rank-00000.json  torch (CPU and CUDA), numpy and python RNG states of each rank
+    config.json          the TrainConfig of the run
+    policy.json          policy name + constructor args + spec (what export rebuilds the policy from)
+    action_pipeline.json the policy's action pipeline with its normalizer stats
+
+A checkpoint is written to `step-XXXXXX.tmp` by all ranks and renamed by rank 0 after a barrier, so a directory
+named `step-XXXXXX` is always complete; the newest `keep_last` are kept. Weights are read back with safetensors
+only (no pickle); `optim/` uses DCP's own format (its metadata is a pickle written by this trainer).
+
+World-size changes on resume: model/optimizer/EMA are resharded by DCP. RNG states are restored per rank only when
+the world size is unchanged; otherwise every rank is reseeded from (seed, step, rank) (documented in
+docs/training.md). The sampler state is the data position in the GLOBAL sample stream, so any world size continues
+from the same sample.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from wamkit.core.errors import UserError
+
+STEP_RE = re.compile(r"^step-(\d{6,})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    c = list_checkpoints(root)
+    return c[-1] if c else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step dir, a `checkpoints/` dir (newest step) or a run dir (its newest checkpoint) -> the step dir."""
+    p = Path(path)
+    if (p / "trainer_state.json").exists():
+        return p
+    for root in (p, p / "checkpoints"):
+        c = latest_checkpoint(root)
+        if c is not None:
+            return c
+    raise UserError(f"no training checkpoint found at {p} (expected step-XXXXXX/ with trainer_state.json)")
+
+
+# ------------------------------------------------------------------------------------------------ RNG states
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy())
+
+
+def rng_state() -> dict:
+    npst = np.random.get_state()
+    st = {"torch": _b64(torch.get_rng_state()),
+          "numpy": [npst[0], np.asarray(npst[1]).tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+          "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = _b64(torch.cuda.get_rng_state())
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    torch.set_rng_state(_unb64(st["torch"]))
+    n = st["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    p = st["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_unb64(st["cuda"]))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    return (seed * 1_000_003 + rank * 7919 + step * 104_729) % 2**63
+
+
+# ------------------------------------------------------------------------------------------------ save / load
+
+@dataclass
+class Resumed:
+    step: int
+    sampler_state: Any          # this rank's sampler state (or rank 0's after a world-size change)
+    world_size_changed: bool
+    samples_seen: int
+
+
+def _json(obj) -> str:
+    def default(o):
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+        if isinstance(o, torch.Tensor):
+            return o.tolist()
+        raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+    return json.dumps(obj, indent=1, default=default)
+
+
+def _scheduler_state(sched) -> dict:
+    return {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
+
+
+def save_checkpoint(root: str | Path, step: int, *, model, optimizer, scheduler, ema, sampler_state, samples_seen: int,
+                    meta: dict[str, Any], rank: int, world_size: int, keep_last: int) -> Path:
+    """Collective: every rank calls it. `meta` maps file names (config.json, policy.json, ...) to JSON-able dicts
+    (or to callables path -> None that write the file); rank 0 writes them."""
+    root = Path(root)
+    final = root / step_dir_name(step)
+    tmp = root / (step_dir_name(step) + ".tmp")
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "rng").mkdir(parents=True)
+    dist.barrier()
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save(msd, storage_writer=HuggingFaceStorageWriter(str(tmp / "model"), save_distributed=True))
+    if ema is not None:
+        dcp.save(ema.state_dict(), storage_writer=HuggingFaceStorageWriter(str(tmp / "ema"), save_distributed=True))
+    dcp.save({"optim": osd}, checkpoint_id=str(tmp / "optim"))
+    (tmp / "rng" / f"rank-{rank:05d}.json").write_text(_json(rng_state()))
+    samplers = [None] * world_size
+    dist.all_gather_object(samplers, sampler_state)
+    if rank == 0:
+        state = {"step": step, "world_size": world_size, "samples_seen": samples_seen,
+                 "scheduler": _scheduler_state(scheduler), "sampler": samplers}
+        (tmp / "trainer_state.json").write_text(_json(state))
+        for name, content in meta.items():
+            if callable(content):
+                content(tmp / name)
+            else:
+                (tmp / name).write_text(_json(content))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, ema, rank: int, world_size: int,
+                    seed: int) -> Resumed:
+    """Collective: restore model, optimizer, scheduler, EMA and RNG in place; returns the step to continue after."""
+    path = Path(path)
+    state = json.loads((path / "trainer_state.json").read_text())
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.load(msd, storage_reader=HuggingFaceStorageReader(str(path / "model")))
+    optim_box = {"optim": osd}
+    dcp.load(optim_box, checkpoint_id=str(path / "optim"))
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=optim_box["optim"])
+    if ema is not None:
+        if not (path / "ema").exists():
+            raise UserError(f"{path} has no EMA weights but ema={ema.decay} is set")
+        sd = ema.state_dict()
+        dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(path / "ema")))
+        ema.load_state_dict(sd)
+    sched = dict(state["scheduler"])
+    sched["lr_lambdas"] = [None] * len(optimizer.param_groups)
+    scheduler.load_state_dict(sched)
+    step = int(state["step"])
+    changed = int(state["world_size"]) != world_size
+    rng_file = path / "rng" / f"rank-{rank:05d}.json"
+    if not changed and rng_file.exists():
+        set_rng_state(json.loads(rng_file.read_text()))
+    else:
+        seed_everything(rank_seed(seed, rank, step))
+    samplers = state["sampler"]
+    sampler_state = samplers[rank] if not changed else samplers[0]
+    return Resumed(step, sampler_state, changed, int(state.get("samples_seen", 0)))
+
+
+def load_weights_into(module: torch.nn.Module, ckpt: str | Path, weights: str = "auto") -> str:
+    """Single process, no FSDP: load a checkpoint's weights into a plain module (safetensors only).
+    weights: "model", "ema" or "auto" (EMA when the checkpoint has it). Returns which weights were loaded."""
+    ckpt = Path(ckpt)
+    if weights == "auto":
+        weights = "ema" if (ckpt / "ema").exists() else "model"
+    if weights not in ("model", "ema"):
+        raise UserError(f"weights must be auto, model or ema, got {weights!r}")
+    sd = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "model")), no_dist=True)
+    if weights == "ema":
+        if not (ckpt / "ema").exists():
+            raise UserError(f"{ckpt} has no EMA weights (trained with ema=0)")
+        ema_keys = _safetensors_keys(ckpt / "ema")
+        ema_sd = {k: sd[k] for k in ema_keys}
+        dcp.load(ema_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "ema")), no_dist=True)
+        sd.update(ema_sd)
+    module.load_state_dict(sd, strict=True)
+    return weights
+
+
+def _safetensors_keys(d: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            keys.update(fh.keys())
+    return keys

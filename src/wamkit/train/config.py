@@ -1,0 +1,82 @@
+"""`TrainConfig`: every knob of `wamkit train`, defaults next to the code.
+
+    cfg = load_config(TrainConfig, "train.yaml", ["policy=wam-ref", "policy_args.size=tiny", "steps=2000"])
+
+Defaults follow NVIDIA's Cosmos3 LIBERO SFT recipe (docs/training.md): AdamW lr 5e-5 betas (0.9, 0.99) eps 1e-8,
+weight decay 0.05, grad clip 1.0, linear warmup then linear decay to 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from wamkit.core.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    # what to train
+    policy: str = "wam-ref"                 # registry name, an exported dir, or "package.module:Class"
+    policy_args: dict = field(default_factory=dict)  # constructor kwargs of the policy (e.g. size: tiny)
+    # data
+    dataset: str = ""                       # LeRobot v3 dataset dir, or "package.module:function" (custom source)
+    fps: float | None = None                # the fps the recipe expects; the dataset's must match (required)
+    allow_fps_mismatch: bool = False        # train anyway on a dataset with another fps (wrong time scale!)
+    cameras: list[str] = field(default_factory=list)  # [] = the policy's spec.input.cameras
+    horizon: int = 0                        # 0 = the policy's spec.action.horizon
+    representation: str = ""                # "" = the policy's spec.action.representation
+    num_workers: int = 2                    # DataLoader worker processes per rank
+    # batch and schedule
+    batch_size: int = 32                    # GLOBAL batch (all ranks x all accumulation micro-steps)
+    grad_accum: int = 1                     # micro-steps per optimizer step
+    steps: int = 2000                       # optimizer steps of the whole schedule
+    stop_at: int = 0                        # stop (with a checkpoint) after this step; 0 = run to `steps`
+    lr: float = 5e-5
+    betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = 1e-8
+    weight_decay: float = 0.05              # applied to >= 2-D parameters only (not biases / norms)
+    warmup: int = 500                       # linear warmup steps (from lr/warmup to lr)
+    decay: int | None = None                # linear decay to 0 over this many steps after warmup; None = to `steps`;
+                                            # 0 = constant after warmup
+    grad_clip: float = 1.0                  # max global grad norm; 0 = no clipping (the norm is still logged)
+    lr_multipliers: dict = field(default_factory=dict)  # glob -> lr multiplier; {} = policy.lr_multipliers()
+    trainable: list[str] = field(default_factory=list)  # globs of trainable params; [] = policy.trainable_patterns
+    ema: float = 0.0                        # EMA decay of the weights (e.g. 0.999); 0 = off
+    # parallelism / numerics
+    nproc: int = 1                          # ranks; > 1 relaunches under torchrun (ignored when already under it)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 params/fp32 reduce on GPU, fp32 on CPU
+    activation_checkpointing: bool = False
+    compile: bool = False                   # torch.compile each FSDP unit
+    seed: int = 0
+    # outputs
+    out: str = "runs/train"
+    save_every: int = 500                   # checkpoint every N steps (and at the end); 0 = only at the end
+    keep_last: int = 2                      # checkpoints kept (oldest deleted)
+    resume: bool = False                    # continue from the newest checkpoint under out/checkpoints
+    log_every: int = 10                     # TensorBoard + train_log.jsonl + console every N steps
+    progress: bool = True                   # rich progress bar on rank 0
+
+    def validate(self) -> None:
+        def pos(name, minimum=1):
+            if getattr(self, name) < minimum:
+                raise ConfigError(f"{name} must be >= {minimum}, got {getattr(self, name)}")
+
+        for n in ("batch_size", "grad_accum", "steps", "log_every", "nproc"):
+            pos(n)
+        for n in ("warmup", "save_every", "keep_last", "num_workers", "stop_at"):
+            pos(n, 0)
+        if self.keep_last < 1:
+            raise ConfigError("keep_last must be >= 1")
+        if self.decay is not None and self.decay < 0:
+            raise ConfigError(f"decay must be >= 0 or none, got {self.decay}")
+        if not 0.0 <= self.ema < 1.0:
+            raise ConfigError(f"ema must be in [0, 1), got {self.ema}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"grad_clip must be >= 0, got {self.grad_clip}")
+        for k, v in self.lr_multipliers.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"lr_multipliers.{k} must be a number >= 0, got {v!r}")

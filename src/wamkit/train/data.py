@@ -1,0 +1,146 @@
+"""Training data for the trainer: a `DataSource` (dataset + sample builder + collate + resumable sampler) and an
+infinite batch stream that knows the sampler position of every batch it has handed out.
+
+Sources
+- a LeRobot v3 dataset directory (the default): `wamkit.data.LeRobotDataset` -> `wamkit.data.samples.TrainingSamples`
+  (chunks of `horizon` actions through the policy's action pipeline) -> `collate`, sharded by
+  `ResumableShardedSampler`;
+- `dataset=package.module:function`: `function(cfg, policy) -> DataSource`, for custom or synthetic data (tests).
+
+Sampler contract (what the trainer relies on): iterating yields this rank's sample indices; `state_dict()` taken
+right after a batch's last index was yielded is the position after that batch; `load_state_dict(state)` continues
+from there; the state is the position in the GLOBAL sample stream, so it can be loaded on any world size.
+Ranks take strided slices of one seeded global order, so a global batch holds the same samples for any world size.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from wamkit.core.errors import UserError
+
+
+@dataclass
+class DataSource:
+    fps: float | None                       # the dataset's fps (checked against cfg.fps)
+    stats_dataset: Any                      # what compute_action_stats reads (has get_action_chunk, or an array)
+    make_samples: Callable[[Any], Any]      # action pipeline -> map-style dataset of training samples
+    collate: Callable[[list], dict]
+    make_sampler: Callable[..., Any]        # (num_samples, rank, world_size, seed) -> resumable sampler
+    description: str = ""
+
+
+def import_target(target: str):
+    mod, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"cannot import {target!r}: {e}") from None
+
+
+def is_import_target(s: str) -> bool:
+    return ":" in s and not Path(s).exists() and all(p.isidentifier() for p in s.split(":")[0].split("."))
+
+
+def lerobot_source(cfg, policy, cameras: list[str], horizon: int) -> DataSource:
+    from wamkit.data import samples as S
+    from wamkit.data.lerobot import LeRobotDataset
+
+    if not cfg.dataset:
+        raise UserError("dataset is not set (a LeRobot v3 dataset directory)")
+    if not Path(cfg.dataset).is_dir():
+        raise UserError(f"dataset {cfg.dataset!r} is not a directory")
+    required = ["action"] + (["observation.state"] if policy.spec.input.state_dim > 0 else [])
+    ds = LeRobotDataset(cfg.dataset, cameras=cameras, check_fps=cfg.fps,
+                        allow_fps_mismatch=cfg.allow_fps_mismatch, required_features=required)
+
+    def make_samples(pipeline):
+        return S.TrainingSamples(ds, cameras=cameras, horizon=horizon, action_pipeline=pipeline,
+                                 state=policy.spec.input.state_dim > 0)
+
+    def make_sampler(n, rank, world_size, seed):
+        return S.ResumableShardedSampler(n, rank=rank, world_size=world_size, seed=seed)
+
+    return DataSource(fps=ds.fps, stats_dataset=ds, make_samples=make_samples, collate=S.collate,
+                      make_sampler=make_sampler, description=repr(ds))
+
+
+def build_source(cfg, policy, cameras: list[str], horizon: int) -> DataSource:
+    if is_import_target(cfg.dataset):
+        src = import_target(cfg.dataset)(cfg, policy)
+        if not isinstance(src, DataSource):
+            raise UserError(f"{cfg.dataset} must return a wamkit.train.data.DataSource")
+    else:
+        src = lerobot_source(cfg, policy, cameras, horizon)
+    check_fps(cfg, src.fps)
+    return src
+
+
+def check_fps(cfg, fps: float | None) -> None:
+    if cfg.fps is None:
+        raise UserError(f"fps is not set: set it to the fps the recipe expects (the dataset says {fps}); a "
+                        "mismatch trains the wrong time scale")
+    if fps is not None and abs(float(fps) - float(cfg.fps)) > 1e-6 and not cfg.allow_fps_mismatch:
+        raise UserError(f"dataset fps is {fps} but the config expects fps={cfg.fps}; a different fps trains the "
+                        f"wrong time scale (set fps={fps}, or allow_fps_mismatch=true)")
+
+
+def ensure_action_stats(policy, source: DataSource, horizon: int, seed: int):
+    """The policy's action pipeline with quantile stats: kept when it already normalizes, otherwise its steps plus a
+    QuantileNormalizeStep whose q01/q99 come from the dataset (through the steps before normalization)."""
+    from wamkit.data.transforms import ActionPipeline, QuantileNormalizeStep, compute_action_stats
+
+    pipe = getattr(policy, "action_pipeline", None) or ActionPipeline([])
+    if any(isinstance(s, QuantileNormalizeStep) for s in pipe.steps):
+        return pipe, None
+    stats = compute_action_stats(source.stats_dataset, horizon=horizon, pipeline_before_norm=pipe, seed=seed)
+    return ActionPipeline([*pipe.steps, QuantileNormalizeStep(stats["q01"], stats["q99"])]), stats
+
+
+class BatchStream:
+    """Infinite micro-batches of one rank, with the sampler state after each batch.
+
+    The DataLoader draws indices ahead of the training loop (workers prefetch), so the sampler's own position runs
+    ahead; this batch sampler records the state after each batch in a FIFO, and `next()` pops the state that
+    belongs to the batch it returns (DataLoader keeps batches in order)."""
+
+    def __init__(self, dataset, sampler, collate, micro_batch: int, num_workers: int, seed: int,
+                 pin_memory: bool = False):
+        self.sampler = sampler
+        self.micro_batch = micro_batch
+        self._states: collections.deque = collections.deque()
+        self.state = sampler.state_dict()
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=self, collate_fn=collate, num_workers=num_workers, pin_memory=pin_memory,
+            persistent_workers=num_workers > 0, generator=gen)
+        self._it = iter(loader)
+
+    def __iter__(self):
+        batch: list[int] = []
+        empty_epochs = 0
+        while True:
+            got = False
+            for idx in self.sampler:
+                got = True
+                batch.append(int(idx))
+                if len(batch) == self.micro_batch:
+                    self._states.append(self.sampler.state_dict())
+                    yield batch
+                    batch = []
+            batch = []            # an epoch's remainder is dropped (the sampler starts the next epoch)
+            empty_epochs = 0 if got else empty_epochs + 1
+            if empty_epochs >= 2:
+                raise UserError("the data sampler yields no samples for this rank (dataset smaller than a batch?)")
+
+    def next(self) -> dict:
+        batch = next(self._it)
+        self.state = self._states.popleft()
+        return batch

@@ -1,0 +1,85 @@
+"""Process-group setup: torchrun ranks, or a one-rank group for a plain `python` process, and the relaunch of
+`wamkit train nproc=N` under torch.distributed.run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def under_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
+    """Run `python -m torch.distributed.run --standalone --nproc_per_node=N -m wamkit.cli.main train ARGV`;
+    returns its exit code."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "wamkit.cli.main", "train", *argv]
+    return subprocess.call(cmd)
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_group: bool   # we created the process group (and destroy it at the end)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device_type(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        from wamkit.core.errors import UserError
+
+        raise UserError("device=cuda but no CUDA device is available")
+    return device
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """Join (or create) the default process group: NCCL on GPU, gloo on CPU. Without torchrun: one rank."""
+    dtype = resolve_device_type(device)
+    backend = "nccl" if dtype == "cuda" else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if dtype == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    owns = False
+    if not dist.is_initialized():
+        if under_torchrun():
+            dist.init_process_group(backend, device_id=dev if dtype == "cuda" else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    device_id=dev if dtype == "cuda" else None)
+        owns = True
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, owns)
+
+
+def close_distributed(info: DistInfo) -> None:
+    if info.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_object(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

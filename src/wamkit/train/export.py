@@ -1,0 +1,45 @@
+"""Training checkpoint -> servable directory, in one step and one process (no FSDP, no process group).
+
+The policy is rebuilt from the checkpoint's policy.json, the (EMA by default) weights are read from the sharded
+safetensors of the checkpoint (any number of ranks wrote them), the action pipeline with its normalizer stats is
+attached, and `wamkit.policies.export.save_exported` writes the directory `make_policy(dir)` loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from wamkit.core.errors import UserError
+from wamkit.train.checkpoint import load_weights_into, resolve_checkpoint
+
+
+def load_trained_policy(ckpt: str | Path, weights: str = "auto", device: str = "cpu"):
+    """(policy with the checkpoint's weights and action pipeline, which weights were loaded, step dir)."""
+    from wamkit.data.transforms import ActionPipeline
+    from wamkit.train.trainer import build_policy
+
+    step_dir = resolve_checkpoint(ckpt)
+    meta_file = step_dir / "policy.json"
+    if not meta_file.exists():
+        raise UserError(f"{step_dir} has no policy.json (not written by wamkit train?)")
+    meta = json.loads(meta_file.read_text())
+    pipe = ActionPipeline.load(step_dir / "action_pipeline.json")
+    args = dict(meta.get("policy_args", {}))
+    args["device"] = device
+    policy = build_policy(meta["policy"], args)
+    policy.action_pipeline = pipe
+    which = load_weights_into(policy.module, step_dir, weights)
+    policy.module.eval()
+    return policy, which, step_dir
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path, weights: str = "auto") -> Path:
+    from wamkit.policies.export import save_exported
+
+    policy, which, step_dir = load_trained_policy(ckpt, weights)
+    out = Path(out)
+    save_exported(policy, out)
+    (out / "wamkit_train_source.json").write_text(json.dumps({"checkpoint": str(step_dir.resolve()),
+                                                              "weights": which}, indent=1))
+    return out

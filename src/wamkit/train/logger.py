@@ -1,0 +1,57 @@
+"""Training logs (rank 0 only): TensorBoard scalars under OUT/tb, OUT/train_log.jsonl (one JSON line per log step)
+and a rich progress bar (step, loss, steps/s)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+class TrainLogger:
+    def __init__(self, out: str | Path, enabled: bool, total_steps: int, start_step: int, progress: bool = True):
+        self.enabled = enabled
+        self._tb = self._jsonl = self._progress = None
+        if not enabled:
+            return
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(str(out / "tb"))
+        self._jsonl = open(out / "train_log.jsonl", "a", buffering=1)
+        if progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[sps]} steps/s"),
+                                      TimeRemainingColumn(), transient=False)
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", sps="-")
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        for k, v in scalars.items():
+            self._tb.add_scalar(f"train/{k}", v, step)
+        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, loss=f"{scalars.get('loss', float('nan')):.4f}",
+                                  sps=f"{scalars.get('steps_per_s', float('nan')):.2f}")
+
+    def text(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(msg)
+        else:
+            print(msg, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.stop()
+        self._tb.flush()
+        self._tb.close()
+        self._jsonl.close()

@@ -1,0 +1,206 @@
+"""The SFT loop: one function, readable top to bottom. Parallelism comes from `parallelize.py`, checkpoints from
+`checkpoint.py`, data from `data.py`; this file only wires them and runs the steps.
+
+Every rank runs `train(cfg)`. Without torchrun it is a one-rank process group (same code path as N ranks).
+Every config / data problem raises UserError before the first step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from wamkit.core.config import to_dict
+from wamkit.core.errors import UserError
+from wamkit.train import checkpoint as C
+from wamkit.train.config import TrainConfig
+from wamkit.train.data import BatchStream, build_source, ensure_action_stats, import_target, is_import_target
+from wamkit.train.dist import DistInfo, all_gather_object, broadcast_object, close_distributed, init_distributed
+from wamkit.train.logger import TrainLogger
+from wamkit.train.optim import (EMA, build_optimizer, build_scheduler, check_lr_multipliers, count_params,
+                                lr_factor, select_trainable)
+from wamkit.train.parallelize import parallelize, resolved_precision
+
+TRAINABLE_API = ("module", "fsdp_units", "lr_multipliers", "sft_loss", "action_pipeline")
+
+
+def build_policy(name: str, args: dict, device: str | None = None):
+    """A policy by registry name, exported dir, or `package.module:Class` (constructor kwargs = args)."""
+    kwargs = dict(args)
+    if device is not None:
+        kwargs.setdefault("device", device)
+    if is_import_target(name):
+        return import_target(name)(**kwargs)
+    from wamkit.policies import make_policy
+
+    return make_policy(name, **kwargs)
+
+
+def resolve_io(cfg: TrainConfig, policy) -> tuple[list[str], int]:
+    """Cameras and horizon of the run; config values must agree with what the policy consumes / produces."""
+    spec = policy.spec
+    missing = [a for a in TRAINABLE_API if not hasattr(policy, a)]
+    if missing or not spec.trainable:
+        raise UserError(f"policy {spec.name!r} is not trainable (missing {', '.join(missing) or 'spec.trainable'})")
+    cameras = list(cfg.cameras) or list(spec.input.cameras)
+    need = [c for c in spec.input.cameras if c not in cameras]
+    if need:
+        raise UserError(f"cameras={cameras} lacks camera(s) {need} that policy {spec.name!r} reads")
+    horizon = cfg.horizon or spec.action.horizon
+    if horizon != spec.action.horizon:
+        raise UserError(f"horizon={horizon} but policy {spec.name!r} predicts {spec.action.horizon} actions")
+    if cfg.representation and cfg.representation != spec.action.representation:
+        raise UserError(f"representation={cfg.representation!r} but policy {spec.name!r} uses "
+                        f"{spec.action.representation!r}")
+    return cameras, horizon
+
+
+def _to_device(x, device: torch.device):
+    if torch.is_tensor(x):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    return x
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run (or continue) training; returns a summary dict (rank 0's view)."""
+    info = init_distributed(cfg.device)
+    try:
+        return _train(cfg, info)
+    finally:
+        close_distributed(info)
+
+
+def _train(cfg: TrainConfig, info: DistInfo) -> dict:
+    out = Path(cfg.out)
+    ckpt_root = out / "checkpoints"
+    rank, world = info.rank, info.world_size
+
+    # ---- batch geometry
+    per_step = world * cfg.grad_accum
+    if cfg.batch_size % per_step:
+        raise UserError(f"batch_size={cfg.batch_size} is not divisible by ranks x grad_accum = {world} x "
+                        f"{cfg.grad_accum}")
+    micro = cfg.batch_size // per_step
+
+    # ---- policy (same init on every rank), trainable set, lr groups: all checked before any data is read
+    C.seed_everything(cfg.seed)
+    policy = build_policy(cfg.policy, cfg.policy_args, device=str(info.device))
+    cameras, horizon = resolve_io(cfg, policy)
+    module = policy.module
+    patterns = list(cfg.trainable) or list(getattr(policy, "trainable_patterns", None) or [])
+    select_trainable(module, patterns)
+    multipliers = dict(cfg.lr_multipliers) or dict(policy.lr_multipliers())
+    check_lr_multipliers(module, multipliers)
+
+    # ---- data: source (fps / features checked), normalizer stats (rank 0 computes, all receive), sampler
+    source = build_source(cfg, policy, cameras, horizon)
+    pipe_stats = None
+    if rank == 0:
+        pipe, stats = ensure_action_stats(policy, source, horizon, cfg.seed)
+        pipe_stats = (pipe.to_dict(), stats)
+    pipe_dict, stats = broadcast_object(pipe_stats)
+    from wamkit.data.transforms import ActionPipeline
+
+    policy.action_pipeline = ActionPipeline.from_dict(pipe_dict)
+    samples = source.make_samples(policy.action_pipeline)
+    sampler = source.make_sampler(len(samples), rank=rank, world_size=world, seed=cfg.seed)
+
+    # ---- numerics + parallelism: fp32 master weights, then AC -> compile -> fully_shard(units) -> fully_shard(root)
+    module.float()
+    module.train()
+    precision = resolved_precision(cfg.mixed_precision, info.device.type)
+    parallelize(module, list(policy.fsdp_units()), info.device.type, world, mixed_precision=cfg.mixed_precision,
+                activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+    optimizer = build_optimizer(module, cfg, multipliers)
+    scheduler = build_scheduler(optimizer, cfg)
+    ema = EMA(module, cfg.ema) if cfg.ema > 0 else None
+    trainable = [p for p in module.parameters() if p.requires_grad]
+
+    # ---- resume
+    start, samples_seen, resumed_from = 0, 0, None
+    C.seed_everything(C.rank_seed(cfg.seed, rank))
+    if cfg.resume:
+        path = C.latest_checkpoint(ckpt_root)
+        if path is not None:
+            r = C.load_checkpoint(path, model=module, optimizer=optimizer, scheduler=scheduler, ema=ema, rank=rank,
+                                  world_size=world, seed=cfg.seed)
+            sampler.load_state_dict(r.sampler_state)
+            start, samples_seen, resumed_from = r.step, r.samples_seen, str(path)
+    end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
+    batches = BatchStream(samples, sampler, source.collate, micro, cfg.num_workers,
+                          seed=C.rank_seed(cfg.seed, rank, start), pin_memory=info.device.type == "cuda")
+
+    total_p, train_p = count_params(module)
+    log = TrainLogger(out, enabled=info.is_main, total_steps=cfg.steps, start_step=start, progress=cfg.progress)
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(C._json(to_dict(cfg)))
+        log.text(f"wamkit train: {cfg.policy} | {total_p / 1e6:.2f}M params ({train_p / 1e6:.2f}M trainable) | "
+                 f"{world} rank(s) on {info.device.type} | {precision} | global batch {cfg.batch_size} = {world} x "
+                 f"{cfg.grad_accum} x {micro} | steps {start}->{end}"
+                 + (f" | resumed from {resumed_from}" if resumed_from else ""))
+    meta = {"config.json": to_dict(cfg),
+            "policy.json": {"policy": cfg.policy, "policy_args": cfg.policy_args, "spec": policy.spec.to_dict()},
+            "action_pipeline.json": policy.action_pipeline.to_dict()}
+    if stats is not None:
+        meta["action_stats.json"] = stats
+
+    def save(step: int) -> Path:
+        return C.save_checkpoint(ckpt_root, step, model=module, optimizer=optimizer, scheduler=scheduler, ema=ema,
+                                 sampler_state=batches.state, samples_seen=samples_seen, meta=meta, rank=rank,
+                                 world_size=world, keep_last=cfg.keep_last)
+
+    # ---- the loop
+    window: dict[str, float] = {}
+    window_steps, t_window = 0, time.perf_counter()
+    last: dict[str, float] = {}
+    for step in range(start, end):
+        for k in range(cfg.grad_accum):
+            batch = _to_device(batches.next(), info.device)
+            module.set_requires_gradient_sync(k == cfg.grad_accum - 1)   # reduce-scatter only on the last micro-step
+            loss, metrics = policy.sft_loss(batch)
+            (loss / cfg.grad_accum).backward()
+            window["loss"] = window.get("loss", 0.0) + float(loss.detach()) / cfg.grad_accum
+            for name, v in metrics.items():
+                if name != "loss":
+                    window[name] = window.get(name, 0.0) + float(v) / cfg.grad_accum
+        grad_norm = _full(torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip or math.inf, foreach=True))
+        window["grad_norm"] = window.get("grad_norm", 0.0) + float(grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update()
+        samples_seen += cfg.batch_size
+        window_steps += 1
+        done = step + 1
+
+        if done % cfg.log_every == 0 or done == end:
+            keys = sorted(window)
+            vec = torch.tensor([window[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(vec)                    # mean over ranks (grad_norm is global: same on every rank)
+            dt = time.perf_counter() - t_window
+            last = {k: float(v) / window_steps / world for k, v in zip(keys, vec)}
+            last.update(lr=cfg.lr * lr_factor(step, cfg.warmup, cfg.decay, cfg.steps),
+                        samples_per_s=cfg.batch_size * window_steps / dt, steps_per_s=window_steps / dt,
+                        samples_seen=samples_seen)
+            log.log(done, last)
+            window, window_steps, t_window = {}, 0, time.perf_counter()
+        if (cfg.save_every and done % cfg.save_every == 0) or done == end:
+            save(done)
+
+    log.close()
+    summary = {"steps": end, "start": start, "world_size": world, "last": last,
+               "checkpoint": str(C.latest_checkpoint(ckpt_root)), "params": total_p, "trainable_params": train_p}
+    _ = all_gather_object(None)   # everyone finished writing before rank 0 returns
+    return summary
