@@ -1,0 +1,225 @@
+"""wam-ref network: a Qwen3-VL understanding tower (transformers, wrapped) + our flow-matching generation tower.
+
+Mixture-of-Transformers layout, Cosmos3-style:
+- Understanding tower (`und`): transformers' `Qwen3VLModel`, run once per observation over
+  `[<vision_start> <image_pad>*n <vision_end>] * cameras + task text (right-padded to a fixed length)` with
+  `use_cache=True`. Its `DynamicCache` holds, per decoder layer, the keys (after k_norm and mRoPE) and values of the
+  prefix: `out.cache.layers[i].keys / .values`, shape (B, kv_heads, S, head_dim). That is the whole interface.
+- Generation tower (`gen`): one block per understanding layer, same head layout (heads, kv heads, head_dim). Block i
+  projects the action tokens (+ an optional proprio-state token) to q/k/v and attends to [prefix K/V of layer i ;
+  its own K/V] with full (non-causal) attention; prefix padding is masked. Time conditioning is AdaLN-single: one
+  shared time MLP produces 6 modulation vectors, each block adds its own learned table (shift/scale/gate for
+  attention and MLP). Action tokens get text-style mRoPE positions continuing after the prefix.
+- Flow matching: x_t = (1 - t) * noise + t * actions, target velocity actions - noise, t ~ logit-normal in training;
+  sampling integrates t: 0 -> 1 with Euler steps.
+
+Model code is single-device; FSDP / compile / checkpointing are applied from outside (see `fsdp_units`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (B, heads, L, hd); cos/sin (B, L, hd)
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+@dataclass
+class Prefix:
+    """The understanding tower's per-layer keys/values for a batch of observations (computed once per observation)."""
+
+    keys: list[torch.Tensor]        # per layer (B, kv_heads, S, head_dim)
+    values: list[torch.Tensor]
+    key_mask: torch.Tensor          # (B, S) bool: True = real token
+    next_pos: torch.Tensor          # (B,) first mRoPE position after the prefix
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.key_mask.shape[0])
+
+
+class GenBlock(nn.Module):
+    def __init__(self, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.norm1 = nn.RMSNorm(hidden, eps=eps, elementwise_affine=False)
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = nn.RMSNorm(head_dim, eps=eps)
+        self.k_norm = nn.RMSNorm(head_dim, eps=eps)
+        self.norm2 = nn.RMSNorm(hidden, eps=eps, elementwise_affine=False)
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        # AdaLN-single: this block's learned offsets to the shared time modulation (shift, scale, gate) x 2
+        self.modulation = nn.Parameter(torch.zeros(6, hidden))
+
+    def forward(self, x, tmod, cos, sin, prefix_k, prefix_v, attn_mask):
+        b, n, _ = x.shape
+        sh1, sc1, g1, sh2, sc2, g2 = (tmod + self.modulation.to(tmod.dtype)).unbind(1)  # each (B, hidden)
+        h = self.norm1(x) * (1 + sc1[:, None]) + sh1[:, None]
+        q = self.q_norm(self.q_proj(h).view(b, n, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(h).view(b, n, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        k = torch.cat([prefix_k.to(k.dtype), k], dim=2)
+        v = torch.cat([prefix_v.to(v.dtype), v], dim=2)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.heads != self.kv_heads)
+        x = x + g1[:, None] * self.o_proj(a.transpose(1, 2).reshape(b, n, -1))
+        h = self.norm2(x) * (1 + sc2[:, None]) + sh2[:, None]
+        x = x + g2[:, None] * self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x
+
+
+class GenerationTower(nn.Module):
+    def __init__(self, text_config, hidden: int, ffn: int, action_dim: int, state_dim: int = 0,
+                 time_freq_dim: int = 256):
+        super().__init__()
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+        heads, kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        eps = text_config.rms_norm_eps
+        self.hidden, self.action_dim, self.state_dim, self.time_freq_dim = hidden, action_dim, state_dim, time_freq_dim
+        self.action_in = nn.Linear(action_dim, hidden)
+        self.state_in = nn.Linear(state_dim, hidden) if state_dim > 0 else None
+        self.time_mlp = nn.Sequential(nn.Linear(time_freq_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        self.time_mod = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 6 * hidden))
+        self.blocks = nn.ModuleList([GenBlock(hidden, ffn, heads, kv_heads, head_dim, eps)
+                                     for _ in range(text_config.num_hidden_layers)])
+        self.norm_out = nn.RMSNorm(hidden, eps=eps, elementwise_affine=False)
+        self.out_mod = nn.Linear(hidden, 2 * hidden)
+        self.action_out = nn.Linear(hidden, action_dim)
+        # the understanding tower's rotary embedding (mRoPE sections), owned here too (buffers only, no weights)
+        self.rotary = Qwen3VLTextRotaryEmbedding(text_config)
+
+    def time_embedding(self, t: torch.Tensor) -> torch.Tensor:
+        half = self.time_freq_dim // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+        args = (t.float() * 1000.0)[:, None] * freqs[None]
+        return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+    def forward(self, prefix: Prefix, x_t: torch.Tensor, t: torch.Tensor, state: torch.Tensor | None = None):
+        """Velocity (B, H, action_dim) for noisy actions x_t at times t (B,), attending to the prefix K/V."""
+        dtype = self.action_in.weight.dtype
+        b, horizon, _ = x_t.shape
+        # Batch invariance: CPU GEMMs pick kernels by row count, and for a handful of rows (< ~8) a row's result
+        # depends on how many rows share the call. So no matmul here runs over "one row per observation":
+        # the state is projected over `horizon` copies (rows = B * horizon, like the action tokens), and the time
+        # conditioning is computed from one row and broadcast when every observation has the same t (sampling).
+        tok = self.action_in(x_t.to(dtype))
+        if self.state_in is not None:
+            if state is None:
+                raise ValueError("this model was built with state_dim > 0: pass state")
+            st = self.state_in(state.to(dtype)[:, None].expand(-1, horizon, -1))[:, :1]
+            tok = torch.cat([st, tok], dim=1)
+        n = tok.shape[1]
+        shared_t = b > 1 and not torch.is_grad_enabled() and bool((t == t[:1]).all())
+        tt = t[:1] if shared_t else t
+        c = self.time_mlp(self.time_embedding(tt).to(dtype))
+        tmod = self.time_mod(c).view(-1, 6, self.hidden)
+        out_mod = self.out_mod(F.silu(c))
+        if shared_t:
+            c, tmod, out_mod = c.expand(b, -1), tmod.expand(b, -1, -1), out_mod.expand(b, -1)
+        pos = prefix.next_pos[:, None] + torch.arange(n, device=tok.device)[None]  # (B, n)
+        cos, sin = self.rotary(tok, pos[None].expand(3, -1, -1))
+        s = prefix.key_mask.shape[1]
+        mask = torch.cat([prefix.key_mask, torch.ones(b, n, dtype=torch.bool, device=tok.device)], dim=1)
+        attn_mask = mask[:, None, None, :]  # (B, 1, 1, S + n)
+        assert attn_mask.shape[-1] == s + n
+        h = tok
+        for i, blk in enumerate(self.blocks):
+            h = blk(h, tmod, cos, sin, prefix.keys[i], prefix.values[i], attn_mask)
+        shift, scale = out_mod.chunk(2, dim=-1)
+        h = self.norm_out(h) * (1 + scale[:, None]) + shift[:, None]
+        v = self.action_out(h)
+        return v[:, n - horizon:]
+
+
+class WamRefModel(nn.Module):
+    """Both towers in one module (the `module` the trainer wraps). `forward` computes the flow-matching loss so
+    that an FSDP root wrapped around this module sees every call."""
+
+    def __init__(self, und, gen: GenerationTower):
+        super().__init__()
+        self.und = und      # transformers Qwen3VLModel
+        self.gen = gen
+
+    def _und_trainable(self) -> bool:
+        return any(p.requires_grad for p in self.und.parameters())
+
+    def encode_prefix(self, input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw) -> Prefix:
+        """One understanding-tower pass over the whole batch; returns its per-layer K/V (the 'prefix cache')."""
+        grad = torch.is_grad_enabled() and self._und_trainable()
+        with torch.set_grad_enabled(grad):
+            position_ids, _ = self.und.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw,
+                                                      attention_mask=attention_mask)
+            out = self.und(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                           mm_token_type_ids=mm_token_type_ids, use_cache=True)
+        cache = out.cache
+        keys = [layer.keys for layer in cache.layers]
+        values = [layer.values for layer in cache.layers]
+        valid = attention_mask.bool()
+        next_pos = position_ids.masked_fill(~valid[None], -1).amax(dim=(0, 2)) + 1
+        return Prefix(keys=keys, values=values, key_mask=valid, next_pos=next_pos)
+
+    def velocity(self, prefix: Prefix, x_t, t, state=None):
+        return self.gen(prefix, x_t, t, state)
+
+    def forward(self, input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw, actions,
+                action_mask, noise, t, state=None):
+        """Per-sample flow-matching loss (B,) (masked mean over valid timesteps and channels)."""
+        prefix = self.encode_prefix(input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw)
+        tt = t.to(actions.dtype)[:, None, None]
+        x_t = (1 - tt) * noise + tt * actions
+        target = actions - noise
+        v = self.gen(prefix, x_t, t, state).float()
+        err = (v - target.float()).pow(2).mean(-1)  # (B, H)
+        m = action_mask.float()
+        return (err * m).sum(-1) / m.sum(-1).clamp_min(1.0)
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """Deterministic init for every parameter and recomputed non-persistent buffers (works after `to_empty`)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import (Qwen3VLTextRotaryEmbedding,
+                                                                Qwen3VLVisionRotaryEmbedding)
+
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Conv3d, nn.Conv2d)):
+            nn.init.normal_(m.weight, 0.0, std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, std)
+        elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            if getattr(m, "weight", None) is not None:
+                nn.init.ones_(m.weight)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.Tensor):
+            nn.init.ones_(m.weight)
+        if isinstance(m, GenBlock):
+            nn.init.normal_(m.modulation, 0.0, m.modulation.shape[-1] ** -0.5)
+        if isinstance(m, GenerationTower):
+            nn.init.zeros_(m.time_mod[1].weight)  # modulation starts at the per-block tables
+            nn.init.zeros_(m.out_mod.weight)
+        if isinstance(m, (Qwen3VLTextRotaryEmbedding, Qwen3VLVisionRotaryEmbedding)):
+            fresh = type(m)(m.config)  # plain CPU recompute of inv_freq
+            for name, buf in fresh.named_buffers(recurse=False):
+                getattr(m, name).copy_(buf.to(getattr(m, name).device))

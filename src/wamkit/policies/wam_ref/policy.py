@@ -1,0 +1,392 @@
+"""`wam-ref`: the built-in reference World Action Model (Qwen3-VL understanding tower + flow-matching action tower).
+
+    policy = make_policy("wam-ref", size="tiny", action_dim=7, horizon=16)
+    actions = policy.predict(observations, seeds)         # (N, 16, 7) env space
+    loss, metrics = policy.sft_loss(batch)                 # batch collated by wamkit.data.samples
+    policy.save_pretrained("runs/export")                   # -> make_policy("runs/export")
+
+Inference computes the understanding prefix (images + task text) ONCE per observation per `predict` call and reuses
+its per-layer K/V for all `num_inference_steps` Euler steps. Noise comes from `torch.Generator().manual_seed(seeds[i])`
+per observation; every observation's prefix has the same length (text right-padded to `max_text_len`), so an
+observation's result does not depend on its batch mates (pinned by tests/test_policy_wam_ref.py).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from wamkit.core.errors import UserError
+from wamkit.core.types import Observation
+from wamkit.policies.base import ActionSpec, InputSpec, Policy, PolicySpec
+from wamkit.policies.tokenizer import load_tokenizer
+from wamkit.policies.wam_ref.model import GenerationTower, Prefix, WamRefModel, init_weights
+from wamkit.policies.wam_ref.sizes import get_size, qwen3vl_config_dict
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _dtype(d) -> torch.dtype:
+    if isinstance(d, torch.dtype):
+        return d
+    if str(d) not in _DTYPES:
+        raise UserError(f"unknown dtype {d!r}; valid choices: {', '.join(_DTYPES)}")
+    return _DTYPES[str(d)]
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[d]
+
+
+def as_action_pipeline(p):
+    """None -> identity pipeline; dict / path / ActionPipeline accepted."""
+    from wamkit.data.transforms import ActionPipeline
+
+    if p is None:
+        return ActionPipeline([])
+    if isinstance(p, ActionPipeline):
+        return p
+    if isinstance(p, dict):
+        return ActionPipeline.from_dict(p)
+    if isinstance(p, (str, Path)):
+        return ActionPipeline.load(p)
+    raise UserError(f"action_pipeline must be an ActionPipeline, a dict or a path, got {type(p).__name__}")
+
+
+def patchify(img: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
+    """(3, H, W) normalized image -> (gh*gw, 3*temporal*patch*patch) in Qwen-VL's patch order.
+
+    Patches are grouped by spatial-merge window (merge x merge neighbours contiguous), channels outermost inside a
+    patch, and the single frame repeated `temporal` times (what Qwen3-VL's image processor does for still images);
+    this is the layout `Qwen3VLVisionPatchEmbed` (Conv3d over (C, T, p, p)) and the patch merger expect."""
+    c, h, w = img.shape
+    gh, gw = h // patch, w // patch
+    x = img.reshape(c, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.permute(1, 4, 2, 5, 0, 3, 6)                     # (gh/m, gw/m, m, m, C, p, p)
+    x = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, temporal, -1, -1)
+    return x.reshape(gh * gw, c * temporal * patch * patch)
+
+
+class WamRefPolicy(Policy):
+    """The reference WAM. See the module docstring and docs/models.md."""
+
+    name = "wam-ref"
+
+    def __init__(self, size: str = "tiny", action_dim: int = 7, horizon: int = 16,
+                 cameras: Sequence[str] = ("image", "wrist_image"), image_size: int | None = None,
+                 state_dim: int = 0, num_inference_steps: int = 10, action_pipeline=None, device: str = "cpu",
+                 dtype="float32", und_path: str | None = None, und_config: dict | None = None,
+                 gen_hidden_size: int | None = None, gen_intermediate_size: int | None = None,
+                 max_text_len: int | None = None, trainable_patterns: Sequence[str] = ("gen.*",),
+                 action_lr_multiplier: float = 5.0, image_mean: Sequence[float] = (0.5, 0.5, 0.5),
+                 image_std: Sequence[float] = (0.5, 0.5, 0.5), init_seed: int = 0, max_batch: int = 64,
+                 tokenizer_dir: str | None = None, **_):
+        from transformers import Qwen3VLConfig
+
+        preset = get_size(size)
+        self.size = size
+        self.cameras = tuple(cameras)
+        self.horizon = int(horizon)
+        self.env_action_dim = int(action_dim)
+        self.state_dim = int(state_dim)
+        self.num_inference_steps = int(num_inference_steps)
+        self.device = torch.device(device)
+        self.dtype = _dtype(dtype)
+        self.max_text_len = int(max_text_len or preset.max_text_len)
+        self.trainable_patterns = tuple(trainable_patterns)
+        self.action_lr_multiplier = float(action_lr_multiplier)
+        self.image_mean = tuple(float(v) for v in image_mean)
+        self.image_std = tuple(float(v) for v in image_std)
+        self.init_seed = int(init_seed)
+        self.max_batch = int(max_batch)
+        self.und_path = und_path
+        self.action_pipeline = as_action_pipeline(action_pipeline)
+        try:
+            self.model_action_dim = int(self.action_pipeline.out_dim(self.env_action_dim))
+        except ValueError as e:
+            raise UserError(f"action pipeline does not fit action_dim={self.env_action_dim}: {e}") from None
+
+        # ---- understanding tower (transformers Qwen3-VL; random weights from a config, or local weights)
+        from transformers import Qwen3VLForConditionalGeneration, Qwen3VLModel
+
+        if und_path is not None:
+            if not Path(und_path).is_dir():
+                raise UserError(f"und_path {und_path!r} is not a local directory (nothing is downloaded)")
+            full = Qwen3VLForConditionalGeneration.from_pretrained(str(und_path), dtype=self.dtype,
+                                                                   local_files_only=True)
+            und = full.model
+            del full
+            qcfg = und.config
+        else:
+            qcfg = Qwen3VLConfig(**(und_config if und_config is not None else qwen3vl_config_dict(size)))
+            qcfg._attn_implementation = "sdpa"
+            und = None
+        self.qwen_config = qcfg
+        vc = qcfg.vision_config
+        self.patch_size, self.merge, self.temporal = vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size
+        self.image_size = int(image_size or preset.image_size)
+        if self.image_size % (self.patch_size * self.merge):
+            raise UserError(f"image_size {self.image_size} must be a multiple of patch_size*spatial_merge_size "
+                            f"= {self.patch_size * self.merge}")
+        g = self.image_size // self.patch_size
+        self.tokens_per_image = (g // self.merge) ** 2
+        tc = qcfg.text_config
+        gen_hidden = int(gen_hidden_size or preset.gen_hidden or tc.hidden_size)
+        gen_ffn = int(gen_intermediate_size or preset.gen_ffn or tc.intermediate_size)
+
+        build_device = self.device
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.init_seed)
+            with torch.device(build_device if build_device.type == "meta" else "cpu"):
+                if und is None:
+                    und = Qwen3VLModel(qcfg)
+                gen = GenerationTower(tc, gen_hidden, gen_ffn, self.model_action_dim, self.state_dim)
+                self.model = WamRefModel(und, gen)
+            if build_device.type != "meta":
+                if und_path is None:
+                    init_weights(self.model)
+                else:
+                    init_weights(self.model.gen)
+        if build_device.type != "meta":
+            self.model.to(device=self.device, dtype=self.dtype)
+        self.model.eval()
+        self.apply_trainable_patterns()
+
+        self.tokenizer_dir = tokenizer_dir
+        self.tokenizer = load_tokenizer(tokenizer_dir or und_path, qcfg)
+        self.gen_hidden, self.gen_ffn = gen_hidden, gen_ffn
+        self.spec = PolicySpec(
+            name="wam-ref",
+            input=InputSpec(cameras=self.cameras, image_size=self.image_size, state_dim=self.state_dim, text=True),
+            action=ActionSpec(dim=self.env_action_dim, horizon=self.horizon,
+                              representation=f"model{self.model_action_dim}"),
+            deterministic=True, trainable=True,
+            extra={"size": size, "num_inference_steps": self.num_inference_steps,
+                   "prefix_len": self.prefix_len, "model_action_dim": self.model_action_dim})
+
+    # ------------------------------------------------------------------ trainer-facing interface
+    @property
+    def module(self) -> WamRefModel:
+        return self.model
+
+    def apply_trainable_patterns(self, patterns: Sequence[str] | None = None) -> None:
+        """Parameters whose name matches a glob in `patterns` train; all others are frozen (requires_grad=False)."""
+        if patterns is not None:
+            self.trainable_patterns = tuple(patterns)
+        for n, p in self.model.named_parameters():
+            p.requires_grad_(any(fnmatch.fnmatchcase(n, pat) for pat in self.trainable_patterns))
+
+    def trainable_parameter_names(self) -> list[str]:
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def fsdp_units(self) -> list[torch.nn.Module]:
+        """Modules to `fully_shard` one by one, in order; the last one is the root (`module`)."""
+        und = self.model.und
+        return [*und.visual.blocks, *und.language_model.layers, *self.model.gen.blocks, self.model]
+
+    def lr_multipliers(self) -> dict[str, float]:
+        """Glob over `module.named_parameters()` names -> learning-rate multiplier (first match wins)."""
+        m = self.action_lr_multiplier
+        return {"gen.action_in.*": m, "gen.action_out.*": m}
+
+    def max_batch_size(self) -> int:
+        return self.max_batch
+
+    # ------------------------------------------------------------------ inputs
+    @property
+    def prefix_len(self) -> int:
+        return len(self.cameras) * (self.tokens_per_image + 2) + self.max_text_len
+
+    def _image_patches(self, img) -> torch.Tensor:
+        a = torch.as_tensor(np.asarray(img))
+        if a.ndim != 3 or a.shape[-1] != 3:
+            raise UserError(f"wam-ref expects HxWx3 uint8 images, got shape {tuple(a.shape)}")
+        x = a.permute(2, 0, 1).float() / 255.0
+        if x.shape[1:] != (self.image_size, self.image_size):
+            x = F.interpolate(x[None], size=(self.image_size, self.image_size), mode="bilinear",
+                              align_corners=False, antialias=True)[0].clamp_(0.0, 1.0)
+        mean = torch.tensor(self.image_mean)[:, None, None]
+        std = torch.tensor(self.image_std)[:, None, None]
+        return patchify((x - mean) / std, self.patch_size, self.merge, self.temporal)
+
+    def prepare_inputs(self, images: dict[str, Any] | list[dict[str, Any]], tasks: Sequence[str],
+                       states=None) -> dict[str, torch.Tensor]:
+        """Model inputs for a batch. images: {camera: (B,H,W,3) uint8} or a list of per-observation dicts."""
+        n = len(tasks)
+        per_obs = images if isinstance(images, list) else [{c: images[c][i] for c in images} for i in range(n)]
+        tok = self.tokenizer
+        g = self.image_size // self.patch_size
+        vis = []
+        for cam in self.cameras:
+            vis += [tok.vision_start_id] + [tok.image_id] * self.tokens_per_image + [tok.vision_end_id]
+        text_ids, text_mask = tok.encode_fixed(list(tasks), self.max_text_len)
+        ids = np.concatenate([np.tile(np.asarray(vis, np.int64), (n, 1)), text_ids], axis=1)
+        mask = np.concatenate([np.ones((n, len(vis)), bool), text_mask], axis=1)
+        patches = []
+        for i, obs_imgs in enumerate(per_obs):
+            for cam in self.cameras:
+                if cam not in obs_imgs:
+                    raise UserError(f"wam-ref needs camera {cam!r}; observation {i} has {sorted(obs_imgs)}")
+                patches.append(self._image_patches(obs_imgs[cam]))
+        ids_t = torch.from_numpy(ids)
+        out = {
+            "input_ids": ids_t.to(self.device),
+            "attention_mask": torch.from_numpy(mask.astype(np.int64)).to(self.device),
+            "mm_token_type_ids": (ids_t == tok.image_id).to(torch.int32).to(self.device),
+            "pixel_values": torch.cat(patches).to(self.device, self.dtype),
+            "image_grid_thw": torch.tensor([[1, g, g]] * (n * len(self.cameras)), dtype=torch.long,
+                                           device=self.device),
+        }
+        if self.state_dim > 0:
+            if states is None or any(s is None for s in states):
+                raise UserError(f"wam-ref was built with state_dim={self.state_dim}: observations need a state")
+            st = torch.as_tensor(np.stack([np.asarray(s, np.float32) for s in states]))
+            if st.shape[-1] != self.state_dim:
+                raise UserError(f"state has {st.shape[-1]} dims, the policy expects {self.state_dim}")
+            out["state"] = st.to(self.device, self.dtype)
+        return out
+
+    # ------------------------------------------------------------------ inference
+    def noise(self, seeds: Sequence[int]) -> torch.Tensor:
+        """(N, horizon, model_action_dim) float32 noise; row i comes from its own generator seeded by seeds[i]."""
+        rows = [torch.randn((self.horizon, self.model_action_dim),
+                            generator=torch.Generator().manual_seed(int(s) % (2 ** 63))) for s in seeds]
+        return torch.stack(rows) if rows else torch.zeros((0, self.horizon, self.model_action_dim))
+
+    @torch.no_grad()
+    def sample(self, inputs: dict[str, torch.Tensor], seeds: Sequence[int],
+               num_inference_steps: int | None = None) -> torch.Tensor:
+        """Model-space action chunks (N, horizon, model_action_dim) float32: one prefix pass, then Euler steps."""
+        steps = int(num_inference_steps or self.num_inference_steps)
+        m = self.model
+        prefix: Prefix = m.encode_prefix(inputs["input_ids"], inputs["attention_mask"], inputs["mm_token_type_ids"],
+                                         inputs["pixel_values"], inputs["image_grid_thw"])
+        x = self.noise(seeds).to(self.device, torch.float32)
+        n = x.shape[0]
+        for k in range(steps):
+            t = torch.full((n,), k / steps, device=self.device, dtype=torch.float32)
+            v = m.velocity(prefix, x, t, inputs.get("state"))
+            x = x + v.float() / steps
+        return x
+
+    def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
+        if len(observations) != len(seeds):
+            raise UserError(f"predict got {len(observations)} observations and {len(seeds)} seeds")
+        if self.device.type == "meta":
+            raise UserError("this wam-ref was built on the meta device: call materialize(device) first")
+        out = np.zeros((len(observations), self.horizon, self.env_action_dim), np.float32)
+        for s in range(0, len(observations), self.max_batch):
+            obs = observations[s:s + self.max_batch]
+            inputs = self.prepare_inputs([o.images for o in obs], [o.task for o in obs],
+                                         [o.state for o in obs] if self.state_dim > 0 else None)
+            a = self.sample(inputs, seeds[s:s + self.max_batch]).cpu().numpy()
+            env = np.asarray(self.action_pipeline.inverse(a), np.float32)
+            out[s:s + len(obs)] = env
+        return out
+
+    # ------------------------------------------------------------------ training
+    def sft_loss(self, batch: dict[str, Any]):
+        """Flow-matching loss on a collated batch (actions already in model space: pipeline.forward applied).
+
+        Noise and t come from torch's global RNG (the trainer seeds it per rank). Goes through `module.__call__`
+        so an FSDP root wrapped around `module` sees the call."""
+        tasks = list(batch["task"])
+        inputs = self.prepare_inputs(batch["images"], tasks, batch.get("state") if self.state_dim > 0 else None)
+        actions = torch.as_tensor(np.asarray(batch["actions"], np.float32) if not torch.is_tensor(batch["actions"])
+                                  else batch["actions"]).to(self.device, torch.float32)
+        if actions.shape[1:] != (self.horizon, self.model_action_dim):
+            raise UserError(f"batch actions have shape {tuple(actions.shape)}; the policy expects "
+                            f"(B, {self.horizon}, {self.model_action_dim}) in model space")
+        mask = batch.get("action_mask")
+        mask = (torch.ones(actions.shape[:2], dtype=torch.bool) if mask is None
+                else torch.as_tensor(np.asarray(mask) if not torch.is_tensor(mask) else mask)).to(self.device)
+        b = actions.shape[0]
+        noise = torch.randn(actions.shape, device=self.device)
+        t = torch.sigmoid(torch.randn((b,), device=self.device))   # logit-normal(0, 1)
+        per_sample = self.model(**inputs, actions=actions, action_mask=mask, noise=noise, t=t)
+        loss = per_sample.mean()
+        return loss, {"loss": float(loss.detach()), "t_mean": float(t.mean())}
+
+    # ------------------------------------------------------------------ export / loading
+    def export_config(self) -> dict[str, Any]:
+        """Constructor kwargs that rebuild this policy's shape (weights come from model.safetensors)."""
+        return {
+            "size": self.size, "action_dim": self.env_action_dim, "horizon": self.horizon,
+            "cameras": list(self.cameras), "image_size": self.image_size, "state_dim": self.state_dim,
+            "num_inference_steps": self.num_inference_steps, "dtype": _dtype_name(self.dtype),
+            "und_config": self.qwen_config.to_dict(), "gen_hidden_size": self.gen_hidden,
+            "gen_intermediate_size": self.gen_ffn, "max_text_len": self.max_text_len,
+            "trainable_patterns": list(self.trainable_patterns), "action_lr_multiplier": self.action_lr_multiplier,
+            "image_mean": list(self.image_mean), "image_std": list(self.image_std), "max_batch": self.max_batch,
+        }
+
+    def save_tokenizer(self, directory: Path) -> dict[str, Any]:
+        """Extra export files: a local HF tokenizer when the policy uses one (byte-level needs nothing)."""
+        tok = getattr(self.tokenizer, "tok", None)
+        if tok is None:
+            return {}
+        tok.save_pretrained(str(directory / "tokenizer"))
+        return {"tokenizer_dir": "tokenizer"}
+
+    def save_pretrained(self, directory) -> Path:
+        from wamkit.policies.export import save_exported
+
+        return save_exported(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory, **overrides) -> "WamRefPolicy":
+        from wamkit.policies.export import load_exported
+
+        pol = load_exported(directory, **overrides)
+        if not isinstance(pol, cls):
+            raise UserError(f"{directory} holds a {type(pol).__name__}, not a {cls.__name__}")
+        return pol
+
+    def materialize(self, device="cuda", dtype=None) -> "WamRefPolicy":
+        """Meta-built model -> real tensors on `device` (`to_empty` + deterministic init, rotary buffers recomputed)."""
+        self.device = torch.device(device)
+        if dtype is not None:
+            self.dtype = _dtype(dtype)
+        self.model.to_empty(device=self.device)
+        with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
+            torch.manual_seed(self.init_seed)
+            init_weights(self.model)
+        self.model.to(dtype=self.dtype)
+        self.apply_trainable_patterns()
+        return self
+
+    # ------------------------------------------------------------------ sizes and cost
+    def num_parameters(self) -> dict[str, int]:
+        und, gen = self.model.und, self.model.gen
+        count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+        return {"total": count(self.model), "und": count(und), "und_vision": count(und.visual),
+                "und_text": count(und.language_model), "und_text_embed": und.language_model.embed_tokens.weight.numel(),
+                "gen": count(gen), "trainable": sum(p.numel() for p in self.model.parameters() if p.requires_grad)}
+
+    def flops_per_observation(self, num_inference_steps: int | None = None, prefix_len: int | None = None) -> dict:
+        """Forward FLOPs per observation (2 per multiply-add; matmuls + attention scores), one prefix pass plus
+        `num_inference_steps` generation-tower passes over the action (+state) tokens."""
+        steps = int(num_inference_steps or self.num_inference_steps)
+        s = int(prefix_len or self.prefix_len)
+        tc = self.qwen_config.text_config
+        L, nh = tc.num_hidden_layers, tc.num_attention_heads
+        hd = getattr(tc, "head_dim", None) or tc.hidden_size // nh
+        und = self.model.und
+        layer_params = sum(p.numel() for p in und.language_model.layers.parameters())
+        vis_params = sum(p.numel() for n, p in und.visual.named_parameters() if "pos_embed" not in n)
+        patches = len(self.cameras) * (self.image_size // self.patch_size) ** 2
+        vis = 2 * vis_params * patches + 4 * patches * (patches // len(self.cameras)) * und.visual.config.hidden_size \
+            * und.visual.config.depth
+        und_f = 2 * layer_params * s + 2 * s * s * nh * hd * L  # causal: half of 4*s^2*nh*hd
+        n = self.horizon + (1 if self.state_dim > 0 else 0)
+        gen_params = sum(p.numel() for p in self.model.gen.blocks.parameters())
+        gen_step = 2 * gen_params * n + 4 * n * (s + n) * nh * hd * L
+        total = vis + und_f + steps * gen_step
+        return {"vision": float(vis), "und_prefix": float(und_f), "gen_per_step": float(gen_step),
+                "steps": steps, "prefix_len": s, "total": float(total)}
