@@ -18,7 +18,7 @@ USAGE = """usage:
 def _console():
     from rich.console import Console
 
-    return Console()
+    return Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _fmt(v, n=4) -> str:

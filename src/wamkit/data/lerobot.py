@@ -206,7 +206,9 @@ class VideoDecoder:
                 ftime = float(frame.pts * frame.time_base)
                 self._last = ftime
                 if ftime >= t - tol - 1e-9 or abs(ftime - t) < tol:
-                    self._cache[ftime] = frame.to_ndarray(format="rgb24")
+                    arr = frame.to_ndarray(format="rgb24")
+                    arr.flags.writeable = False  # cached: callers get copies (LeRobotDataset.get_frame)
+                    self._cache[ftime] = arr
                     while len(self._cache) > self.cache_size:
                         self._cache.popitem(last=False)
         except av.error.FFmpegError as e:
@@ -422,7 +424,7 @@ class LeRobotDataset:
         if feat["dtype"] == "image":
             return _decode_image_cell(self._columns[key][i], self.root)
         t = float(ep[f"videos/{key}/from_timestamp"]) + float(self._columns["timestamp"][i])
-        return self._decoder(self._video_path(key, ep)).get(t)
+        return self._decoder(self._video_path(key, ep)).get(t).copy()
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         n = self._num_frames
