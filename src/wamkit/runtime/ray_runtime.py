@@ -1,0 +1,511 @@
+"""Env workers and action-server workers as Ray actors, behind the same interfaces as the local ones.
+
+    workers = make_ray_env_workers("metaworld", {"suite": "mt"}, n=8, ray_opts={"placement": "spread"})
+    # each: start(), .spec, .tasks, await reset(task_id, trial), await execute(chunk, ...), sync twins,
+    #       kill(), restart(), close(), alive, index; raises EnvWorkerCrashed when its actor (or node) dies
+
+- One actor per env (`wamkit.envs.make_env` inside it), requesting `num_cpus_per_env` CPUs and `memory_gb_per_env`
+  of Ray's logical memory, each in its own bundle of one placement group (SPREAD or PACK over the nodes).
+- Observations come back as the actor call's return value: Ray pickles the dataclass with out-of-band numpy
+  buffers; small returns travel inline with the reply, large ones (images) through the object store, and the
+  driver reads them zero-copy (read-only arrays; `ray.copy_obs=true` copies them out). The scheduler awaits the
+  ObjectRefs directly on its asyncio loop.
+- Actors are never restarted by Ray (max_restarts=0): a dead actor or a lost node surfaces as `EnvWorkerCrashed`;
+  the driver-side scheduler calls `restart()` (a new actor in the same bundle; after a node loss Ray re-places the
+  bundle on a node with room) and re-runs the episode.
+
+Action servers: `make_ray_server_workers(n, ...)` -> `RayServerWorker`s with the ServerWorker interface (start(),
+wait_healthy(timeout), url, healthy(), stop(), restart()). Each is an actor holding one GPU (num_gpus_per_server)
+that runs `wamkit.serve.workers.WamkitServerWorker` (the `wamkit serve` process) on its node and reports the URL.
+The server binds 127.0.0.1 when its node is on the driver's host, else the node's IP (the driver must reach it over
+HTTP; use a server token on shared networks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from wamkit.core.errors import UserError
+from wamkit.core.types import ChunkResult, Observation
+from wamkit.runtime import ray_session
+from wamkit.runtime.ray_session import RayOptions
+
+log = logging.getLogger(__name__)
+
+
+def _crashed_error():
+    from wamkit.envs.worker import EnvWorkerCrashed
+
+    return EnvWorkerCrashed
+
+
+def _crash_exceptions() -> tuple[type[BaseException], ...]:
+    import ray.exceptions as rex
+
+    names = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ObjectLostError", "OwnerDiedError",
+             "WorkerCrashedError", "NodeDiedError", "LocalRayletDiedError", "ObjectFetchTimedOutError",
+             "ReferenceCountingAssertionError", "ObjectReconstructionFailedError")
+    return tuple(getattr(rex, n) for n in names if hasattr(rex, n))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# actors (classes made remote lazily, so importing this module does not import ray)
+
+
+class _EnvActorImpl:
+    """Hosts one Env in a Ray worker process. One call at a time (the env is not thread-safe)."""
+
+    def __init__(self, env: str, env_kwargs: dict[str, Any]):
+        from wamkit.envs import make_env
+
+        self.env = make_env(env, **env_kwargs)
+
+    def info(self):
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"spec": self.env.spec, "tasks": self.env.tasks(), "node_id": ctx.get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+
+    def reset(self, task_id: int, trial: int) -> Observation:
+        return self.env.reset(task_id, trial)
+
+    def execute(self, actions: np.ndarray, render_every_step: bool, run_to_max_steps: bool) -> ChunkResult:
+        return self.env.execute(actions, render_every_step=render_every_step, run_to_max_steps=run_to_max_steps)
+
+    def echo(self, obs: Observation) -> Observation:
+        """Round-trip probe for benchmarks: returns what it was given."""
+        return obs
+
+    def make_obs(self, cameras: int, size: int, state_dim: int) -> Observation:
+        """Transfer probe for benchmarks: a fresh observation of the given shape."""
+        rng = np.random.default_rng(0)
+        return Observation({f"cam{i}": rng.integers(0, 255, (size, size, 3), dtype=np.uint8) for i in range(cameras)},
+                           rng.standard_normal(state_dim).astype(np.float32), "probe")
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class _ServerActorImpl:
+    """Runs one `wamkit serve` process (through WamkitServerWorker) on this actor's node."""
+
+    def __init__(self, worker_kwargs: dict[str, Any], driver_ip: str, host: str | None):
+        import ray
+
+        from wamkit.serve.workers import WamkitServerWorker
+
+        self.node_ip = ray.util.get_node_ip_address()
+        self.host = host or ("127.0.0.1" if self.node_ip == driver_ip else self.node_ip)
+        self.worker = WamkitServerWorker(host=self.host, **worker_kwargs)
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def wait_healthy(self, timeout: float) -> str:
+        self.worker.wait_healthy(timeout)
+        return self.worker.url
+
+    def url(self) -> str:
+        return self.worker.url
+
+    def healthy(self) -> bool:
+        return bool(self.worker.healthy())
+
+    def restart(self) -> None:
+        self.worker.restart()
+
+    def stop(self) -> None:
+        self.worker.stop()
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {"node_ip": self.node_ip, "host": self.host, "node_id": ray.get_runtime_context().get_node_id(),
+                "gpu_ids": ray.get_gpu_ids(), "pid": os.getpid()}
+
+
+_remote_cache: dict[str, Any] = {}
+
+
+def _remote(name: str):
+    import ray
+
+    if name not in _remote_cache:
+        impl = {"env": _EnvActorImpl, "server": _ServerActorImpl}[name]
+        _remote_cache[name] = ray.remote(max_restarts=0, max_task_retries=0)(impl)
+    return _remote_cache[name]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# env workers
+
+
+class RayEnvPool:
+    """What the env workers of one evaluation share: the Ray session, the placement group, the options."""
+
+    def __init__(self, n: int, opts: RayOptions):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self.opts = opts
+        self.session = ray_session.acquire(opts)
+        self.open = n
+        self._lock = threading.Lock()
+        bundle: dict[str, float] = {"CPU": opts.num_cpus_per_env}
+        if opts.memory_gb_per_env > 0:
+            bundle["memory"] = int(opts.memory_gb_per_env * 2**30)
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=opts.placement.upper())
+        try:
+            ray.get(self.pg.ready(), timeout=opts.startup_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            avail = ray.cluster_resources()
+            self.pg_remove()
+            ray_session.release(self.session)
+            raise UserError(
+                f"Ray could not place {n} env workers of {bundle} ({opts.placement}) within "
+                f"{opts.startup_timeout_s:.0f} s ({type(e).__name__}); the cluster has CPU={avail.get('CPU', 0)}, "
+                f"memory={avail.get('memory', 0) / 2**30:.1f} GiB. Lower num_envs, ray.num_cpus_per_env or "
+                f"ray.memory_gb_per_env, or add nodes") from None
+
+    def pg_remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(self.pg)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def worker_closed(self) -> None:
+        with self._lock:
+            self.open -= 1
+            last = self.open == 0
+        if last:
+            self.pg_remove()
+            ray_session.release(self.session)
+
+
+class RayEnvWorker:
+    """An env worker backed by a Ray actor; the interface of `wamkit.envs.worker.EnvWorker`."""
+
+    def __init__(self, env: str, env_kwargs: dict[str, Any], index: int, pool: RayEnvPool):
+        self.env_name, self.env_kwargs, self.index, self.pool = env, dict(env_kwargs), index, pool
+        self.spec = None
+        self.tasks = None
+        self.node_ip: str | None = None
+        self.node_id: str | None = None
+        self.pid: int | None = None
+        self.restarts = 0
+        self._actor = None
+        self._dead = True
+        self._closed = False
+        self._crash_types = _crash_exceptions()
+
+    # ---- lifecycle
+    def start(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self._closed:
+            raise RuntimeError(f"env worker {self.index} is closed")
+        o = self.pool.opts
+        opts: dict[str, Any] = {
+            "num_cpus": o.num_cpus_per_env,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.pool.pg, placement_group_bundle_index=self.index % self.pool.pg.bundle_count,
+                placement_group_capture_child_tasks=False),
+        }
+        if o.memory_gb_per_env > 0:
+            opts["memory"] = int(o.memory_gb_per_env * 2**30)
+        renv = o.runtime_env()
+        if renv:
+            opts["runtime_env"] = renv
+        self._actor = _remote("env").options(**opts).remote(self.env_name, self.env_kwargs)
+        try:
+            info = ray.get(self._actor.info.remote(), timeout=o.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self._kill_actor()
+            raise RuntimeError(f"env worker {self.index}: actor not ready within {o.startup_timeout_s:.0f} s "
+                               "(cluster out of room for its bundle?)") from None
+        except ray.exceptions.RayActorError as e:
+            self._kill_actor()
+            raise RuntimeError(f"env worker {self.index}: could not build env {self.env_name!r} in its actor: "
+                               f"{e}") from None
+        self.spec, self.tasks = info["spec"], info["tasks"]
+        self.node_ip, self.node_id, self.pid = info["node_ip"], info["node_id"], info["pid"]
+        self._dead = False
+
+    def restart(self) -> None:
+        self._kill_actor()
+        self.restarts += 1
+        self.start()
+
+    def kill(self) -> None:
+        """Kill the actor (as a crash would): the next call raises EnvWorkerCrashed until restart()."""
+        self._kill_actor()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._actor is not None and not self._dead:
+            import ray
+
+            try:
+                ray.get(self._actor.close.remote(), timeout=10)
+            except Exception:  # noqa: BLE001
+                pass
+        self._kill_actor()
+        self.pool.worker_closed()
+
+    def _kill_actor(self) -> None:
+        import ray
+
+        a, self._actor, self._dead = self._actor, None, True
+        if a is not None:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+
+    @property
+    def alive(self) -> bool:
+        if self._dead or self._actor is None:
+            return False
+        try:
+            import ray._private.state as state
+
+            info = state.actors(actor_id=self._actor._actor_id.hex())
+            return info.get("State") not in ("DEAD",)
+        except Exception:  # noqa: BLE001 - the GCS lookup is best effort; the next call tells for sure
+            return True
+
+    @property
+    def actor(self):
+        return self._actor
+
+    # ---- calls
+    def _crashed(self, e: BaseException) -> BaseException:
+        self._dead = True
+        err = _crashed_error()(f"env worker {self.index} (Ray actor on {self.node_ip}) died: "
+                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        return err
+
+    def _check(self) -> None:
+        if self._actor is None or self._dead:
+            raise _crashed_error()(f"env worker {self.index} is not running (call restart())")
+
+    def _fix_obs(self, obs: Observation | None) -> Observation | None:
+        if obs is not None and self.pool.opts.copy_obs:
+            obs = Observation({k: np.array(v) for k, v in obs.images.items()},
+                              None if obs.state is None else np.array(obs.state), obs.task)
+        return obs
+
+    async def _await(self, ref):
+        import ray
+
+        try:
+            return await ref
+        except self._crash_types as e:
+            raise self._crashed(e) from None
+        except ray.exceptions.RayTaskError as e:   # the env itself raised: re-raise its own exception
+            raise e.as_instanceof_cause() from None
+
+    def _get(self, ref):
+        import ray
+
+        try:
+            return ray.get(ref)
+        except self._crash_types as e:
+            raise self._crashed(e) from None
+        except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+
+    async def reset(self, task_id: int, trial: int) -> Observation:
+        self._check()
+        return self._fix_obs(await self._await(self._actor.reset.remote(int(task_id), int(trial))))
+
+    async def execute(self, actions: np.ndarray, render_every_step: bool = False,
+                      run_to_max_steps: bool = False) -> ChunkResult:
+        self._check()
+        res = await self._await(self._actor.execute.remote(np.asarray(actions), bool(render_every_step),
+                                                           bool(run_to_max_steps)))
+        res.obs = self._fix_obs(res.obs)
+        return res
+
+    def reset_sync(self, task_id: int, trial: int) -> Observation:
+        self._check()
+        return self._fix_obs(self._get(self._actor.reset.remote(int(task_id), int(trial))))
+
+    def execute_sync(self, actions: np.ndarray, render_every_step: bool = False,
+                     run_to_max_steps: bool = False) -> ChunkResult:
+        self._check()
+        res = self._get(self._actor.execute.remote(np.asarray(actions), bool(render_every_step),
+                                                   bool(run_to_max_steps)))
+        res.obs = self._fix_obs(res.obs)
+        return res
+
+    def __repr__(self) -> str:
+        return f"RayEnvWorker(index={self.index}, env={self.env_name!r}, node={self.node_ip}, pid={self.pid})"
+
+
+def make_ray_env_workers(env: str, env_kwargs: dict[str, Any], n: int,
+                         ray_opts: dict[str, Any] | RayOptions | None = None) -> list[RayEnvWorker]:
+    """n env workers as Ray actors (not started: call start() on each, as with local EnvWorkers).
+
+    Connects to (or starts) Ray and reserves one placement-group bundle per worker; the last worker's close()
+    frees the bundles and shuts down a Ray started here."""
+    if n < 1:
+        raise UserError("need at least one env worker")
+    opts = RayOptions.from_any(ray_opts)
+    pool = RayEnvPool(n, opts)
+    return [RayEnvWorker(env, env_kwargs, i, pool) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# action-server workers
+
+
+class RayServerWorker:
+    """An action server (`wamkit serve`) launched by a Ray actor holding one GPU; the ServerWorker interface."""
+
+    def __init__(self, worker_kwargs: dict[str, Any], opts: RayOptions, session: ray_session.RaySession,
+                 index: int = 0):
+        self.worker_kwargs, self.opts, self.session, self.index = dict(worker_kwargs), opts, session, index
+        self._actor = None
+        self._url: str | None = None
+        self.node_ip: str | None = None
+        self.host: str | None = None
+        self.gpu_ids: list = []
+        self._stopped = False
+        self._crash_types = _crash_exceptions()
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            raise RuntimeError("server not started (call start() and wait_healthy())")
+        return self._url
+
+    def start(self) -> None:
+        import ray
+
+        o = self.opts
+        opts: dict[str, Any] = {"num_gpus": o.num_gpus_per_server, "num_cpus": o.num_cpus_per_server}
+        if o.memory_gb_per_server > 0:
+            opts["memory"] = int(o.memory_gb_per_server * 2**30)
+        renv = o.runtime_env()
+        if renv:
+            opts["runtime_env"] = renv
+        self._actor = _remote("server").options(**opts).remote(self.worker_kwargs, self.session.driver_ip,
+                                                              o.server_host)
+        try:
+            info = ray.get(self._actor.info.remote(), timeout=o.startup_timeout_s)
+            ray.get(self._actor.start.remote(), timeout=o.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self._kill_actor()
+            raise RuntimeError(f"server worker {self.index}: actor not ready within {o.startup_timeout_s:.0f} s "
+                               f"(no node with {opts}?)") from None
+        except ray.exceptions.RayTaskError as e:
+            self._kill_actor()
+            raise e.as_instanceof_cause() from None
+        self.node_ip, self.host, self.gpu_ids = info["node_ip"], info["host"], info["gpu_ids"]
+        self._stopped = False
+
+    def wait_healthy(self, timeout: float = 300.0) -> str:
+        import ray
+
+        try:
+            self._url = ray.get(self._actor.wait_healthy.remote(timeout), timeout=timeout + 30)
+        except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+        return self._url
+
+    def healthy(self) -> bool:
+        import ray
+
+        if self._actor is None:
+            return False
+        try:
+            return bool(ray.get(self._actor.healthy.remote(), timeout=30))
+        except Exception:  # noqa: BLE001 - a dead actor or node is an unhealthy server
+            return False
+
+    def restart(self) -> None:
+        """Restart the server; a dead actor (or node) is replaced by a new one, possibly elsewhere."""
+        import ray
+
+        if self._actor is not None:
+            try:
+                ray.get(self._actor.restart.remote(), timeout=self.opts.startup_timeout_s)
+                return
+            except self._crash_types:
+                pass
+        self._kill_actor()
+        self._url = None
+        self.start()
+
+    def stop(self) -> None:
+        import ray
+
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._actor is not None:
+            try:
+                ray.get(self._actor.stop.remote(), timeout=60)
+            except Exception:  # noqa: BLE001
+                pass
+        self._kill_actor()
+
+    def kill(self) -> None:
+        """Kill the actor as a crash would (Ray also kills the server process it launched)."""
+        self._kill_actor()
+
+    def _kill_actor(self) -> None:
+        import ray
+
+        a, self._actor = self._actor, None
+        if a is not None:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class RayServerPool:
+    """n server workers sharing one Ray session; close() stops them all and releases the session."""
+
+    def __init__(self, n: int, worker_kwargs: dict[str, Any], opts: RayOptions):
+        self.opts = opts
+        self.session = ray_session.acquire(opts)
+        self.workers = [RayServerWorker(worker_kwargs, opts, self.session, i) for i in range(n)]
+        self._closed = False
+
+    def start(self, timeout: float | None = None) -> list[str]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        t = timeout or self.opts.startup_timeout_s
+        with ThreadPoolExecutor(len(self.workers)) as ex:
+            list(ex.map(lambda w: w.start(), self.workers))
+            return list(ex.map(lambda w: w.wait_healthy(t), self.workers))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for w in self.workers:
+            w.stop()
+        ray_session.release(self.session)
+
+
+def make_ray_server_workers(n: int, ray_opts: dict[str, Any] | RayOptions | None = None,
+                            **worker_kwargs) -> RayServerPool:
+    """n action servers as Ray actors (one GPU each, `ray.num_gpus_per_server`); worker_kwargs go to
+    WamkitServerWorker (policy, policy_args, port, max_batch_size, max_wait_ms, token, ...)."""
+    return RayServerPool(n, worker_kwargs, RayOptions.from_any(ray_opts))
+
