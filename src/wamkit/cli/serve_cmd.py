@@ -6,12 +6,33 @@ The token may also come from the environment variable WAMKIT_TOKEN."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 
 from wamkit.cli.main import split_args
 from wamkit.core.config import load_config
 from wamkit.serve.config import ServeConfig
+
+
+def _server_class():
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn's server, plus: on SIGTERM/SIGINT flush the batcher so queued work runs now, not after
+        max_wait_ms; uvicorn then waits for in-flight requests before the lifespan shutdown."""
+
+        action_server = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.action_server is not None:
+                self.action_server.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+        def request_exit(self) -> None:
+            self.handle_exit(signal.SIGTERM, None)
+
+    return _Server
 
 
 def _watch_parent(pid: int, server) -> None:
@@ -21,12 +42,12 @@ def _watch_parent(pid: int, server) -> None:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            server.should_exit = True
+            server.request_exit()
             return
         except PermissionError:
             pass
         if os.getppid() == 1 and pid != 1:
-            server.should_exit = True
+            server.request_exit()
             return
 
 
@@ -44,7 +65,8 @@ def main(argv: list[str]) -> int:
     srv = app.state.server
     ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                           timeout_graceful_shutdown=cfg.graceful_timeout_s, lifespan="on")
-    server = uvicorn.Server(ucfg)
+    server = _server_class()(ucfg)
+    server.action_server = srv
     if cfg.parent_pid > 0:
         threading.Thread(target=_watch_parent, args=(cfg.parent_pid, server), daemon=True).start()
     auth = "token required" if srv.token else "no auth"

@@ -69,10 +69,18 @@ class ActionServer:
         self.batcher = Batcher(policy.predict, self.max_batch_size, cfg.max_wait_ms, cfg.max_queue, self.metrics)
         self.decode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="wamkit-decode")
         self._log_task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def begin_shutdown(self) -> None:
+        """Thread/signal-safe: stop taking new work and flush queued observations into batches now (SIGTERM: the
+        in-flight requests are answered while uvicorn waits for them)."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.batcher.begin_close)
 
     # ------------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
+        self.loop = asyncio.get_running_loop()
         await self.batcher.start()
         if self.cfg.log_every_s > 0:
             self._log_task = asyncio.create_task(self._log_loop())

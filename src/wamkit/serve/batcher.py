@@ -80,11 +80,16 @@ class Batcher:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wamkit-predict")
         self._task = asyncio.create_task(self._loop(), name="wamkit-batcher")
 
-    async def close(self) -> None:
-        """Stop accepting; run what is queued; stop the worker thread."""
+    def begin_close(self) -> None:
+        """Stop accepting and dispatch everything queued now, without waiting for batches to fill (event loop thread;
+        from elsewhere use loop.call_soon_threadsafe)."""
         self._closing = True
         if self._wake is not None:
             self._wake.set()
+
+    async def close(self) -> None:
+        """Stop accepting; run what is queued; stop the worker thread."""
+        self.begin_close()
         if self._task is not None:
             await self._task
         if self._pool is not None:
