@@ -1,0 +1,30 @@
+"""`wamkit bench eval [config.yaml] key=value ...`: the scheduler table (see wamkit.eval.bench).
+
+Extra keys: rows=single-batch,auto (subset of rows). `out=` is the bench directory (one sub-directory per row)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from wamkit.cli.main import split_args
+from wamkit.core.config import load_config
+from wamkit.core.errors import UserError
+from wamkit.eval.config import EvalConfig
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] != "eval":
+        raise UserError("usage: wamkit bench eval [config.yaml] key=value ... (other benchmarks live in bench/)")
+    path, overrides = split_args(argv[1:])
+    rows = None
+    rest = []
+    for o in overrides:
+        if o.startswith("rows="):
+            rows = [r.strip() for r in o.split("=", 1)[1].split(";") if r.strip()]
+        else:
+            rest.append(o)
+    cfg = load_config(EvalConfig, path, rest)
+    from wamkit.eval.bench import bench_eval
+
+    bench_eval(cfg, Path(cfg.out), rows=rows, horizon=cfg.horizon or 16)
+    return 0

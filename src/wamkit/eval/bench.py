@@ -1,0 +1,168 @@
+"""`wamkit bench eval`: the scheduler table on one episode plan.
+
+Rows (all on the same plan, same policy):
+  single-batch   serial, every step rendered, episodes run to max steps (what the reference does with B=1, P=1)
+  serial         serial with render skipping, run to max steps
+  B=b, P=p       the reference's pipelines with B x P = num_envs, render skipping, run to max steps
+  auto           asynchronous flow, render skipping, run to max steps (scheduling alone vs serial)
+  auto+          auto with every wamkit feature on (render skipping, episodes end at success)
+Stage bound: simulation alone (`zero` policy, auto, same envs) and inference alone (batches of the chosen size
+back to back), both in env steps/s; bound = min of the two. Ratios are over the single-batch row."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from wamkit.eval.config import EvalConfig
+
+
+def _run(cfg: EvalConfig, console: Console) -> dict[str, Any]:
+    from wamkit.eval.runner import run_eval
+
+    return run_eval(cfg, console=console)
+
+
+def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
+    th = s["throughput"]
+    sch = s.get("scheduler", {})
+    return {"row": name, "episodes": th["episodes_this_run"], "wall_s": th["wall_s"],
+            "episodes_per_hour": th["episodes_per_hour"], "env_steps_per_s": th["env_steps_per_s"],
+            "inference_obs_per_s": th["inference_obs_per_s"], "mean_batch": sch.get("mean_batch", 0.0),
+            "env_busy": sch.get("env_busy", 0.0), "inference_busy": sch.get("inference_busy", 0.0),
+            "success_rate": s["success_rate"]}
+
+
+def grid(num_envs: int) -> list[tuple[int, int]]:
+    """(B, P) with B x P = num_envs, B descending: the reference's table shape."""
+    return [(num_envs // p, p) for p in range(1, num_envs + 1) if num_envs % p == 0]
+
+
+def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0) -> float:
+    """Observations/s of the inference side alone under back-to-back batches of `batch` (synthetic load)."""
+    import numpy as np
+
+    from wamkit.core.types import Observation
+    from wamkit.eval.inference import InProcessInference, ServerInference
+    from wamkit.eval.runner import policy_kwargs
+    from wamkit.policies.registry import make_policy
+
+    pkw = policy_kwargs(base, int(base.policy_args.get("action_dim", 7)))
+    size = base.image_size
+    obs = [Observation({"image": np.zeros((size, size, 3), np.uint8), "wrist_image": np.zeros((size, size, 3),
+                                                                                                np.uint8)},
+                       np.zeros(8, np.float32), "bench") for _ in range(batch)]
+
+    async def go():
+        if base.inference == "server":
+            inf = ServerInference(policy=base.policy, policy_args=pkw, options=base.server)
+        else:
+            inf = InProcessInference(make_policy(base.policy, **pkw))
+        await inf.start()
+        try:
+            depth = 2
+            await inf.predict(obs, list(range(batch)))   # warm-up
+            t0 = time.perf_counter()
+            n = 0
+            while time.perf_counter() - t0 < seconds:
+                await asyncio.gather(*(inf.predict(obs, list(range(batch))) for _ in range(depth)))
+                n += depth * batch
+            return n / (time.perf_counter() - t0)
+        finally:
+            await inf.close()
+
+    return asyncio.run(go())
+
+
+def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows: list[str] | None = None,
+               horizon: int = 16) -> dict[str, Any]:
+    console = console or Console(stderr=True)
+    out.mkdir(parents=True, exist_ok=True)
+    m = base.num_envs
+    r = dataclasses.replace
+    common = dict(resume=False, save_videos=0, progress=False)
+    configs: list[tuple[str, EvalConfig]] = [
+        ("single-batch", r(base, mode="serial", render_every_step=True, run_to_max_steps=True, **common)),
+        ("serial", r(base, mode="serial", render_every_step=False, run_to_max_steps=True, **common)),
+    ]
+    for b, p in grid(m):
+        configs.append((f"B={b}, P={p}", r(base, mode="pipelines", batch=b, pipelines=p, num_envs=m,
+                                           render_every_step=False, run_to_max_steps=True, **common)))
+    configs.append(("auto", r(base, mode="auto", num_envs=m, render_every_step=False, run_to_max_steps=True,
+                              **common)))
+    configs.append(("auto+", r(base, mode="auto", num_envs=m, render_every_step=False, run_to_max_steps=False,
+                               **common)))
+    if rows:
+        configs = [c for c in configs if c[0] in rows]
+    results = []
+    for name, cfg in configs:
+        slug = name.replace(" ", "").replace(",", "_").replace("=", "")
+        cfg = r(cfg, out=str(out / slug))
+        console.print(f"[bold]bench eval[/] {name}: mode={cfg.mode} envs={cfg.num_envs} B={cfg.batch} "
+                      f"P={cfg.pipelines}")
+        s = _run(cfg, console)
+        results.append(_row(name, s, horizon))
+        console.print(f"  {results[-1]['episodes_per_hour']:.0f} episodes/h, "
+                      f"{results[-1]['env_steps_per_s']:.1f} env steps/s")
+    # stage bound: simulation alone and inference alone, same envs and plan
+    sim = _run(r(base, out=str(out / "bound_sim"), mode="auto", policy="zero", policy_args={},
+                 inference="inprocess", run_to_max_steps=True, render_every_step=False, **common), console)
+    sim_steps = sim["throughput"]["env_steps_per_s"]
+    auto_rows = [x for x in results if x["row"] == "auto"]
+    batch = max(1, round(auto_rows[0]["mean_batch"])) if auto_rows else max(1, m // 2)
+    inf_obs = inference_bound(base, batch)
+    bound = min(sim_steps, inf_obs * horizon)
+    base_rate = results[0]["env_steps_per_s"] if results and results[0]["row"] == "single-batch" else None
+    base_eph = results[0]["episodes_per_hour"] if base_rate else None
+    for x in results:
+        x["ratio_steps"] = x["env_steps_per_s"] / base_rate if base_rate else None
+        x["ratio_episodes"] = x["episodes_per_hour"] / base_eph if base_eph else None
+        x["of_bound"] = x["env_steps_per_s"] / bound if bound else None
+    report = {"rows": results, "bound": {"sim_env_steps_per_s": sim_steps, "inference_obs_per_s": inf_obs,
+                                         "inference_batch": batch, "horizon": horizon,
+                                         "bound_env_steps_per_s": bound},
+              "plan": {"env": base.env, "suite": base.suite, "tasks": base.tasks, "trials": base.trials,
+                       "num_envs": m, "max_steps": base.max_steps, "policy": base.policy,
+                       "policy_args": base.policy_args}}
+    (out / "bench_eval.json").write_text(json.dumps(report, indent=2))
+    (out / "bench_eval.md").write_text(markdown(report))
+    console.print(table(report))
+    return report
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = ["| obs/request (B) x pipelines (P) | episodes | episodes/h | env steps/s | inference obs/s | mean batch "
+             "| x single-batch (steps/s) | x single-batch (episodes/h) | of bound |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for x in report["rows"]:
+        def f(v, fmt):
+            return "-" if v is None else format(v, fmt)
+        lines.append(f"| {x['row']} | {x['episodes']} | {x['episodes_per_hour']:.0f} | {x['env_steps_per_s']:.1f} | "
+                     f"{x['inference_obs_per_s']:.2f} | {x['mean_batch']:.1f} | {f(x['ratio_steps'], '.2f')} | "
+                     f"{f(x['ratio_episodes'], '.2f')} | {f(x['of_bound'], '.2f')} |")
+    b = report["bound"]
+    lines.append("")
+    lines.append(f"Stage bound: simulation alone {b['sim_env_steps_per_s']:.1f} env steps/s; inference alone "
+                 f"{b['inference_obs_per_s']:.2f} obs/s at batch {b['inference_batch']} = "
+                 f"{b['inference_obs_per_s'] * b['horizon']:.1f} env steps/s (horizon {b['horizon']}); "
+                 f"bound {b['bound_env_steps_per_s']:.1f} env steps/s.")
+    return "\n".join(lines) + "\n"
+
+
+def table(report: dict[str, Any]) -> Table:
+    t = Table(title="wamkit bench eval")
+    for c in ("row", "episodes/h", "env steps/s", "infer obs/s", "mean batch", "x single", "of bound"):
+        t.add_column(c, justify="right")
+    for x in report["rows"]:
+        t.add_row(x["row"], f"{x['episodes_per_hour']:.0f}", f"{x['env_steps_per_s']:.1f}",
+                  f"{x['inference_obs_per_s']:.2f}", f"{x['mean_batch']:.1f}",
+                  "-" if x["ratio_steps"] is None else f"{x['ratio_steps']:.2f}",
+                  "-" if x["of_bound"] is None else f"{x['of_bound']:.2f}")
+    return t

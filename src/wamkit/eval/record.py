@@ -1,0 +1,118 @@
+"""`wamkit data record env=... policy=... episodes=N out=DIR`: run episodes and write them as a LeRobot v3 dataset.
+
+Every step is observed (the policy is queried with a 1-step chunk budget: the chunk it returns is executed one
+action at a time, each observation recorded), so the dataset holds (observation_t, action_t) pairs at the env's
+control rate: cameras, state, action, task. `only_success=true` keeps successful episodes only."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from wamkit.cli.main import split_args
+from wamkit.core.config import load_config
+from wamkit.core.errors import UserError
+from wamkit.eval.plan import make_plan, step_seed
+
+
+@dataclass
+class RecordConfig:
+    env: str = "metaworld"
+    suite: str = "mt"
+    tasks: list[int] | None = None
+    episodes: int = 10                   # per task; trial = init-state index 0..episodes-1
+    trial_start: int = 0
+    policy: str = "metaworld-expert"
+    policy_args: dict[str, Any] = field(default_factory=dict)
+    env_args: dict[str, Any] = field(default_factory=dict)
+    image_size: int = 128
+    max_steps: int | None = None
+    out: str = "runs/dataset"
+    only_success: bool = False
+    video_codec: str = "h264"
+    seed: int = 0
+    progress: bool = True
+
+
+def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:
+    from wamkit.data.writer import LeRobotWriter
+    from wamkit.envs.worker import EnvWorker
+    from wamkit.policies.registry import make_policy
+
+    console = console or Console(stderr=True)
+    out = Path(cfg.out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out} exists and is not empty; choose another out=")
+    kw = {"suite": cfg.suite, "image_size": cfg.image_size, "seed": cfg.seed, **cfg.env_args}
+    if cfg.max_steps is not None:
+        kw["max_steps"] = cfg.max_steps
+    worker = EnvWorker(cfg.env, kw, index=0)
+    worker.start()
+    try:
+        spec, tasks = worker.spec, worker.tasks
+        task_ids = list(range(len(tasks))) if cfg.tasks is None else list(cfg.tasks)
+        bad = [t for t in task_ids if not 0 <= t < len(tasks)]
+        if bad:
+            raise UserError(f"unknown task {bad[0]}; valid choices: 0..{len(tasks) - 1}")
+        policy = make_policy(cfg.policy, action_dim=spec.action_dim, **cfg.policy_args)
+        plan = make_plan(cfg.suite, task_ids, cfg.episodes, cfg.trial_start,
+                         {i: t.instruction for i, t in enumerate(tasks)})
+        features: dict[str, Any] = {}
+        for cam in spec.cameras:
+            features[f"observation.images.{cam}"] = {"dtype": "video", "shape": [spec.image_size, spec.image_size, 3],
+                                                    "names": ["height", "width", "channels"]}
+        if spec.state_dim:
+            features["observation.state"] = {"dtype": "float32", "shape": [spec.state_dim], "names": None}
+        features["action"] = {"dtype": "float32", "shape": [spec.action_dim], "names": None}
+        writer = LeRobotWriter(out, fps=int(round(spec.control_hz)), features=features, robot_type=cfg.env,
+                               video_codec=cfg.video_codec)
+        kept = succ = 0
+        t0 = time.time()
+        with Progress(TextColumn("[bold]record"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+                      disable=not cfg.progress) as progress:
+            bar = progress.add_task("record", total=len(plan), info="")
+            for ep in plan:
+                obs = worker.reset_sync(ep.task_id, ep.trial)
+                frames: list[dict[str, Any]] = []
+                steps, done, success = 0, False, False
+                while not done:
+                    chunk = policy.predict([obs], [step_seed(cfg.seed, ep, steps)])[0]
+                    for a in chunk:
+                        frame = {f"observation.images.{c}": obs.images[c] for c in spec.cameras}
+                        if spec.state_dim:
+                            frame["observation.state"] = np.asarray(obs.state, np.float32)
+                        frame["action"] = np.asarray(a, np.float32)
+                        frames.append(frame)
+                        res = worker.execute_sync(a[None], render_every_step=False)
+                        steps = res.episode_steps
+                        if res.done:
+                            done, success = True, bool(res.success)
+                            break
+                        obs = res.obs
+                succ += int(success)
+                if success or not cfg.only_success:
+                    for f in frames:
+                        writer.add_frame(f)
+                    writer.save_episode(task=ep.task)
+                    kept += 1
+                progress.update(bar, advance=1, info=f"success {succ}/{ep.index + 1}, kept {kept}")
+        writer.finalize()
+        info = {"episodes_run": len(plan), "successes": succ, "episodes_kept": kept, "out": str(out),
+                "wall_s": time.time() - t0}
+        console.print(f"recorded {kept} episodes ({succ}/{len(plan)} successful) to {out}")
+        return info
+    finally:
+        worker.close()
+
+
+def main(argv: list[str]) -> int:
+    path, overrides = split_args(argv)
+    record(load_config(RecordConfig, path, overrides))
+    return 0
