@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
@@ -16,9 +15,6 @@ import numpy as np
 
 from wamkit.core.types import Observation
 from wamkit.eval.timeline import Timeline
-
-log = logging.getLogger(__name__)
-
 
 class Inference(abc.ABC):
     max_batch: int = 64
@@ -79,22 +75,20 @@ class InProcessInference(Inference):
 
 
 class ServerInference(Inference):
-    """An action server over HTTP: a local `wamkit serve` started (and restarted) here, or an existing URL.
-
-    A request that still fails after the client's own retries triggers a health check; a dead local server is
-    restarted and the request sent again (up to `max_restarts`)."""
+    """An action server over HTTP: a local `wamkit serve` started here (and restarted by the client when it stops
+    answering: the request is then retried), or an existing URL (`server.url=`, wamkit serve or SGLang)."""
 
     name = "server"
 
-    def __init__(self, *, policy: str, policy_args: dict, options, timeline: Timeline | None = None,
-                 max_restarts: int = 3):
+    def __init__(self, *, policy: str, policy_args: dict, options, timeline: Timeline | None = None):
         super().__init__(timeline)
         self.policy_name, self.policy_args, self.options = policy, dict(policy_args), options
         self.worker = None
         self.client = None
-        self.max_restarts = max_restarts
-        self.restarts = 0
-        self._restart_lock = asyncio.Lock()
+
+    @property
+    def restarts(self) -> int:
+        return 0 if self.worker is None else max(0, self.worker.starts - 1)
 
     async def start(self) -> None:
         from wamkit.serve.client import ActionClient
@@ -105,42 +99,24 @@ class ServerInference(Inference):
             self.worker = WamkitServerWorker(policy=self.policy_name, policy_args=self.policy_args,
                                              port=self.options.port, max_batch_size=self.options.max_batch_size,
                                              max_wait_ms=self.options.max_wait_ms, token=self.options.token)
+            self.worker.default_start_timeout = self.options.startup_timeout_s
             await asyncio.to_thread(self.worker.start)
             await asyncio.to_thread(self.worker.wait_healthy, self.options.startup_timeout_s)
             url = self.worker.url
-        self.client = ActionClient(url, token=self.options.token, on_timing=self._on_timing)
-        meta = await self.client.metadata()
-        self.max_batch = int(meta.get("max_batch_size") or self.options.max_batch_size)
+        self.client = ActionClient(url, token=self.options.token, on_timing=self._on_timing, worker=self.worker)
+        self.max_batch = await self.client.server_max_batch()
 
-    def _on_timing(self, timing: dict) -> None:
-        if self.timeline is not None and timing and "t_start" in timing:
-            self.timeline.add("server", "compute", float(timing["t_start"]), float(timing["t_end"]),
-                              int(timing.get("batch_size", 1)))
+    def _on_timing(self, rec: dict) -> None:
+        t = rec.get("server") or {}
+        if self.timeline is not None and "t_start" in t:
+            self.timeline.add("server", "compute", float(t["t_start"]), float(t["t_end"]),
+                              int(t.get("batch_size", rec.get("n", 1))))
 
     async def _predict(self, observations, seeds):
-        attempt = 0
-        while True:
-            try:
-                return await self.client.predict(list(observations), list(seeds))
-            except Exception as e:  # noqa: BLE001 - connection errors and 5xx after the client's retries
-                if self.worker is None or attempt >= self.max_restarts:
-                    raise
-                attempt += 1
-                await self._restart_if_dead(e)
-
-    async def _restart_if_dead(self, err: Exception) -> None:
-        async with self._restart_lock:
-            healthy = await asyncio.to_thread(self.worker.healthy)
-            if healthy:
-                await asyncio.sleep(0.5)
-                return
-            log.warning("action server unhealthy after %r; restarting it", err)
-            self.restarts += 1
-            await asyncio.to_thread(self.worker.restart)
-            await asyncio.to_thread(self.worker.wait_healthy, self.options.startup_timeout_s)
+        return await self.client.predict(list(observations), list(seeds))
 
     async def close(self) -> None:
         if self.client is not None:
-            await self.client.close()
+            await self.client.aclose()
         if self.worker is not None:
             await asyncio.to_thread(self.worker.stop)
