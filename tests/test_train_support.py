@@ -1,5 +1,5 @@
 """Shared pieces of the training tests (no tests here): a small trainable policy implementing the trainer-facing
-Policy contract, a synthetic data source, and a helper to run `wamkit train` under torchrun.
+Policy contract, a synthetic data source (items shaped like wamkit.data.samples.TrainingSamples'), and a helper to run `wamkit train` under torchrun.
 
 Used in-process and by torchrun workers (`policy=test_train_support:TinyPolicy`, `dataset=test_train_support:
 synthetic_source`, with tests/ on PYTHONPATH)."""
@@ -83,6 +83,10 @@ class TinyPolicy(Policy):
     def module(self):
         return self.net
 
+    def export_config(self):
+        return {"width": self.width, "depth": self.depth, "horizon": self.horizon, "action_dim": self.action_dim,
+                "state_dim": self.state_dim}
+
     def fsdp_units(self):
         return [*self.net.blocks, self.net]
 
@@ -136,55 +140,22 @@ class SyntheticSamples(torch.utils.data.Dataset):
         img, state, act = self.raw(int(i))
         if self.pipeline is not None:
             act = np.asarray(self.pipeline.forward(act), np.float32)
-        return {"images": {"image": img}, "state": state, "task": "synthetic", "actions": act,
-                "action_mask": np.ones(self.horizon, bool)}
-
-
-def collate(items):
-    return {"images": {"image": torch.from_numpy(np.stack([it["images"]["image"] for it in items]))},
-            "state": torch.from_numpy(np.stack([it["state"] for it in items])),
-            "task": [it["task"] for it in items],
-            "actions": torch.from_numpy(np.stack([it["actions"] for it in items])),
-            "action_mask": torch.from_numpy(np.stack([it["action_mask"] for it in items]))}
-
-
-class StridedSampler:
-    """Infinite, resumable, rank-strided sampler over one seeded global order per epoch (the contract in
-    wamkit.train.data). State = position in the global stream: {"epoch", "offset"}."""
-
-    def __init__(self, n, rank=0, world_size=1, seed=0):
-        self.n, self.rank, self.world, self.seed = n, rank, world_size, seed
-        self.epoch, self.offset = 0, 0          # offset: global samples consumed in this epoch
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "offset": self.offset}
-
-    def load_state_dict(self, st):
-        self.epoch, self.offset = int(st["epoch"]), int(st["offset"])
-
-    def __iter__(self):
-        usable = self.n - self.n % self.world
-        while True:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)[:usable]
-            while self.offset < usable:
-                idx = order[self.offset + self.rank]
-                self.offset += self.world
-                yield int(idx)
-            self.epoch, self.offset = self.epoch + 1, 0
+        return {"images": {"image": torch.from_numpy(img)}, "state": torch.from_numpy(state), "task": "synthetic",
+                "actions": torch.from_numpy(act), "action_mask": torch.ones(self.horizon, dtype=torch.bool),
+                "index": int(i)}
 
 
 def synthetic_source(cfg, policy):
-    from wamkit.train.data import DataSource
+    from wamkit.data.samples import collate
+    from wamkit.train.data import DataSource, default_sampler
 
     n = int(os.environ.get("WAMKIT_TEST_SAMPLES", "96"))
     fps = float(os.environ.get("WAMKIT_TEST_FPS", "10"))
     horizon = policy.spec.action.horizon
-    if policy.spec.input.state_dim <= 0:
-        pass
     raw = SyntheticSamples(n, horizon, policy.spec.input.state_dim, None)
     return DataSource(fps=fps, stats_dataset=raw,
                       make_samples=lambda pipe: SyntheticSamples(n, horizon, policy.spec.input.state_dim, pipe),
-                      collate=collate, make_sampler=StridedSampler, description=f"synthetic({n})")
+                      collate=collate, make_sampler=default_sampler, description=f"synthetic({n})")
 
 
 # ------------------------------------------------------------------------------------------------ running

@@ -18,8 +18,8 @@ only (no pickle); `optim/` uses DCP's own format (its metadata is a pickle writt
 
 World-size changes on resume: model/optimizer/EMA are resharded by DCP. RNG states are restored per rank only when
 the world size is unchanged; otherwise every rank is reseeded from (seed, step, rank) (documented in
-docs/training.md). The sampler state is the data position in the GLOBAL sample stream, so any world size continues
-from the same sample.
+docs/training.md). The data sampler's per-rank position is translated through the global position
+(`wamkit.train.data.translate_sampler_state`), so any world size continues from the same sample.
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ class Resumed:
     sampler_state: Any          # this rank's sampler state (or rank 0's after a world-size change)
     world_size_changed: bool
     samples_seen: int
+    saved_world_size: int
 
 
 def _json(obj) -> str:
@@ -208,7 +209,7 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, ema, rank:
         seed_everything(rank_seed(seed, rank, step))
     samplers = state["sampler"]
     sampler_state = samplers[rank] if not changed else samplers[0]
-    return Resumed(step, sampler_state, changed, int(state.get("samples_seen", 0)))
+    return Resumed(step, sampler_state, changed, int(state.get("samples_seen", 0)), int(state["world_size"]))
 
 
 def load_weights_into(module: torch.nn.Module, ckpt: str | Path, weights: str = "auto") -> str:

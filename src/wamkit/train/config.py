@@ -77,6 +77,23 @@ class TrainConfig:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if self.grad_clip < 0:
             raise ConfigError(f"grad_clip must be >= 0, got {self.grad_clip}")
-        for k, v in self.lr_multipliers.items():
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"lr_multipliers.{k} must be a number >= 0, got {v!r}")
+        self.lr_multipliers = _flat_multipliers(self.lr_multipliers)
+
+
+def _flat_multipliers(d: dict, prefix: str = "") -> dict[str, float]:
+    """`lr_multipliers.gen.action_in.*=5` arrives nested ({"gen": {"action_in": {"*": "5"}}}): flatten the dotted
+    glob back and make the values floats."""
+    out: dict[str, float] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat_multipliers(v, key + "."))
+            continue
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            f = -1.0
+        if isinstance(v, bool) or f < 0:
+            raise ConfigError(f"lr_multipliers.{key} must be a number >= 0, got {v!r}")
+        out[key] = f
+    return out

@@ -7,10 +7,13 @@ Sources
   `ResumableShardedSampler`;
 - `dataset=package.module:function`: `function(cfg, policy) -> DataSource`, for custom or synthetic data (tests).
 
-Sampler contract (what the trainer relies on): iterating yields this rank's sample indices; `state_dict()` taken
-right after a batch's last index was yielded is the position after that batch; `load_state_dict(state)` continues
-from there; the state is the position in the GLOBAL sample stream, so it can be loaded on any world size.
-Ranks take strided slices of one seeded global order, so a global batch holds the same samples for any world size.
+Sampler contract (`wamkit.data.samples.ResumableShardedSampler`): iterating yields this rank's sample indices of
+one epoch (ranks take strided slices of one seeded permutation, so a global batch holds the same samples for any
+world size); `state_dict()` taken right after a batch's last index was yielded is the position after that batch;
+`load_state_dict(state)` continues from there. Its `position` counts this rank's samples, so on a different world
+size it is translated through the global position (`translate_sampler_state`).
+Batches continue across epoch boundaries (the tail of an epoch is completed by the head of the next one): no sample
+is dropped but the `n mod world_size` the sampler trims.
 """
 
 from __future__ import annotations
@@ -60,15 +63,36 @@ def lerobot_source(cfg, policy, cameras: list[str], horizon: int) -> DataSource:
     ds = LeRobotDataset(cfg.dataset, cameras=cameras, check_fps=cfg.fps,
                         allow_fps_mismatch=cfg.allow_fps_mismatch, required_features=required)
 
-    def make_samples(pipeline):
-        return S.TrainingSamples(ds, cameras=cameras, horizon=horizon, action_pipeline=pipeline,
-                                 state=policy.spec.input.state_dim > 0)
+    size = policy.spec.input.image_size or None
 
-    def make_sampler(n, rank, world_size, seed):
-        return S.ResumableShardedSampler(n, rank=rank, world_size=world_size, seed=seed)
+    def make_samples(pipeline):
+        return S.TrainingSamples(ds, horizon=horizon, cameras=cameras, image_size=size, action_pipeline=pipeline,
+                                 state_key="observation.state" if policy.spec.input.state_dim > 0 else None)
 
     return DataSource(fps=ds.fps, stats_dataset=ds, make_samples=make_samples, collate=S.collate,
-                      make_sampler=make_sampler, description=repr(ds))
+                      make_sampler=default_sampler, description=repr(ds))
+
+
+def default_sampler(n: int, rank: int, world_size: int, seed: int):
+    from wamkit.data.samples import ResumableShardedSampler
+
+    return ResumableShardedSampler(n, num_replicas=world_size, rank=rank, seed=seed)
+
+
+def translate_sampler_state(state: dict, world_size: int, rank: int) -> tuple[dict, str | None]:
+    """A sampler state saved on another world size -> this rank's state at the same global position.
+    Returns (state, warning or None)."""
+    state = dict(state)
+    old = int(state.get("num_replicas", world_size))
+    if "position" not in state or old == world_size:
+        return state, None
+    global_pos = int(state["position"]) * old
+    state.update(position=global_pos // world_size, num_replicas=world_size, rank=rank)
+    warn = None
+    if global_pos % world_size:
+        warn = (f"sampler position {global_pos} (global) is not divisible by {world_size} ranks: "
+                f"{global_pos % world_size} sample(s) of the epoch are skipped")
+    return state, warn
 
 
 def build_source(cfg, policy, cameras: list[str], horizon: int) -> DataSource:
@@ -135,7 +159,7 @@ class BatchStream:
                     self._states.append(self.sampler.state_dict())
                     yield batch
                     batch = []
-            batch = []            # an epoch's remainder is dropped (the sampler starts the next epoch)
+            # epoch done: the sampler starts the next one; a partial batch is completed from it
             empty_epochs = 0 if got else empty_epochs + 1
             if empty_epochs >= 2:
                 raise UserError("the data sampler yields no samples for this rank (dataset smaller than a batch?)")

@@ -27,6 +27,7 @@ def load_trained_policy(ckpt: str | Path, weights: str = "auto", device: str = "
     pipe = ActionPipeline.load(step_dir / "action_pipeline.json")
     args = dict(meta.get("policy_args", {}))
     args["device"] = device
+    args["action_pipeline"] = pipe            # the trained pipeline (with its stats), as load_exported passes it
     policy = build_policy(meta["policy"], args)
     policy.action_pipeline = pipe
     which = load_weights_into(policy.module, step_dir, weights)

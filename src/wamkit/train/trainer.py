@@ -18,7 +18,8 @@ from wamkit.core.config import to_dict
 from wamkit.core.errors import UserError
 from wamkit.train import checkpoint as C
 from wamkit.train.config import TrainConfig
-from wamkit.train.data import BatchStream, build_source, ensure_action_stats, import_target, is_import_target
+from wamkit.train.data import (BatchStream, build_source, ensure_action_stats, import_target, is_import_target,
+                               translate_sampler_state)
 from wamkit.train.dist import DistInfo, all_gather_object, broadcast_object, close_distributed, init_distributed
 from wamkit.train.logger import TrainLogger
 from wamkit.train.optim import (EMA, build_optimizer, build_scheduler, check_lr_multipliers, count_params,
@@ -134,7 +135,12 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
         if path is not None:
             r = C.load_checkpoint(path, model=module, optimizer=optimizer, scheduler=scheduler, ema=ema, rank=rank,
                                   world_size=world, seed=cfg.seed)
-            sampler.load_state_dict(r.sampler_state)
+            sstate = r.sampler_state
+            if r.world_size_changed:
+                sstate, warn = translate_sampler_state(sstate, world, rank)
+                if warn and info.is_main:
+                    print(f"wamkit train: warning: {warn}", flush=True)
+            sampler.load_state_dict(sstate)
             start, samples_seen, resumed_from = r.step, r.samples_seen, str(path)
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
     batches = BatchStream(samples, sampler, source.collate, micro, cfg.num_workers,

@@ -1,0 +1,156 @@
+"""Training layer, single process (fast): schedule, param groups, config checks that fail before training, a real
+one-rank FSDP2 run with checkpoints, exact resume, export -> load -> predict, LeRobot data end to end."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from test_train_support import BASE_ARGS, TinyPolicy, losses
+from wamkit.core.config import load_config
+from wamkit.core.errors import ConfigError, UserError
+from wamkit.core.types import Observation
+from wamkit.train.checkpoint import list_checkpoints
+from wamkit.train.config import TrainConfig
+from wamkit.train.optim import lr_factor, param_groups, select_trainable
+from wamkit.train.trainer import train
+
+
+def cfg_of(tmp: Path, *args: str) -> TrainConfig:
+    return load_config(TrainConfig, None, [*BASE_ARGS, f"out={tmp}", *args])
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+
+def test_lr_schedule_warmup_then_linear_decay():
+    assert lr_factor(0, 4, None, 12) == pytest.approx(0.25)
+    assert lr_factor(3, 4, None, 12) == pytest.approx(1.0)
+    assert lr_factor(4, 4, None, 12) == pytest.approx(1.0)
+    assert lr_factor(8, 4, None, 12) == pytest.approx(0.5)
+    assert lr_factor(12, 4, None, 12) == pytest.approx(0.0)
+    assert lr_factor(100, 4, 0, 12) == 1.0            # decay=0: constant after warmup
+    assert lr_factor(6, 4, 4, 100) == pytest.approx(0.5)
+    assert lr_factor(50, 4, 4, 100) == 0.0
+
+
+def test_param_groups_multipliers_and_weight_decay():
+    pol = TinyPolicy()
+    select_trainable(pol.module, ["inp.*", "blocks.0.*", "out.*"])
+    groups = param_groups(pol.module, {"inp.*": 5.0, "out.*": 5.0}, 0.05)
+    by = {(g["lr_mult"], g["weight_decay"]): len(g["params"]) for g in groups}
+    # inp/out: 2 weights (decay) + 2 biases (no decay) at 5x; blocks.0: fc1/fc2 weights decay, 4 biases/norm no decay
+    assert by == {(5.0, 0.05): 2, (5.0, 0.0): 2, (1.0, 0.05): 2, (1.0, 0.0): 4}
+    assert not any(p.requires_grad for n, p in pol.module.named_parameters() if n.startswith("blocks.1"))
+
+
+def test_config_keys_and_values():
+    c = load_config(TrainConfig, None, ["betas=0.9,0.95", "lr_multipliers.out.*=3", "trainable=a.*,b.*",
+                                        "policy_args.width=8", "decay=none"])
+    assert c.betas == (0.9, 0.95) and c.lr_multipliers == {"out.*": 3.0}
+    assert c.trainable == ["a.*", "b.*"] and c.policy_args == {"width": 8} and c.decay is None
+    with pytest.raises(ConfigError):
+        load_config(TrainConfig, None, ["batch_sise=3"])
+    with pytest.raises(ConfigError):
+        load_config(TrainConfig, None, ["ema=1.5"])
+
+
+# ------------------------------------------------------------------------------------------------ bad configs
+
+@pytest.mark.parametrize("args, match", [
+    (["trainable=inp.*,decoder.*"], "match no parameter"),
+    (["lr_multipliers.nope.*=2"], "match no parameter"),
+    (["fps=20"], "fps"),
+    (["fps=none"], "fps is not set"),
+    (["batch_size=7", "grad_accum=2"], "not divisible"),
+    (["horizon=8"], "horizon"),
+    (["cameras=wrist_image"], "lacks camera"),
+    (["policy=zero"], "not trainable"),
+    (["policy=test_train_support:NoSuchPolicy"], "cannot import"),
+])
+def test_bad_config_fails_before_training(tmp_path, args, match):
+    cfg = cfg_of(tmp_path, "steps=2", "batch_size=4", *args)
+    with pytest.raises(UserError, match=match):
+        train(cfg)
+    assert not (tmp_path / "train_log.jsonl").exists()      # nothing ran
+    assert not list_checkpoints(tmp_path / "checkpoints")
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+def test_single_rank_run_logs_checkpoints_and_learns(tmp_path):
+    s = train(cfg_of(tmp_path, "steps=20", "batch_size=8", "save_every=5", "keep_last=2", "ema=0.9"))
+    assert s["steps"] == 20
+    log = losses(tmp_path)
+    assert sorted(log) == list(range(1, 21))
+    assert np.mean([log[i] for i in range(16, 21)]) < 0.5 * np.mean([log[i] for i in range(1, 5)])
+    names = [p.name for p in list_checkpoints(tmp_path / "checkpoints")]
+    assert names == ["step-000015", "step-000020"]               # keep_last=2, no .tmp left behind
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+    ck = tmp_path / "checkpoints" / "step-000020"
+    for f in ("model", "ema", "optim", "trainer_state.json", "rng/rank-00000.json", "config.json", "policy.json",
+              "action_pipeline.json"):
+        assert (ck / f).exists(), f
+    row = json.loads((tmp_path / "train_log.jsonl").read_text().splitlines()[-1])
+    for k in ("loss", "pred_abs", "lr", "grad_norm", "samples_per_s", "steps_per_s"):
+        assert k in row
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_stop_and_resume_gives_identical_losses(tmp_path):
+    """Noise in the loss (torch RNG), grad accumulation and EMA: a run stopped at step 5 and resumed reproduces the
+    uninterrupted run exactly."""
+    common = ["steps=12", "batch_size=8", "grad_accum=2", "ema=0.95", "save_every=0",
+              "policy_args.noise=0.1", "num_workers=1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(cfg_of(full, *common))
+    train(cfg_of(part, *common, "stop_at=5"))
+    assert sorted(losses(part)) == [1, 2, 3, 4, 5]
+    train(cfg_of(part, *common, "resume=true"))
+    a, b = losses(full), losses(part)
+    assert sorted(b) == list(range(1, 13))
+    assert [a[i] for i in range(1, 13)] == [b[i] for i in range(1, 13)]
+
+
+def test_export_load_predict(tmp_path):
+    from wamkit.train.export import load_trained_policy
+
+    train(cfg_of(tmp_path, "steps=6", "batch_size=8", "ema=0.5"))
+    pol, which, step_dir = load_trained_policy(tmp_path)
+    assert which == "ema" and step_dir.name == "step-000006"
+    # the loaded EMA weights are the checkpoint's (safetensors), and the pipeline carries the quantile stats
+    from safetensors.torch import load_file
+
+    ema = {}
+    for f in (step_dir / "ema").glob("*.safetensors"):
+        ema.update(load_file(str(f)))
+    torch.testing.assert_close(pol.module.state_dict()["out.weight"], ema["out.weight"])
+    assert any(s.name == "quantile_normalize" for s in pol.action_pipeline.steps)
+    g = np.random.default_rng(0)
+    obs = [Observation(images={"image": g.integers(0, 256, (8, 8, 3), dtype=np.uint8)},
+                       state=g.normal(size=3).astype(np.float32), task="x") for _ in range(3)]
+    a = pol.predict(obs, [0, 1, 2])
+    assert a.shape == (3, 4, 7) and a.dtype == np.float32 and np.isfinite(a).all()
+    model_w, _, _ = load_trained_policy(tmp_path, weights="model")
+    assert not torch.equal(model_w.module.state_dict()["out.weight"], pol.module.state_dict()["out.weight"])
+
+
+def test_export_dir_is_loadable_by_make_policy(tmp_path):
+    from wamkit.policies import make_policy, register_policy
+
+    register_policy("tiny-test", "test_train_support:TinyPolicy")
+    from wamkit.train.export import export_checkpoint
+
+    train(cfg_of(tmp_path / "run", "steps=4", "batch_size=8"))
+    out = export_checkpoint(tmp_path / "run", tmp_path / "export")
+    pol = make_policy(str(out))
+    g = np.random.default_rng(0)
+    obs = [Observation(images={"image": g.integers(0, 256, (8, 8, 3), dtype=np.uint8)},
+                       state=g.normal(size=3).astype(np.float32), task="x")]
+    assert pol.predict(obs, [0]).shape == (1, 4, 7)
+    ref, _, _ = __import__("wamkit.train.export", fromlist=["x"]).load_trained_policy(tmp_path / "run")
+    np.testing.assert_array_equal(pol.predict(obs, [0]), ref.predict(obs, [0]))
