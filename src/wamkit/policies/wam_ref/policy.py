@@ -45,11 +45,15 @@ def _dtype_name(d: torch.dtype) -> str:
 
 
 def as_action_pipeline(p):
-    """None -> identity pipeline; dict / path / ActionPipeline accepted."""
+    """None / "identity" -> identity pipeline; "rot6d" -> [Rot6dStep]; dict / JSON path / ActionPipeline."""
     from wamkit.data.transforms import ActionPipeline
 
-    if p is None:
+    if p is None or p == "identity":
         return ActionPipeline([])
+    if p == "rot6d":  # 7-D env actions, 10-D model actions
+        from wamkit.data.transforms import Rot6dStep
+
+        return ActionPipeline([Rot6dStep()])
     if isinstance(p, ActionPipeline):
         return p
     if isinstance(p, dict):
@@ -106,11 +110,12 @@ class WamRefPolicy(Policy):
         self.init_seed = int(init_seed)
         self.max_batch = int(max_batch)
         self.und_path = und_path
-        self.action_pipeline = as_action_pipeline(action_pipeline)
+        pipe = as_action_pipeline(action_pipeline)
         try:
-            self.model_action_dim = int(self.action_pipeline.out_dim(self.env_action_dim))
+            self.model_action_dim = int(pipe.out_dim(self.env_action_dim))
         except ValueError as e:
             raise UserError(f"action pipeline does not fit action_dim={self.env_action_dim}: {e}") from None
+        self._action_pipeline = pipe
 
         # ---- understanding tower (transformers Qwen3-VL; random weights from a config, or local weights)
         from transformers import Qwen3VLForConditionalGeneration, Qwen3VLModel
@@ -149,6 +154,7 @@ class WamRefPolicy(Policy):
                 gen = GenerationTower(tc, gen_hidden, gen_ffn, self.model_action_dim, self.state_dim)
                 self.model = WamRefModel(und, gen)
             if build_device.type != "meta":
+                torch.manual_seed(self.init_seed)  # same weights as a meta build + materialize()
                 if und_path is None:
                     init_weights(self.model)
                 else:
@@ -171,6 +177,24 @@ class WamRefPolicy(Policy):
                    "prefix_len": self.prefix_len, "model_action_dim": self.model_action_dim})
 
     # ------------------------------------------------------------------ trainer-facing interface
+    @property
+    def action_pipeline(self):
+        """env actions <-> model actions (`forward` / `inverse`); settable (the trainer adds normalizer stats) as
+        long as the model-space dimension stays the same."""
+        return self._action_pipeline
+
+    @action_pipeline.setter
+    def action_pipeline(self, p) -> None:
+        p = as_action_pipeline(p)
+        try:
+            d = int(p.out_dim(self.env_action_dim))
+        except ValueError as e:
+            raise UserError(f"action pipeline does not fit action_dim={self.env_action_dim}: {e}") from None
+        if d != self.model_action_dim:
+            raise UserError(f"action pipeline maps {self.env_action_dim}-D env actions to {d}-D, but this model was "
+                            f"built for {self.model_action_dim}-D (pass the pipeline at construction)")
+        self._action_pipeline = p
+
     @property
     def module(self) -> WamRefModel:
         return self.model

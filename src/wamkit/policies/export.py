@@ -1,0 +1,119 @@
+"""The export directory: what `wamkit serve --checkpoint <dir>` and `make_policy(<dir>)` load.
+
+    <dir>/wamkit_policy.json    {"format": "wamkit.policy", "version": 1, "policy": <registry name>,
+                                 "config": <constructor kwargs>, "spec": <PolicySpec.to_dict()>, "files": {...}}
+    <dir>/model.safetensors     `policy.module.state_dict()` (safetensors only: no pickle is ever loaded)
+    <dir>/action_pipeline.json  `policy.action_pipeline.to_dict()` (steps + normalizer stats)
+    (<dir>/tokenizer/           only when the policy uses a local Hugging Face tokenizer)
+
+A policy is exportable when it has `spec`, `module`, `action_pipeline` and `export_config() -> dict` (JSON-able
+constructor kwargs). Loading rebuilds the policy by registry name from that config (plus overrides such as
+`device=`), then loads the weights strictly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from wamkit.core.errors import UserError
+from wamkit.policies.registry import EXPORT_MARKER
+
+FORMAT = "wamkit.policy"
+VERSION = 1
+WEIGHTS = "model.safetensors"
+PIPELINE = "action_pipeline.json"
+
+
+def _state_dict_for_safetensors(module) -> dict[str, Any]:
+    """CPU, contiguous tensors; tensors that share storage are cloned (safetensors refuses shared storage)."""
+    out, seen = {}, set()
+    for k, v in module.state_dict().items():
+        t = v.detach()
+        if t.device.type == "meta":
+            raise UserError(f"cannot export parameter {k!r}: it lives on the meta device (materialize it first)")
+        t = t.to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(ptr)
+        out[k] = t
+    return out
+
+
+def save_exported(policy, directory) -> Path:
+    """Write `policy` as an export directory (created if needed; files overwritten). Returns the directory."""
+    from safetensors.torch import save_file
+
+    for attr in ("spec", "module", "action_pipeline", "export_config"):
+        if not hasattr(policy, attr):
+            raise UserError(f"policy {type(policy).__name__} cannot be exported: it has no `{attr}`")
+    from wamkit.policies.registry import policy_names
+
+    name = policy.spec.name
+    if name not in policy_names():
+        raise UserError(f"policy name {name!r} is not registered; exported policies are rebuilt by registry name")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    config = dict(policy.export_config())
+    extra_files = policy.save_tokenizer(d) if hasattr(policy, "save_tokenizer") else {}
+    config.update(extra_files)
+    save_file(_state_dict_for_safetensors(policy.module), str(d / WEIGHTS), metadata={"format": "pt"})
+    policy.action_pipeline.save(d / PIPELINE)
+    meta = {"format": FORMAT, "version": VERSION, "policy": name, "config": config, "spec": policy.spec.to_dict(),
+            "files": {"weights": WEIGHTS, "action_pipeline": PIPELINE, **extra_files}}
+    (d / EXPORT_MARKER).write_text(json.dumps(meta, indent=1, default=str))
+    return d
+
+
+def read_export_meta(directory) -> dict[str, Any]:
+    d = Path(directory)
+    f = d / EXPORT_MARKER
+    if not f.exists():
+        raise UserError(f"{d} is not an export directory (no {EXPORT_MARKER})")
+    try:
+        meta = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{f} is not valid JSON: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{f}: unknown format {meta.get('format')!r} (expected {FORMAT!r})")
+    if int(meta.get("version", 0)) > VERSION:
+        raise UserError(f"{f}: format version {meta['version']} is newer than this wamkit reads ({VERSION})")
+    return meta
+
+
+def load_exported(directory, **overrides):
+    """Rebuild the exported policy: registry name + saved config (+ overrides, e.g. device="cuda",
+    num_inference_steps=5), the saved action pipeline, then the weights (strict; safetensors only)."""
+    from safetensors.torch import load_file
+
+    from wamkit.data.transforms import ActionPipeline
+    from wamkit.policies.registry import policy_class
+
+    d = Path(directory)
+    meta = read_export_meta(d)
+    cfg = dict(meta.get("config", {}))
+    if cfg.get("tokenizer_dir"):
+        cfg["tokenizer_dir"] = str(d / cfg["tokenizer_dir"])
+    files = meta.get("files", {})
+    if "action_pipeline" not in overrides:
+        pipe_file = d / files.get("action_pipeline", PIPELINE)
+        overrides["action_pipeline"] = ActionPipeline.load(pipe_file) if pipe_file.exists() else None
+    cfg.update(overrides)
+    policy = policy_class(meta["policy"])(**cfg)
+    wfile = d / files.get("weights", WEIGHTS)
+    if not wfile.exists():
+        raise UserError(f"{d}: weights file {wfile.name} is missing")
+    module = policy.module
+    state = load_file(str(wfile), device="cpu")
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatch: an override changed the architecture
+        raise UserError(f"{d}: weights do not fit the rebuilt policy (did an override change its shape?): "
+                        f"{str(e).splitlines()[0]}") from None
+    if missing or unexpected:
+        raise UserError(f"{d}: weights do not match the rebuilt policy: missing {missing[:5]}, "
+                        f"unexpected {unexpected[:5]}")
+    module.eval()
+    return policy

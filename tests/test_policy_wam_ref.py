@@ -1,0 +1,229 @@
+"""wam-ref on CPU: shapes, batch invariance, determinism, prefix reuse, training signal, export, sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from wamkit.core.errors import UserError
+from wamkit.core.types import Observation
+from wamkit.policies import make_policy
+
+TASKS = ["put the bowl on the plate", "open the top drawer and put the bowl inside", "pick up the ketchup",
+         "turn on the stove", "put both the alphabet soup and the tomato sauce in the basket"]
+
+
+def _obs(n: int, seed: int = 0, size: int = 96, state_dim: int = 0) -> list[Observation]:
+    rng = np.random.default_rng(seed)
+    return [Observation(images={"image": rng.integers(0, 256, (size, size, 3), dtype=np.uint8),
+                                "wrist_image": rng.integers(0, 256, (size, size, 3), dtype=np.uint8)},
+                        state=rng.standard_normal(state_dim).astype(np.float32) if state_dim else None,
+                        task=TASKS[i % len(TASKS)]) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_policy("wam-ref", size="tiny", num_inference_steps=4)
+
+
+def test_predict_shape_and_spec(tiny):
+    a = tiny.predict(_obs(3), [0, 1, 2])
+    assert a.shape == (3, 16, 7) and a.dtype == np.float32 and np.isfinite(a).all()
+    assert tiny.spec.name == "wam-ref" and tiny.spec.trainable and tiny.spec.input.cameras == ("image", "wrist_image")
+    assert tiny.num_parameters()["total"] <= 5_000_000
+
+
+@pytest.mark.parametrize("state_dim", [0, 8])
+def test_identical_alone_and_in_batch(state_dim):
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=3, state_dim=state_dim)
+    obs, seeds = _obs(5, seed=1, state_dim=state_dim), [11, 12, 13, 14, 15]
+    batch = pol.predict(obs, seeds)
+    alone = np.stack([pol.predict([o], [s])[0] for o, s in zip(obs, seeds)])
+    np.testing.assert_array_equal(batch, alone)
+    # a different order / other batch mates: same rows
+    perm = [3, 0, 4]
+    np.testing.assert_array_equal(pol.predict([obs[i] for i in perm], [seeds[i] for i in perm]), batch[perm])
+
+
+def test_determinism_and_seed_dependence(tiny):
+    obs = _obs(2, seed=2)
+    a1, a2 = tiny.predict(obs, [5, 6]), tiny.predict(obs, [5, 6])
+    np.testing.assert_array_equal(a1, a2)
+    assert not np.allclose(tiny.predict(obs, [7, 6])[0], a1[0])
+    fresh = make_policy("wam-ref", size="tiny", num_inference_steps=4)  # same init_seed -> same weights
+    np.testing.assert_array_equal(fresh.predict(obs, [5, 6]), a1)
+
+
+@pytest.mark.parametrize("steps", [1, 6])
+def test_prefix_computed_once_per_observation(tiny, steps):
+    calls, gen_calls = [], []
+    h1 = tiny.model.und.register_forward_pre_hook(lambda m, a, kw: calls.append(int(kw["input_ids"].shape[0])),
+                                                  with_kwargs=True)
+    h2 = tiny.model.gen.register_forward_pre_hook(lambda m, a: gen_calls.append(1))
+    try:
+        tiny.num_inference_steps = steps
+        tiny.predict(_obs(3), [0, 1, 2])
+    finally:
+        tiny.num_inference_steps = 4
+        h1.remove()
+        h2.remove()
+    assert calls == [3]              # one understanding pass over the 3 observations, whatever the step count
+    assert len(gen_calls) == steps   # the generation tower runs once per denoising step
+
+
+def _synthetic_batch(pol, n=8, seed=0):
+    """Actions that depend on the image (a colour per sample) and the task: learnable from the prefix."""
+    rng = np.random.default_rng(seed)
+    colors = rng.integers(0, 256, (n, 3))
+    imgs = {c: np.broadcast_to(colors[:, None, None, :], (n, 64, 64, 3)).astype(np.uint8).copy()
+            for c in pol.cameras}
+    base = rng.uniform(-1, 1, (n, 1, pol.model_action_dim)).astype(np.float32)
+    ramp = np.linspace(-0.5, 0.5, pol.horizon, dtype=np.float32)[None, :, None]
+    actions = np.clip(base + ramp * np.sign(base), -1, 1).astype(np.float32)
+    return {"images": imgs, "task": [TASKS[i % len(TASKS)] for i in range(n)], "actions": actions,
+            "action_mask": np.ones((n, pol.horizon), bool)}
+
+
+def test_loss_decreases_on_cpu():
+    torch.manual_seed(0)
+    pol = make_policy("wam-ref", size="tiny")
+    module = pol.module
+    module.train()
+    params = [p for p in module.parameters() if p.requires_grad]
+    assert params and all(n.startswith("gen.") for n in pol.trainable_parameter_names())
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+    batch = _synthetic_batch(pol)
+    losses = []
+    for _ in range(200):
+        loss, metrics = pol.sft_loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(metrics["loss"])
+    first, last = np.mean(losses[:20]), np.mean(losses[-20:])
+    assert last < 0.5 * first, (first, last)
+    # frozen understanding tower got no gradients
+    assert all(p.grad is None for p in module.und.parameters())
+
+
+def test_trainer_interface(tiny):
+    import fnmatch
+
+    names = [n for n, _ in tiny.module.named_parameters()]
+    mult = tiny.lr_multipliers()
+    assert mult and all(any(fnmatch.fnmatchcase(n, g) for n in names) for g in mult)
+    assert all(v == 5.0 for v in mult.values())
+    units = tiny.fsdp_units()
+    assert units[-1] is tiny.module and len(units) == 2 + 4 + 4  # vision blocks, und layers, gen blocks, root
+    # the action pipeline is settable when the model-space dimension stays the same
+    from wamkit.data.transforms import ActionPipeline, QuantileNormalizeStep
+
+    old = tiny.action_pipeline
+    tiny.action_pipeline = ActionPipeline([QuantileNormalizeStep([-1] * 7, [1] * 7)])
+    tiny.action_pipeline = old
+    with pytest.raises(UserError):
+        tiny.action_pipeline = "rot6d"
+
+
+def test_rot6d_pipeline_predicts_env_space():
+    from wamkit.data.transforms import ActionPipeline, QuantileNormalizeStep, Rot6dStep
+
+    pipe = ActionPipeline([Rot6dStep(), QuantileNormalizeStep([-1] * 10, [1] * 10)])
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, action_pipeline=pipe)
+    assert pol.model_action_dim == 10 and pol.module.gen.action_out.out_features == 10
+    a = pol.predict(_obs(2), [0, 1])
+    assert a.shape == (2, 16, 7)
+    assert np.all(np.linalg.norm(a[..., 3:6], axis=-1) <= np.pi + 1e-5)  # axis-angle from rot6d
+
+
+def test_export_round_trip(tmp_path):
+    from wamkit.data.transforms import ActionPipeline, QuantileNormalizeStep, Rot6dStep
+
+    pipe = ActionPipeline([Rot6dStep(), QuantileNormalizeStep(np.linspace(-1, 0, 10), np.linspace(0.5, 1, 10))])
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=3, action_pipeline=pipe, state_dim=4,
+                      init_seed=3)
+    with torch.no_grad():  # weights that differ from any fresh init
+        for p in pol.module.gen.parameters():
+            p.add_(0.01)
+    obs = _obs(3, seed=4, state_dim=4)
+    before = pol.predict(obs, [1, 2, 3])
+    out = pol.save_pretrained(tmp_path / "export")
+    assert {f.name for f in out.iterdir()} >= {"wamkit_policy.json", "model.safetensors", "action_pipeline.json"}
+    loaded = make_policy(str(out))
+    assert type(loaded).__name__ == "WamRefPolicy" and loaded.spec == pol.spec
+    np.testing.assert_array_equal(loaded.predict(obs, [1, 2, 3]), before)
+    fewer = make_policy(str(out), num_inference_steps=1)  # overrides
+    assert fewer.num_inference_steps == 1
+
+
+def test_und_path_loads_local_qwen3vl_weights(tmp_path):
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from wamkit.policies.wam_ref.sizes import qwen3vl_config_dict
+
+    torch.manual_seed(1)
+    full = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**qwen3vl_config_dict("tiny")))
+    full.save_pretrained(tmp_path / "qwen")
+    pol = make_policy("wam-ref", size="tiny", und_path=str(tmp_path / "qwen"), num_inference_steps=2)
+    ref = full.model.state_dict()
+    for k, v in pol.module.und.state_dict().items():
+        torch.testing.assert_close(v, ref[k], rtol=0, atol=0)
+    assert pol.predict(_obs(1), [0]).shape == (1, 16, 7)
+    with pytest.raises(UserError):
+        make_policy("wam-ref", size="tiny", und_path=str(tmp_path / "missing"))
+
+
+def _expected_nano_params() -> dict[str, int]:
+    h, L, ffn, nh, kv, hd, vocab = 4096, 36, 12288, 32, 8, 128, 151936
+    attn = h * nh * hd + 2 * h * kv * hd + nh * hd * h + 2 * hd     # q, k, v, o (no bias) + q_norm, k_norm
+    layer = attn + 3 * h * ffn + 2 * h                               # + SwiGLU MLP + 2 RMSNorms
+    und_text = vocab * h + L * layer + h
+    vh, vd, vffn, p, m, out = 1152, 27, 4304, 16, 2, 4096
+    vblock = 4 * vh + (vh * 3 * vh + 3 * vh) + (vh * vh + vh) + (vh * vffn + vffn) + (vffn * vh + vh)
+    mh = vh * m * m
+    merger = lambda norm_dim: 2 * norm_dim + mh * mh + mh + mh * out + out  # noqa: E731
+    vision = (3 * 2 * p * p * vh + vh) + 2304 * vh + vd * vblock + merger(vh) + 3 * merger(mh)
+    gen_layer = attn + 3 * h * ffn + 6 * h                           # + AdaLN table (6, h)
+    gen = L * gen_layer + (7 * h + h) + (256 * h + h + h * h + h) + (h * 6 * h + 6 * h) + (h * 2 * h + 2 * h) \
+        + (h * 7 + 7)
+    return {"und": und_text + vision, "gen": gen, "total": und_text + vision + gen}
+
+
+def test_nano_shape_on_meta_device():
+    import resource
+
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    pol = make_policy("wam-ref", size="nano-shape", device="meta", dtype="bfloat16")
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert all(p.is_meta for p in pol.module.parameters())
+    counts = pol.num_parameters()
+    exp = _expected_nano_params()
+    assert counts["und"] == exp["und"] and counts["gen"] == exp["gen"] and counts["total"] == exp["total"]
+    assert 15.0e9 < counts["total"] < 15.5e9
+    assert (rss1 - rss0) * 1024 < 1.0e9   # ~60 GB if it had been allocated in fp32
+    f = pol.flops_per_observation(num_inference_steps=30, prefix_len=316)
+    assert 9e12 < f["total"] < 13e12      # the reference measurement quotes ~11 TFLOP per observation
+    with pytest.raises(UserError):
+        pol.predict(_obs(1), [0])
+
+
+def test_meta_build_materializes_to_the_cpu_build():
+    cpu = make_policy("wam-ref", size="tiny", num_inference_steps=2)
+    meta = make_policy("wam-ref", size="tiny", num_inference_steps=2, device="meta").materialize("cpu")
+    for (k, a), (_, b) in zip(cpu.module.state_dict().items(), meta.module.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
+    for name, buf in cpu.module.named_buffers():
+        torch.testing.assert_close(buf, dict(meta.module.named_buffers())[name], rtol=0, atol=0)
+    obs = _obs(2)
+    np.testing.assert_array_equal(cpu.predict(obs, [0, 1]), meta.predict(obs, [0, 1]))
+
+
+def test_bad_inputs(tiny):
+    o = _obs(1)[0]
+    with pytest.raises(UserError):
+        tiny.predict([Observation(images={"image": o.images["image"]}, state=None, task="x")], [0])
+    with pytest.raises(UserError):
+        make_policy("wam-ref", size="huge")
+    with pytest.raises(UserError):
+        make_policy("wam-ref", size="tiny", state_dim=3).predict(_obs(1), [0])
