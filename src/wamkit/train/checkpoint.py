@@ -220,6 +220,9 @@ def load_weights_into(module: torch.nn.Module, ckpt: str | Path, weights: str = 
         weights = "ema" if (ckpt / "ema").exists() else "model"
     if weights not in ("model", "ema"):
         raise UserError(f"weights must be auto, model or ema, got {weights!r}")
+    import warnings
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     sd = {k: v.detach().clone() for k, v in module.state_dict().items()}
     dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "model")), no_dist=True)
     if weights == "ema":

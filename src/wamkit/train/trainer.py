@@ -60,6 +60,26 @@ def resolve_io(cfg: TrainConfig, policy) -> tuple[list[str], int]:
     return cameras, horizon
 
 
+def check_sample(policy, samples, collate, cameras: list[str], horizon: int) -> None:
+    """Collate one sample and check it against what the policy consumes (before anything is trained)."""
+    if len(samples) == 0:
+        raise UserError("the dataset has no training samples")
+    b = collate([samples[0]])
+    spec = policy.spec
+    missing = [c for c in cameras if c not in b.get("images", {})]
+    if missing:
+        raise UserError(f"training samples lack camera(s) {missing}; they have {sorted(b.get('images', {}))}")
+    if spec.input.state_dim > 0:
+        if b.get("state") is None:
+            raise UserError(f"policy {spec.name!r} needs a state of {spec.input.state_dim} dims; samples have none")
+        if b["state"].shape[-1] != spec.input.state_dim:
+            raise UserError(f"policy {spec.name!r} needs a state of {spec.input.state_dim} dims; the dataset's has "
+                            f"{b['state'].shape[-1]}")
+    a = b["actions"]
+    if a.shape[1] != horizon:
+        raise UserError(f"training samples have action chunks of {a.shape[1]} steps, the policy predicts {horizon}")
+
+
 def _to_device(x, device: torch.device):
     if torch.is_tensor(x):
         return x.to(device, non_blocking=True)
@@ -114,6 +134,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
 
     policy.action_pipeline = ActionPipeline.from_dict(pipe_dict)
     samples = source.make_samples(policy.action_pipeline)
+    check_sample(policy, samples, source.collate, cameras, horizon)
     sampler = source.make_sampler(len(samples), rank=rank, world_size=world, seed=cfg.seed)
 
     # ---- numerics + parallelism: fp32 master weights, then AC -> compile -> fully_shard(units) -> fully_shard(root)

@@ -1,0 +1,51 @@
+"""Multi-process training (real torchrun + gloo ranks on CPU): 2 ranks == 1 rank, exact stop/resume on 2 ranks,
+a 2-rank checkpoint resumed on 1 rank."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from test_train_support import BASE_ARGS, losses, run_train
+from wamkit.core.config import load_config
+from wamkit.train.config import TrainConfig
+from wamkit.train.trainer import train
+
+pytestmark = pytest.mark.slow
+
+
+def close(a: dict, b: dict, steps, rtol=1e-5, atol=1e-6):
+    for s in steps:
+        assert abs(a[s] - b[s]) <= atol + rtol * abs(b[s]), (s, a[s], b[s])
+
+
+def test_two_ranks_match_one_rank_and_resume_on_one_rank(tmp_path):
+    common = ["steps=20", "batch_size=8", "grad_accum=2", "save_every=10", "keep_last=2"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    run_train([*common, f"out={two}"], nproc=2)
+    train(load_config(TrainConfig, None, [*BASE_ARGS, *common, f"out={one}"]))
+    a, b = losses(two), losses(one)
+    assert sorted(a) == sorted(b) == list(range(1, 21))
+    close(a, b, range(1, 21))
+    assert a[20] < a[1]
+    # the 2-rank checkpoint of step 10, resumed on one rank (DCP reshards; sampler position translated)
+    re = tmp_path / "re"
+    (re / "checkpoints").mkdir(parents=True)
+    shutil.copytree(two / "checkpoints" / "step-000010", re / "checkpoints" / "step-000010")
+    train(load_config(TrainConfig, None, [*BASE_ARGS, *common, f"out={re}", "resume=true"]))
+    c = losses(re)
+    assert sorted(c) == list(range(11, 21))
+    close(c, a, range(11, 21))
+
+
+def test_two_rank_stop_and_resume_is_exact(tmp_path):
+    common = ["steps=10", "batch_size=8", "grad_accum=2", "save_every=0", "ema=0.9", "policy_args.noise=0.1",
+              "num_workers=1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    run_train([*common, f"out={full}"], nproc=2)
+    run_train([*common, f"out={part}", "stop_at=4"], nproc=2)
+    run_train([*common, f"out={part}", "resume=true"], nproc=2)
+    a, b = losses(full), losses(part)
+    assert sorted(b) == list(range(1, 11))
+    assert [a[s] for s in range(1, 11)] == [b[s] for s in range(1, 11)]
