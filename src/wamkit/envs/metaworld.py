@@ -1,0 +1,186 @@
+"""MetaWorld (metaworld 3.1.1, goal-observable V3 tasks) behind the wamkit Env interface.
+
+- Tasks by name; `trial` picks a seeded init state: the task's random reset vector (object and goal positions) is
+  drawn from a numpy Generator seeded by (seed, crc32(task name), trial), so the same (task, trial) gives the same
+  scene every time, in every process, independent of global RNG state.
+- Observation.state is the env's full 39-D observation vector (float32): what the scripted experts read.
+- Success from info["success"]; action 4-D in [-1, 1] (xyz delta, gripper effort: -1 open, +1 close).
+- Cameras are rendered with our own mujoco.Renderer, only for the observations that are used (render skipping:
+  rendering reads the state and never touches the physics). MetaWorld's corner cameras are mounted upside down, so
+  every camera image is rotated 180 degrees (CAMERA_FLIP) to come out upright (pinned by tests/test_envs_metaworld.py).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from wamkit.envs._runtime import setup_headless_gl
+
+setup_headless_gl()
+
+from wamkit.core.errors import ConfigError  # noqa: E402
+from wamkit.core.types import ChunkResult, Observation  # noqa: E402
+from wamkit.envs.base import Env, EnvSpec, TaskInfo  # noqa: E402
+
+# Observation.images key -> MetaWorld camera name.
+CAMERAS: dict[str, str] = {"image": "corner2", "wrist_image": "gripperPOV"}
+# Rotate every camera by 180 degrees (the corner cameras have their image y axis pointing down in the world).
+CAMERA_FLIP = True
+STATE_DIM = 39
+ACTION_DIM = 4
+CONTROL_HZ = 80.0             # MetaWorld: frame_skip 5 x 2.5 ms physics step
+TRIALS_PER_TASK = 50          # distinct seeded init states per task (same count as LIBERO's protocol)
+# Tasks whose scripted experts (metaworld.policies) succeed reliably with the default expert horizon.
+DEFAULT_TASKS: tuple[str, ...] = ("reach-v3", "push-v3", "pick-place-v3", "drawer-open-v3",
+                                  "button-press-topdown-v3", "door-open-v3")
+_SUFFIX = "-v3"
+
+
+def task_instruction(task_name: str) -> str:
+    """Instruction text of a MetaWorld task: 'pick-place-v3' -> 'pick place'.
+    The inverse lives in wamkit.policies.metaworld_expert (policies do not import envs); a test pins both."""
+    if not task_name.endswith(_SUFFIX):
+        raise ConfigError(f"MetaWorld task names end with {_SUFFIX!r}: {task_name!r}")
+    return task_name[: -len(_SUFFIX)].replace("-", " ")
+
+
+def all_task_names() -> list[str]:
+    from metaworld.env_dict import ALL_V3_ENVIRONMENTS
+
+    return sorted(ALL_V3_ENVIRONMENTS)
+
+
+def init_rng(seed: int, task_name: str, trial: int) -> np.random.Generator:
+    return np.random.default_rng([int(seed), zlib.crc32(task_name.encode()), int(trial)])
+
+
+class MetaWorldEnv(Env):
+    def __init__(self, suite: str = "mt", tasks: tuple[str, ...] | list[str] = DEFAULT_TASKS, image_size: int = 224,
+                 cameras: tuple[str, ...] = ("image",), max_steps: int = 150, seed: int = 0, **_):
+        if suite != "mt":
+            raise ConfigError(f"unknown MetaWorld suite {suite!r}; valid choices: mt")
+        cameras = tuple(cameras)
+        bad = [c for c in cameras if c not in CAMERAS]
+        if bad:
+            raise ConfigError(f"unknown MetaWorld camera(s) {bad!r}; valid: {', '.join(CAMERAS)}")
+        names = all_task_names()
+        tasks = tuple(tasks)
+        unknown = [t for t in tasks if t not in names]
+        if unknown or not tasks:
+            raise ConfigError(f"unknown MetaWorld task(s) {unknown or tasks!r}; valid choices: {', '.join(names)}")
+        if int(max_steps) < 1:
+            raise ConfigError(f"max_steps must be >= 1, got {max_steps}")
+        self.task_names, self.cameras = tasks, cameras
+        self.image_size, self.max_steps, self.seed = int(image_size), int(max_steps), int(seed)
+        self.spec = EnvSpec(env="metaworld", suite=suite, action_dim=ACTION_DIM, cameras=cameras,
+                            image_size=self.image_size, state_dim=STATE_DIM, max_steps=self.max_steps,
+                            control_hz=CONTROL_HZ)
+        self._tasks = [TaskInfo(task_id=i, name=n, instruction=task_instruction(n), num_trials=TRIALS_PER_TASK)
+                       for i, n in enumerate(tasks)]
+        self._envs: dict[int, object] = {}       # task_id -> metaworld env (cheap: built once, kept)
+        self._renderers: dict[int, object] = {}  # task_id -> mujoco.Renderer
+        self._task_id: int | None = None
+        self._obs: np.ndarray | None = None
+        self._episode_steps, self._success, self._over = 0, False, True
+        self.renders = 0
+
+    def tasks(self) -> list[TaskInfo]:
+        return list(self._tasks)
+
+    def reset(self, task_id: int, trial: int) -> Observation:
+        if not 0 <= task_id < len(self._tasks):
+            raise ConfigError(f"task_id {task_id} out of range ({len(self._tasks)} tasks)")
+        if not 0 <= trial < TRIALS_PER_TASK:
+            raise ConfigError(f"trial {trial} out of range (0..{TRIALS_PER_TASK - 1})")
+        env = self._env(task_id)
+        name = self._tasks[task_id].name
+        rng = init_rng(self.seed, name, trial)
+        space = env._random_reset_space
+        env._last_rand_vec = rng.uniform(space.low, space.high, size=space.low.size).astype(np.float64)
+        env._freeze_rand_vec = True
+        env.seed(int(rng.integers(2**31 - 1)))
+        obs, _ = env.reset()
+        self._task_id, self._obs = task_id, obs
+        self._episode_steps, self._success, self._over = 0, False, False
+        return self._observation()
+
+    def execute(self, actions: np.ndarray, *, render_every_step: bool = False,
+                run_to_max_steps: bool = False) -> ChunkResult:
+        if self._task_id is None or self._over:
+            raise RuntimeError("execute() called without an episode in progress; call reset() first")
+        actions = np.asarray(actions, dtype=np.float32)
+        if actions.ndim != 2 or actions.shape[1] != ACTION_DIM or len(actions) == 0:
+            raise ValueError(f"actions must have shape (H>=1, {ACTION_DIM}), got {actions.shape}")
+        env = self._envs[self._task_id]
+        n = min(len(actions), self.max_steps - self._episode_steps)
+        frames: list[np.ndarray] = []
+        steps, done = 0, False
+        for i in range(n):
+            obs, _, _, _, info = env.step(np.clip(actions[i], -1.0, 1.0))
+            self._obs = obs
+            steps += 1
+            self._episode_steps += 1
+            if render_every_step:
+                frames.append(self._render(self.cameras[0]) if self.cameras else np.zeros((0, 0, 3), np.uint8))
+            if float(info.get("success", 0.0)) > 0.0:
+                self._success = True
+                if not run_to_max_steps:
+                    done = True
+                    break
+        if self._episode_steps >= self.max_steps:
+            done = True
+        self._over = done
+        obs = None
+        if not done:
+            # render skipping: only this observation is rendered (or reused from the per-step frame)
+            images = {}
+            if render_every_step and self.cameras:
+                images[self.cameras[0]] = frames[-1]
+            obs = self._observation(images)
+        return ChunkResult(obs=obs, success=self._success, done=done, steps=steps,
+                           episode_steps=self._episode_steps, frames=frames)
+
+    def close(self) -> None:
+        for r in self._renderers.values():
+            try:
+                r.close()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+        for e in self._envs.values():
+            try:
+                e.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self._renderers, self._envs, self._task_id = {}, {}, None
+
+    # ---- internals ---------------------------------------------------------------------------------------------
+    def _env(self, task_id: int):
+        if task_id not in self._envs:
+            from metaworld.env_dict import ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE
+
+            env = ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE[self._tasks[task_id].name + "-goal-observable"](seed=self.seed)
+            env.max_path_length = max(int(env.max_path_length), self.max_steps + 1)
+            self._envs[task_id] = env
+        return self._envs[task_id]
+
+    def _render(self, cam: str) -> np.ndarray:
+        import mujoco
+
+        r = self._renderers.get(self._task_id)
+        if r is None:
+            env = self._envs[self._task_id]
+            r = self._renderers[self._task_id] = mujoco.Renderer(env.model, self.image_size, self.image_size)
+        r.update_scene(self._envs[self._task_id].data, camera=CAMERAS[cam])
+        img = r.render()
+        self.renders += 1
+        return np.ascontiguousarray(img[::-1, ::-1]) if CAMERA_FLIP else img.copy()
+
+    def _observation(self, images: dict | None = None) -> Observation:
+        images = dict(images or {})
+        for cam in self.cameras:
+            if cam not in images:
+                images[cam] = self._render(cam)
+        return Observation(images=images, state=np.asarray(self._obs, dtype=np.float32),
+                           task=self._tasks[self._task_id].instruction)

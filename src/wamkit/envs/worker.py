@@ -1,0 +1,347 @@
+"""EnvWorker: one simulator per spawned process, driven from the parent (asyncio or blocking).
+
+Data path: commands and small metadata (state vector, task text, flags) go through a Pipe; camera images come back
+through one preallocated shared-memory buffer per worker (cameras x image_size^2 x 3 bytes), which the parent copies
+out before returning, so the buffer is reused by the next call. Per-step video frames (render_every_step, the rare
+path) travel through the pipe.
+
+Many workers can be in flight at once from one event loop: `await reset/execute` registers the pipe and the process
+sentinel with `loop.add_reader` and never blocks the loop. A process that dies mid-call (killed, OOM, segfault in the
+simulator) raises EnvWorkerCrashed promptly, because its end of the pipe and its sentinel both become readable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import signal
+import traceback
+import weakref
+from multiprocessing import shared_memory
+from multiprocessing.connection import wait as mp_wait
+
+import numpy as np
+
+from wamkit.core.types import ChunkResult, Observation
+from wamkit.envs.base import EnvSpec, TaskInfo
+
+
+class EnvWorkerCrashed(RuntimeError):
+    """The env worker process died (or could not start)."""
+
+    def __init__(self, index: int, msg: str):
+        super().__init__(f"env worker {index} crashed: {msg}")
+        self.index, self.msg = index, msg
+
+
+class EnvWorkerError(RuntimeError):
+    """The env raised inside the worker process (the process is still alive); carries the remote traceback."""
+
+    def __init__(self, index: int, exc_type: str, msg: str, tb: str):
+        super().__init__(f"env worker {index}: {exc_type}: {msg}\n--- remote traceback ---\n{tb}")
+        self.index, self.exc_type, self.remote_traceback = index, exc_type, tb
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# child side
+
+def _image_layout(spec: EnvSpec) -> tuple[dict[str, tuple[int, tuple[int, int, int]]], int]:
+    s = int(spec.image_size)
+    shape = (s, s, 3)
+    per = s * s * 3
+    return {cam: (k * per, shape) for k, cam in enumerate(spec.cameras)}, max(1, per * len(spec.cameras))
+
+
+def _pack_obs(obs: Observation | None, layout, buf: np.ndarray | None):
+    if obs is None:
+        return None
+    meta = {"state": obs.state, "task": obs.task, "shm": [], "inline": {}}
+    for cam, img in obs.images.items():
+        slot = layout.get(cam)
+        if buf is not None and slot is not None and tuple(img.shape) == slot[1] and img.dtype == np.uint8:
+            off, shape = slot
+            buf[off: off + img.size] = img.reshape(-1)
+            meta["shm"].append(cam)
+        else:  # unexpected size: correctness first, through the pipe
+            meta["inline"][cam] = img
+    return meta
+
+
+def _worker_main(conn, env_name: str, env_kwargs: dict, index: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    from wamkit.envs._runtime import setup_headless_gl
+
+    setup_headless_gl()
+    shm = None
+    env = None
+    try:
+        from wamkit.envs.base import make_env
+
+        env = make_env(env_name, **env_kwargs)
+        layout, nbytes = _image_layout(env.spec)
+        conn.send(("ready", env.spec, env.tasks(), nbytes))
+        kind, name = conn.recv()
+        assert kind == "shm"
+        shm = shared_memory.SharedMemory(name=name)
+        buf = np.ndarray((shm.size,), np.uint8, buffer=shm.buf)
+    except BaseException as e:  # noqa: BLE001 - report why we could not start, then exit
+        try:
+            conn.send(("err", type(e).__name__, str(e), traceback.format_exc()))
+        except Exception:  # noqa: BLE001
+            pass
+        if env is not None:
+            env.close()
+        return
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break
+            cmd = msg[0]
+            if cmd == "close":
+                break
+            try:
+                if cmd == "reset":
+                    obs = env.reset(msg[1], msg[2])
+                    conn.send(("ok", _pack_obs(obs, layout, buf)))
+                elif cmd == "execute":
+                    r = env.execute(msg[1], render_every_step=msg[2], run_to_max_steps=msg[3])
+                    conn.send(("ok", {"obs": _pack_obs(r.obs, layout, buf), "success": bool(r.success),
+                                      "done": bool(r.done), "steps": int(r.steps),
+                                      "episode_steps": int(r.episode_steps), "frames": r.frames}))
+                elif cmd == "ping":
+                    conn.send(("ok", os.getpid()))
+                else:
+                    conn.send(("err", "ValueError", f"unknown command {cmd!r}", ""))
+            except Exception as e:  # noqa: BLE001 - the env failed, the worker lives on
+                conn.send(("err", type(e).__name__, str(e), traceback.format_exc()))
+    finally:
+        try:
+            env.close()
+        finally:
+            del buf
+            shm.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parent side
+
+_LIVE: "weakref.WeakSet[EnvWorker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for w in list(_LIVE):
+        try:
+            w.close(timeout=2.0)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class EnvWorker:
+    """One env in its own spawned process. Not safe for concurrent calls on the same worker (one call at a time);
+    many workers may be driven concurrently from one asyncio loop."""
+
+    def __init__(self, env: str, env_kwargs: dict | None = None, index: int = 0, start_timeout: float = 300.0):
+        self.env_name, self.env_kwargs, self.index = env, dict(env_kwargs or {}), int(index)
+        self.start_timeout = float(start_timeout)
+        self.spec: EnvSpec | None = None
+        self.tasks: list[TaskInfo] = []
+        self._proc = None
+        self._conn = None
+        self._shm: shared_memory.SharedMemory | None = None
+        self._buf: np.ndarray | None = None
+        self._layout: dict = {}
+        self._busy = False
+        self._stale = False  # a cancelled call's reply is still on its way: drain it before the next call
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+    def start(self) -> "EnvWorker":
+        """Spawn the process and block until its env is built (spec and tasks known)."""
+        if self.alive:
+            return self
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=_worker_main, args=(child, self.env_name, self.env_kwargs, self.index),
+                           name=f"wamkit-env-{self.index}", daemon=True)
+        proc.start()
+        child.close()  # so that the child's death shows as EOF on our end
+        self._proc, self._conn = proc, parent
+        _LIVE.add(self)
+        try:
+            msg = self._recv_blocking(self.start_timeout)
+        except BaseException:
+            self._teardown(kill=True)
+            raise
+        if msg[0] == "err":
+            self._teardown(kill=True)
+            raise EnvWorkerCrashed(self.index, f"could not build env {self.env_name!r}: {msg[1]}: {msg[2]}\n{msg[3]}")
+        _, spec, tasks, nbytes = msg
+        self.spec, self.tasks = spec, list(tasks)
+        self._layout, _ = _image_layout(spec)
+        self._shm = shared_memory.SharedMemory(create=True, size=int(nbytes))
+        self._buf = np.ndarray((self._shm.size,), np.uint8, buffer=self._shm.buf)
+        self._conn.send(("shm", self._shm.name))
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL the process (for tests and hung simulators); the next or in-flight call raises EnvWorkerCrashed."""
+        if self._proc is not None and self._proc.pid is not None and self._proc.is_alive():
+            os.kill(self._proc.pid, signal.SIGKILL)
+
+    def restart(self) -> "EnvWorker":
+        self._teardown(kill=True)
+        return self.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the env to close, wait for the process, then free the shared memory. Idempotent."""
+        if self._proc is not None and self._proc.is_alive() and self._conn is not None and not self._busy:
+            try:
+                self._conn.send(("close",))
+                self._proc.join(timeout)
+            except (OSError, BrokenPipeError):
+                pass
+        self._teardown(kill=True)
+
+    def _teardown(self, kill: bool) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.is_alive() and kill:
+                proc.kill()
+            proc.join(5.0)
+            try:
+                proc.close()
+            except ValueError:
+                pass
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._buf = None
+        if self._shm is not None:
+            try:
+                self._shm.close()
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+            self._shm = None
+        self._busy = self._stale = False
+        _LIVE.discard(self)
+
+    def __enter__(self) -> "EnvWorker":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- calls ---------------------------------------------------------------------------------------------------
+    def reset_sync(self, task_id: int, trial: int) -> Observation:
+        return self._unpack_obs(self._call_sync(("reset", int(task_id), int(trial))))
+
+    def execute_sync(self, actions, render_every_step: bool = False, run_to_max_steps: bool = False) -> ChunkResult:
+        msg = ("execute", np.asarray(actions, np.float32), bool(render_every_step), bool(run_to_max_steps))
+        return self._unpack_chunk(self._call_sync(msg))
+
+    async def reset(self, task_id: int, trial: int) -> Observation:
+        return self._unpack_obs(await self._call_async(("reset", int(task_id), int(trial))))
+
+    async def execute(self, actions, render_every_step: bool = False, run_to_max_steps: bool = False) -> ChunkResult:
+        msg = ("execute", np.asarray(actions, np.float32), bool(render_every_step), bool(run_to_max_steps))
+        return self._unpack_chunk(await self._call_async(msg))
+
+    # ---- plumbing ------------------------------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        if self._proc is None or self._conn is None:
+            raise EnvWorkerCrashed(self.index, "not started (or closed); call start() or restart()")
+        if self._busy:
+            raise RuntimeError(f"env worker {self.index} already has a call in flight")
+        if not self._proc.is_alive():
+            raise EnvWorkerCrashed(self.index, f"process is dead (exit code {self._proc.exitcode})")
+        if self._stale:
+            self._stale = False
+            self._busy = True
+            self._recv_blocking(None)  # the reply of the cancelled call (or the crash it ended in)
+            self._busy = False
+        try:
+            self._conn.send(msg)
+        except (OSError, BrokenPipeError) as e:
+            raise EnvWorkerCrashed(self.index, f"send failed: {e}") from e
+        self._busy = True
+
+    def _read_reply(self):
+        """The reply is (or should be) ready: read it, or diagnose the death."""
+        try:
+            if self._conn.poll():
+                return self._conn.recv()
+        except (EOFError, OSError):
+            pass
+        code = None
+        if self._proc is not None:
+            self._proc.join(1.0)
+            code = self._proc.exitcode
+        self._busy = False
+        raise EnvWorkerCrashed(self.index, f"process died mid-call (exit code {code})")
+
+    def _recv_blocking(self, timeout: float | None):
+        ready = mp_wait([self._conn, self._proc.sentinel], timeout)
+        if not ready:
+            raise TimeoutError(f"env worker {self.index}: no reply within {timeout} s")
+        return self._read_reply()
+
+    def _finish(self, msg):
+        self._busy = False
+        if msg[0] == "err":
+            raise EnvWorkerError(self.index, msg[1], msg[2], msg[3])
+        return msg[1]
+
+    def _call_sync(self, msg):
+        self._send(msg)
+        return self._finish(self._recv_blocking(None))
+
+    async def _call_async(self, msg):
+        self._send(msg)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        fds = (self._conn.fileno(), self._proc.sentinel)
+
+        def on_ready():
+            if not fut.done():
+                fut.set_result(None)
+
+        for fd in fds:
+            loop.add_reader(fd, on_ready)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self._busy, self._stale = False, True
+            raise
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+        return self._finish(self._read_reply())
+
+    def _unpack_obs(self, meta) -> Observation | None:
+        if meta is None:
+            return None
+        images = {}
+        for cam in meta["shm"]:
+            off, shape = self._layout[cam]
+            n = shape[0] * shape[1] * shape[2]
+            images[cam] = self._buf[off: off + n].reshape(shape).copy()  # copy out: the buffer is reused
+        images.update(meta["inline"])
+        return Observation(images=images, state=meta["state"], task=meta["task"])
+
+    def _unpack_chunk(self, d) -> ChunkResult:
+        return ChunkResult(obs=self._unpack_obs(d["obs"]), success=d["success"], done=d["done"], steps=d["steps"],
+                           episode_steps=d["episode_steps"], frames=list(d["frames"]))
