@@ -115,7 +115,7 @@ def test_trainer_interface(tiny):
     assert mult and all(any(fnmatch.fnmatchcase(n, g) for n in names) for g in mult)
     assert all(v == 5.0 for v in mult.values())
     units = tiny.fsdp_units()
-    assert units[-1] is tiny.module and len(units) == 2 + 4 + 4  # vision blocks, und layers, gen blocks, root
+    assert units[-1] is tiny.module and len(units) == 2 + 4 + 4 + 1  # vision blocks, und layers, gen blocks, root
     # the action pipeline is settable when the model-space dimension stays the same
     from wamkit.data.transforms import ActionPipeline, QuantileNormalizeStep
 
