@@ -6,6 +6,7 @@ the world size comes from torchrun."""
 from __future__ import annotations
 
 import json
+import os
 
 from wamkit.cli.main import split_args
 from wamkit.core.config import load_config
@@ -22,10 +23,6 @@ def main(argv: list[str]) -> int:
     from wamkit.train.trainer import train
 
     summary = train(cfg)
-    import torch.distributed as dist  # noqa: F401
-
-    import os
-
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps({k: summary[k] for k in ("steps", "world_size", "checkpoint", "last")}, default=str))
     return 0
