@@ -8,13 +8,13 @@
   of Ray's logical memory, each in its own bundle of one placement group (SPREAD or PACK over the nodes).
 - Observations come back as the actor call's return value: Ray pickles the dataclass with out-of-band numpy
   buffers; small returns travel inline with the reply, large ones (images) through the object store, and the
-  driver reads them zero-copy (read-only arrays; `ray.copy_obs=true` copies them out). The scheduler awaits the
+  driver copies the arrays out (`ray.copy_obs=false`: zero-copy read-only views). The scheduler awaits the
   ObjectRefs directly on its asyncio loop.
 - Actors are never restarted by Ray (max_restarts=0): a dead actor or a lost node surfaces as `EnvWorkerCrashed`;
   the driver-side scheduler calls `restart()` (a new actor in the same bundle; after a node loss Ray re-places the
   bundle on a node with room) and re-runs the episode.
 
-Action servers: `make_ray_server_workers(n, ...)` -> `RayServerWorker`s with the ServerWorker interface (start(),
+Action servers: `make_ray_server_worker(ray_opts, **kw)` -> a `RayServerWorker` with the ServerWorker interface (start(),
 wait_healthy(timeout), url, healthy(), stop(), restart()). Each is an actor holding one GPU (num_gpus_per_server)
 that runs `wamkit.serve.workers.WamkitServerWorker` (the `wamkit serve` process) on its node and reports the URL.
 The server binds 127.0.0.1 when its node is on the driver's host, else the node's IP (the driver must reach it over
@@ -38,10 +38,20 @@ from wamkit.runtime.ray_session import RayOptions
 log = logging.getLogger(__name__)
 
 
-def _crashed_error():
+def _crashed(index: int, msg: str) -> Exception:
     from wamkit.envs.worker import EnvWorkerCrashed
 
-    return EnvWorkerCrashed
+    return EnvWorkerCrashed(index, msg)
+
+
+def _env_error(index: int, e) -> Exception:
+    """The env raised inside its actor (the actor lives on): EnvWorkerError, as the local worker raises."""
+    from wamkit.envs.worker import EnvWorkerError
+
+    cause = getattr(e, "cause", None)
+    exc_type = type(cause).__name__ if cause is not None else type(e).__name__
+    msg = str(cause) if cause is not None else str(e)
+    return EnvWorkerError(index, exc_type, msg, getattr(e, "traceback_str", "") or "")
 
 
 def _crash_exceptions() -> tuple[type[BaseException], ...]:
@@ -207,10 +217,13 @@ class RayEnvWorker:
         self._crash_types = _crash_exceptions()
 
     # ---- lifecycle
-    def start(self) -> None:
+    def start(self) -> "RayEnvWorker":
+        """Create the actor in this worker's bundle and block until its env is built (spec and tasks known)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if self._actor is not None and not self._dead:
+            return self
         if self._closed:
             raise RuntimeError(f"env worker {self.index} is closed")
         o = self.pool.opts
@@ -230,26 +243,28 @@ class RayEnvWorker:
             info = ray.get(self._actor.info.remote(), timeout=o.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
             self._kill_actor()
-            raise RuntimeError(f"env worker {self.index}: actor not ready within {o.startup_timeout_s:.0f} s "
-                               "(cluster out of room for its bundle?)") from None
-        except ray.exceptions.RayActorError as e:
+            raise _crashed(self.index, f"Ray actor not ready within {o.startup_timeout_s:.0f} s (no room for its "
+                                       "placement-group bundle?)") from None
+        except (ray.exceptions.RayTaskError, *self._crash_types) as e:
             self._kill_actor()
-            raise RuntimeError(f"env worker {self.index}: could not build env {self.env_name!r} in its actor: "
-                               f"{e}") from None
-        self.spec, self.tasks = info["spec"], info["tasks"]
+            raise _crashed(self.index, f"could not build env {self.env_name!r} in its Ray actor: {e}") from None
+        self.spec, self.tasks = info["spec"], list(info["tasks"])
         self.node_ip, self.node_id, self.pid = info["node_ip"], info["node_id"], info["pid"]
         self._dead = False
+        return self
 
-    def restart(self) -> None:
+    def restart(self) -> "RayEnvWorker":
+        """A new actor (in the same bundle: the same node, or another one after a node loss)."""
         self._kill_actor()
         self.restarts += 1
-        self.start()
+        return self.start()
 
     def kill(self) -> None:
         """Kill the actor (as a crash would): the next call raises EnvWorkerCrashed until restart()."""
         self._kill_actor()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the env to close, kill the actor; the last worker of the pool frees the bundles. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -257,7 +272,7 @@ class RayEnvWorker:
             import ray
 
             try:
-                ray.get(self._actor.close.remote(), timeout=10)
+                ray.get(self._actor.close.remote(), timeout=timeout)
             except Exception:  # noqa: BLE001
                 pass
         self._kill_actor()
@@ -292,19 +307,31 @@ class RayEnvWorker:
     # ---- calls
     def _crashed(self, e: BaseException) -> BaseException:
         self._dead = True
-        err = _crashed_error()(f"env worker {self.index} (Ray actor on {self.node_ip}) died: "
-                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return err
+        first = str(e).splitlines()[0] if str(e) else ""
+        return _crashed(self.index, f"its Ray actor (node {self.node_ip}, pid {self.pid}) died: "
+                                    f"{type(e).__name__}: {first}")
 
     def _check(self) -> None:
         if self._actor is None or self._dead:
-            raise _crashed_error()(f"env worker {self.index} is not running (call restart())")
+            raise _crashed(self.index, "its Ray actor is not running (restart() it)")
+
+    def __enter__(self) -> "RayEnvWorker":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _fix_obs(self, obs: Observation | None) -> Observation | None:
         if obs is not None and self.pool.opts.copy_obs:
             obs = Observation({k: np.array(v) for k, v in obs.images.items()},
                               None if obs.state is None else np.array(obs.state), obs.task)
         return obs
+
+    def _fix_chunk(self, res: ChunkResult) -> ChunkResult:
+        res.obs = self._fix_obs(res.obs)
+        if res.frames and self.pool.opts.copy_obs:
+            res.frames = [np.array(f) for f in res.frames]
+        return res
 
     async def _await(self, ref):
         import ray
@@ -313,8 +340,8 @@ class RayEnvWorker:
             return await ref
         except self._crash_types as e:
             raise self._crashed(e) from None
-        except ray.exceptions.RayTaskError as e:   # the env itself raised: re-raise its own exception
-            raise e.as_instanceof_cause() from None
+        except ray.exceptions.RayTaskError as e:   # the env itself raised (the actor lives on)
+            raise _env_error(self.index, e) from None
 
     def _get(self, ref):
         import ray
@@ -324,7 +351,7 @@ class RayEnvWorker:
         except self._crash_types as e:
             raise self._crashed(e) from None
         except ray.exceptions.RayTaskError as e:
-            raise e.as_instanceof_cause() from None
+            raise _env_error(self.index, e) from None
 
     async def reset(self, task_id: int, trial: int) -> Observation:
         self._check()
@@ -333,10 +360,9 @@ class RayEnvWorker:
     async def execute(self, actions: np.ndarray, render_every_step: bool = False,
                       run_to_max_steps: bool = False) -> ChunkResult:
         self._check()
-        res = await self._await(self._actor.execute.remote(np.asarray(actions), bool(render_every_step),
+        res = await self._await(self._actor.execute.remote(np.asarray(actions, np.float32), bool(render_every_step),
                                                            bool(run_to_max_steps)))
-        res.obs = self._fix_obs(res.obs)
-        return res
+        return self._fix_chunk(res)
 
     def reset_sync(self, task_id: int, trial: int) -> Observation:
         self._check()
@@ -345,10 +371,9 @@ class RayEnvWorker:
     def execute_sync(self, actions: np.ndarray, render_every_step: bool = False,
                      run_to_max_steps: bool = False) -> ChunkResult:
         self._check()
-        res = self._get(self._actor.execute.remote(np.asarray(actions), bool(render_every_step),
+        res = self._get(self._actor.execute.remote(np.asarray(actions, np.float32), bool(render_every_step),
                                                    bool(run_to_max_steps)))
-        res.obs = self._fix_obs(res.obs)
-        return res
+        return self._fix_chunk(res)
 
     def __repr__(self) -> str:
         return f"RayEnvWorker(index={self.index}, env={self.env_name!r}, node={self.node_ip}, pid={self.pid})"
@@ -372,17 +397,22 @@ def make_ray_env_workers(env: str, env_kwargs: dict[str, Any], n: int,
 
 
 class RayServerWorker:
-    """An action server (`wamkit serve`) launched by a Ray actor holding one GPU; the ServerWorker interface."""
+    """An action server (`wamkit serve`) launched by a Ray actor holding one GPU; the ServerWorker interface.
 
-    def __init__(self, worker_kwargs: dict[str, Any], opts: RayOptions, session: ray_session.RaySession,
-                 index: int = 0):
-        self.worker_kwargs, self.opts, self.session, self.index = dict(worker_kwargs), opts, session, index
+    Holds the Ray session from construction until stop()."""
+
+    health_path = "/health"
+
+    def __init__(self, worker_kwargs: dict[str, Any], opts: RayOptions | dict | None = None, index: int = 0):
+        self.worker_kwargs, self.opts, self.index = dict(worker_kwargs), RayOptions.from_any(opts), index
+        self.session = ray_session.acquire(self.opts)
         self._actor = None
         self._url: str | None = None
         self.node_ip: str | None = None
         self.host: str | None = None
         self.gpu_ids: list = []
-        self._stopped = False
+        self.starts = 0
+        self._released = False
         self._crash_types = _crash_exceptions()
 
     @property
@@ -391,9 +421,17 @@ class RayServerWorker:
             raise RuntimeError("server not started (call start() and wait_healthy())")
         return self._url
 
-    def start(self) -> None:
+    @property
+    def actor(self):
+        return self._actor
+
+    def start(self) -> "RayServerWorker":
         import ray
 
+        if self._released:
+            raise RuntimeError("server worker was stopped")
+        if self._actor is not None:
+            return self
         o = self.opts
         opts: dict[str, Any] = {"num_gpus": o.num_gpus_per_server, "num_cpus": o.num_cpus_per_server}
         if o.memory_gb_per_server > 0:
@@ -413,57 +451,68 @@ class RayServerWorker:
         except ray.exceptions.RayTaskError as e:
             self._kill_actor()
             raise e.as_instanceof_cause() from None
+        except self._crash_types as e:
+            self._kill_actor()
+            raise RuntimeError(f"server worker {self.index}: actor died while starting: {e}") from None
         self.node_ip, self.host, self.gpu_ids = info["node_ip"], info["host"], info["gpu_ids"]
-        self._stopped = False
+        self.starts += 1
+        return self
 
-    def wait_healthy(self, timeout: float = 300.0) -> str:
+    def wait_healthy(self, timeout: float | None = None) -> "RayServerWorker":
         import ray
 
+        timeout = self.opts.startup_timeout_s if timeout is None else float(timeout)
+        if self._actor is None:
+            raise RuntimeError("server was not started")
         try:
             self._url = ray.get(self._actor.wait_healthy.remote(timeout), timeout=timeout + 30)
         except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
-        return self._url
+        except self._crash_types as e:
+            raise RuntimeError(f"server worker {self.index}: actor died: {e}") from None
+        return self
 
-    def healthy(self) -> bool:
-        import ray
+    def healthy(self, timeout: float = 2.0) -> bool:
+        """Health as the driver sees it: the server answers /health at its URL from here."""
+        import httpx
 
-        if self._actor is None:
+        if self._actor is None or self._url is None:
             return False
         try:
-            return bool(ray.get(self._actor.healthy.remote(), timeout=30))
-        except Exception:  # noqa: BLE001 - a dead actor or node is an unhealthy server
+            return httpx.get(self._url + self.health_path, timeout=timeout).status_code == 200
+        except httpx.HTTPError:
             return False
 
-    def restart(self) -> None:
-        """Restart the server; a dead actor (or node) is replaced by a new one, possibly elsewhere."""
+    def restart(self, timeout: float | None = None) -> "RayServerWorker":
+        """Restart the server process; a dead actor (or node) is replaced by a new one, possibly elsewhere."""
         import ray
 
         if self._actor is not None:
             try:
                 ray.get(self._actor.restart.remote(), timeout=self.opts.startup_timeout_s)
-                return
+                return self.wait_healthy(timeout)
             except self._crash_types:
                 pass
         self._kill_actor()
         self._url = None
         self.start()
+        return self.wait_healthy(timeout)
 
     def stop(self) -> None:
         import ray
 
-        if self._stopped:
-            return
-        self._stopped = True
         if self._actor is not None:
             try:
                 ray.get(self._actor.stop.remote(), timeout=60)
             except Exception:  # noqa: BLE001
                 pass
         self._kill_actor()
+        if not self._released:
+            self._released = True
+            ray_session.release(self.session)
 
     def kill(self) -> None:
-        """Kill the actor as a crash would (Ray also kills the server process it launched)."""
+        """Kill the actor as a crash would (its server exits too: it watches its parent's pid)."""
         self._kill_actor()
 
     def _kill_actor(self) -> None:
@@ -476,36 +525,29 @@ class RayServerWorker:
             except Exception:  # noqa: BLE001
                 pass
 
+    def __enter__(self) -> "RayServerWorker":
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
-class RayServerPool:
-    """n server workers sharing one Ray session; close() stops them all and releases the session."""
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
-    def __init__(self, n: int, worker_kwargs: dict[str, Any], opts: RayOptions):
-        self.opts = opts
-        self.session = ray_session.acquire(opts)
-        self.workers = [RayServerWorker(worker_kwargs, opts, self.session, i) for i in range(n)]
-        self._closed = False
+    def __repr__(self) -> str:
+        return f"RayServerWorker(url={self._url!r}, node={self.node_ip}, gpus={self.gpu_ids})"
 
-    def start(self, timeout: float | None = None) -> list[str]:
-        from concurrent.futures import ThreadPoolExecutor
 
-        t = timeout or self.opts.startup_timeout_s
-        with ThreadPoolExecutor(len(self.workers)) as ex:
-            list(ex.map(lambda w: w.start(), self.workers))
-            return list(ex.map(lambda w: w.wait_healthy(t), self.workers))
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for w in self.workers:
-            w.stop()
-        ray_session.release(self.session)
+def make_ray_server_worker(ray_opts: dict[str, Any] | RayOptions | None = None, **worker_kwargs) -> RayServerWorker:
+    """One action server as a Ray actor (`ray.num_gpus_per_server` GPUs); worker_kwargs go to WamkitServerWorker
+    (policy, policy_args, port, max_batch_size, max_wait_ms, token, ...). Not started: start(), wait_healthy()."""
+    return RayServerWorker(worker_kwargs, ray_opts)
 
 
 def make_ray_server_workers(n: int, ray_opts: dict[str, Any] | RayOptions | None = None,
-                            **worker_kwargs) -> RayServerPool:
-    """n action servers as Ray actors (one GPU each, `ray.num_gpus_per_server`); worker_kwargs go to
-    WamkitServerWorker (policy, policy_args, port, max_batch_size, max_wait_ms, token, ...)."""
-    return RayServerPool(n, worker_kwargs, RayOptions.from_any(ray_opts))
-
+                            **worker_kwargs) -> list[RayServerWorker]:
+    """n action servers (one per GPU with the defaults), not started."""
+    return [RayServerWorker(worker_kwargs, ray_opts, i) for i in range(n)]

@@ -50,7 +50,8 @@ class RayOptions:
     num_cpus: int | None = None         # local Ray only: CPUs it may use (None: all)
     namespace: str = "wamkit"
     startup_timeout_s: float = 300.0    # placement group ready + actor built + env constructed
-    copy_obs: bool = False              # copy observation arrays out of the object store (default: zero-copy views)
+    copy_obs: bool = True               # copy images out of the object store (writable, as the local worker's);
+                                        # false: zero-copy read-only views (pin object-store memory while held)
     forward_env: list[str] = field(default_factory=lambda: ["MUJOCO_GL", "PYOPENGL_PLATFORM", "LP_NUM_THREADS",
                                                             "WAMKIT_CACHE_DIR", "LIBERO_CONFIG_PATH"])
     log_to_driver: bool = False         # actors' stdout/stderr on the driver console (else in the session logs)

@@ -1,0 +1,114 @@
+"""The Ray session: options validation (fast), and a private local Ray started and shut down by us (slow)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from wamkit.core.errors import ConfigError
+from wamkit.runtime.ray_session import RayOptions
+
+
+def test_ray_options_validation():
+    o = RayOptions.from_any({"address": "auto", "placement": "PACK", "num_cpus_per_env": "2"})
+    assert o.address == "auto" and o.placement == "pack" and o.num_cpus_per_env == 2.0
+    assert RayOptions.from_any({"address": "local"}).address is None
+    assert RayOptions.from_any(None).placement == "spread"
+    with pytest.raises(ConfigError, match="ray.placment"):
+        RayOptions.from_any({"placment": "spread"})
+    with pytest.raises(ConfigError, match="valid choices"):
+        RayOptions.from_any({"placement": "diagonal"})
+    with pytest.raises(ConfigError, match=">= 0"):
+        RayOptions.from_any({"memory_gb_per_env": -1})
+
+
+def test_ray_keys_through_eval_config():
+    from wamkit.core.config import load_config
+    from wamkit.eval.config import EvalConfig
+
+    cfg = load_config(EvalConfig, None, ["runtime=ray", "ray.address=auto", "ray.num_cpus_per_env=1",
+                                         "ray.memory_gb_per_env=2.5", "ray.placement=pack"])
+    o = RayOptions.from_any(cfg.ray)
+    assert (o.address, o.num_cpus_per_env, o.memory_gb_per_env, o.placement) == ("auto", 1.0, 2.5, "pack")
+
+
+def _procs_mentioning(text: str) -> list[str]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            out.append(f"{d.name}: {cmd[:160]}")
+    return out
+
+
+def _listening_inet(pids: set[int]) -> list[str]:
+    """Non-loopback TCP listeners owned by `pids` (from /proc/net/tcp{,6} and the processes' socket inodes)."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    t = os.readlink(fd)
+                except OSError:
+                    continue
+                if t.startswith("socket:["):
+                    inodes[t[8:-1]] = pid
+        except OSError:
+            continue
+    bad = []
+    for name in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
+            f = line.split()
+            local, st, inode = f[1], f[3], f[9]
+            if st != "0A" or inode not in inodes:     # 0A = LISTEN
+                continue
+            addr = local.split(":")[0]
+            loopback = addr in ("0100007F", "00000000000000000000000001000000")
+            if not loopback:
+                bad.append(f"pid {inodes[inode]} listens on {local}")
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_private_local_ray_started_and_shut_down(monkeypatch):
+    ray = pytest.importorskip("ray")
+    from wamkit.runtime import ray_session
+
+    if ray.is_initialized():
+        pytest.skip("a Ray is already initialized in this process")
+    for k in ("RAY_TMPDIR", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HOME", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"wk-home-{os.getpid()}"))
+    home = Path(os.environ["HOME"])
+    s1 = ray_session.acquire({"num_cpus": 1})
+    try:
+        s2 = ray_session.acquire({})
+        assert s2 is s1 and s1.started_here and s1.holders == 2
+        tmp = s1.temp_dir
+        assert tmp and Path(tmp).is_dir()
+        assert os.environ["RAY_AUTH_MODE"] == "token" and os.environ.get("RAY_AUTH_TOKEN")
+        assert not (home / ".ray" / "auth_token").exists()          # ephemeral token, nothing written to HOME
+        pids = {int(p.split(":")[0]) for p in _procs_mentioning(tmp)}
+        assert pids, "no Ray processes found under our temp dir"
+        assert _listening_inet(pids) == []                            # loopback only
+        assert ray.get(ray.remote(lambda: 7).remote()) == 7
+        ray_session.release(s2)
+        assert ray.is_initialized()                                   # one holder left
+    finally:
+        ray_session.release(s1)
+    assert not ray.is_initialized()
+    assert "RAY_AUTH_TOKEN" not in os.environ and "RAY_TMPDIR" not in os.environ
+    deadline = time.time() + 20
+    while (left := _procs_mentioning(tmp)) and time.time() < deadline:
+        time.sleep(0.5)
+    assert left == []
+    assert not Path(tmp).exists()
