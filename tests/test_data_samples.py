@@ -38,6 +38,7 @@ def test_training_batch_format():
 
 def test_dataloader_workers():
     ds = LeRobotDataset(FIXTURE)
+    ds[0]  # the parent holds open decoders when the workers fork: they must not hang or share them
     samples = TrainingSamples(ds, horizon=8, cameras=["image"], image_size=64)
     loader = torch.utils.data.DataLoader(samples, batch_size=8, collate_fn=collate, num_workers=2,
                                          sampler=ResumableShardedSampler(len(samples), shuffle=False, drop_last=False))

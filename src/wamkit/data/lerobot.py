@@ -29,6 +29,12 @@ from wamkit.data.errors import (
     CorruptFileError, DatasetError, FeatureMissingError, FpsMismatchError, FrameTimestampError, MissingFileError,
 )
 
+# Every open container, with the pid that opened it. A forked child (DataLoader worker) inherits this registry, so
+# containers it inherited stay referenced there and are never freed in the child: freeing one would join decoder
+# threads that do not exist in the child and hang (seen with dav1d). Only the owning process closes and unregisters.
+_OPEN_CONTAINERS: dict[int, tuple[int, Any]] = {}
+_INHERITED: list = []
+
 DEFAULT_FEATURES = ("timestamp", "frame_index", "episode_index", "index", "task_index")
 CAMERA_PREFIX = "observation.images."
 
@@ -117,6 +123,9 @@ class VideoDecoder:
         self._reset_state()
 
     def _reset_state(self):
+        if getattr(self, "_container", None) is not None and getattr(self, "_pid", None) != os.getpid():
+            # inherited through fork: keep the container and its decode generator alive, unused (see above)
+            _INHERITED.append((self._container, self._stream, self._iter))
         self._container = None
         self._stream = None
         self._iter = None
@@ -141,9 +150,10 @@ class VideoDecoder:
             raise MissingFileError(self.path, "video file")
         try:
             self._container = av.open(str(self.path))
+            _OPEN_CONTAINERS[id(self._container)] = (os.getpid(), self._container)
             self._stream = self._container.streams.video[0]
         except (av.error.FFmpegError, IndexError, OSError) as e:
-            self._container = None
+            self.close()
             raise CorruptFileError(self.path, f"cannot open video: {e}") from None
         self._stream.thread_type = "AUTO"
         self._iter = self._container.decode(self._stream)
@@ -162,11 +172,19 @@ class VideoDecoder:
 
     def close(self):
         if self._container is not None and self._pid == os.getpid():
+            self._iter = None
+            _OPEN_CONTAINERS.pop(id(self._container), None)
             try:
                 self._container.close()
             except Exception:  # noqa: BLE001 - closing a broken container must not mask the real error
                 pass
         self._reset_state()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def _nearest_cached(self, t: float):
         if not self._cache:

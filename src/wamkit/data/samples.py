@@ -28,7 +28,7 @@ def resize_uint8(img: np.ndarray, size: tuple[int, int]) -> np.ndarray:
         return img
     from PIL import Image
 
-    return np.asarray(Image.fromarray(img).resize((w, h), Image.BILINEAR))
+    return np.array(Image.fromarray(img).resize((w, h), Image.BILINEAR))
 
 
 def _size(image_size) -> tuple[int, int] | None:
@@ -94,7 +94,7 @@ class TrainingSamples(torch.utils.data.Dataset):
             "index": i,
         }
         if self.state_key is not None:
-            out["state"] = torch.from_numpy(np.asarray(ds.column(self.state_key)[i], dtype=np.float32).reshape(-1))
+            out["state"] = torch.from_numpy(np.array(ds.column(self.state_key)[i], dtype=np.float32).reshape(-1))
         return out
 
 
