@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -238,16 +239,31 @@ class RayEnvWorker:
         renv = o.runtime_env()
         if renv:
             opts["runtime_env"] = renv
-        self._actor = _remote("env").options(**opts).remote(self.env_name, self.env_kwargs)
-        try:
-            info = ray.get(self._actor.info.remote(), timeout=o.startup_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self._kill_actor()
-            raise _crashed(self.index, f"Ray actor not ready within {o.startup_timeout_s:.0f} s (no room for its "
-                                       "placement-group bundle?)") from None
-        except (ray.exceptions.RayTaskError, *self._crash_types) as e:
-            self._kill_actor()
-            raise _crashed(self.index, f"could not build env {self.env_name!r} in its Ray actor: {e}") from None
+        # An actor that dies before its env is built, without its constructor failing, was placed on a node that
+        # just died (its bundle not yet re-placed by Ray): try again until the startup deadline.
+        deadline = time.monotonic() + o.startup_timeout_s
+        delay = 0.25
+        while True:
+            self._actor = _remote("env").options(**opts).remote(self.env_name, self.env_kwargs)
+            left = max(1.0, deadline - time.monotonic())
+            try:
+                info = ray.get(self._actor.info.remote(), timeout=left)
+                break
+            except ray.exceptions.GetTimeoutError:
+                self._kill_actor()
+                raise _crashed(self.index, f"Ray actor not ready within {o.startup_timeout_s:.0f} s (no room for "
+                                           "its placement-group bundle?)") from None
+            except ray.exceptions.RayTaskError as e:
+                self._kill_actor()
+                raise _crashed(self.index, f"could not build env {self.env_name!r} in its Ray actor: {e}") from None
+            except self._crash_types as e:
+                self._kill_actor()
+                if getattr(e, "actor_init_failed", False) or time.monotonic() + delay >= deadline:
+                    raise _crashed(self.index, f"could not start env {self.env_name!r} in a Ray actor: {e}") from None
+                log.warning("env worker %d: new actor died before it was ready (%s); retrying in %.1f s",
+                            self.index, type(e).__name__, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, 2.0)
         self.spec, self.tasks = info["spec"], list(info["tasks"])
         self.node_ip, self.node_id, self.pid = info["node_ip"], info["node_id"], info["pid"]
         self._dead = False
@@ -551,3 +567,14 @@ def make_ray_server_workers(n: int, ray_opts: dict[str, Any] | RayOptions | None
                             **worker_kwargs) -> list[RayServerWorker]:
     """n action servers (one per GPU with the defaults), not started."""
     return [RayServerWorker(worker_kwargs, ray_opts, i) for i in range(n)]
+
+
+def ray_server_worker_factory(ray_opts: dict[str, Any] | RayOptions | None = None):
+    """A drop-in for the WamkitServerWorker class where the eval builds its server: factory(**kwargs) ->
+    RayServerWorker (same kwargs: policy, policy_args, port, max_batch_size, max_wait_ms, token)."""
+    opts = RayOptions.from_any(ray_opts)
+
+    def factory(**worker_kwargs) -> RayServerWorker:
+        return RayServerWorker(worker_kwargs, opts)
+
+    return factory
