@@ -1,8 +1,8 @@
 """MetaWorld (metaworld 3.1.1, goal-observable V3 tasks) behind the wamkit Env interface.
 
-- Tasks by name; `trial` picks a seeded init state: the task's random reset vector (object and goal positions) is
-  drawn from a numpy Generator seeded by (seed, crc32(task name), trial), so the same (task, trial) gives the same
-  scene every time, in every process, independent of global RNG state.
+- Tasks by name; `trial` picks a seeded init state: the env's np_random is seeded from (seed, crc32(task name),
+  trial) right before reset, and MetaWorld samples the object/goal reset vector from it, so the same (task, trial)
+  gives the same scene every time, in every process, independent of global RNG state.
 - Observation.state is the env's full 39-D observation vector (float32): what the scripted experts read.
 - Success from info["success"]; action 4-D in [-1, 1] (xyz delta, gripper effort: -1 open, +1 close).
 - Cameras are rendered with our own mujoco.Renderer, only for the observations that are used (render skipping:
@@ -96,12 +96,14 @@ class MetaWorldEnv(Env):
             raise ConfigError(f"trial {trial} out of range (0..{TRIALS_PER_TASK - 1})")
         env = self._env(task_id)
         name = self._tasks[task_id].name
-        rng = init_rng(self.seed, name, trial)
-        space = env._random_reset_space
-        env._last_rand_vec = rng.uniform(space.low, space.high, size=space.low.size).astype(np.float64)
-        env._freeze_rand_vec = True
-        env.seed(int(rng.integers(2**31 - 1)))
+        # MetaWorld samples the reset vector from env.np_random (resampling until the task's own constraints hold,
+        # e.g. goal far enough from the object; a frozen vector that violates them would loop forever), so we
+        # seed np_random per (seed, task, trial) and let it sample.
+        env._freeze_rand_vec = False
+        env.seeded_rand_vec = True
+        env.seed(int(init_rng(self.seed, name, trial).integers(2**31 - 1)))
         obs, _ = env.reset()
+        env._freeze_rand_vec = True  # keep this scene if anything resets the model again
         self._task_id, self._obs = task_id, obs
         self._episode_steps, self._success, self._over = 0, False, False
         return self._observation()
