@@ -7,8 +7,8 @@
 Rules
 - `address` given ("auto", "ray://...", "host:6379"): connect to that cluster; it is never shut down by us.
 - no `address` and Ray not initialized: start a local Ray with a fresh temp dir (RAY_TMPDIR points there, so the
-  address file and session logs stay inside it), no dashboard, bound to 127.0.0.1 (nothing reachable from the
-  network), `num_cpus` from the options if given. Shut down when the last holder releases it, or at exit.
+  address file and session logs stay inside it), no dashboard UI, node address 127.0.0.1 (Ray 2.60's own agents still
+  listen on wildcard gRPC ports: token auth guards them), `num_cpus` from the options if given. Shut down when the last holder releases it, or at exit.
 - Ray already initialized by the caller (tests, notebooks): used as is, never shut down by us.
 - Token auth stays on. Connecting needs the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
   ~/.ray/auth_token). For a local Ray we start and no token configured anywhere, an ephemeral random token is put in
