@@ -81,6 +81,7 @@ class MetaWorldEnv(Env):
                        for i, n in enumerate(tasks)]
         self._envs: dict[int, object] = {}       # task_id -> metaworld env (cheap: built once, kept)
         self._renderers: dict[int, object] = {}  # task_id -> mujoco.Renderer
+        self._initial_states: dict[int, np.ndarray] = {}  # task_id -> full MuJoCo state right after construction
         self._task_id: int | None = None
         self._obs: np.ndarray | None = None
         self._episode_steps, self._success, self._over = 0, False, True
@@ -99,6 +100,10 @@ class MetaWorldEnv(Env):
         # MetaWorld samples the reset vector from env.np_random (resampling until the task's own constraints hold,
         # e.g. goal far enough from the object; a frozen vector that violates them would loop forever), so we
         # seed np_random per (seed, task, trial) and let it sample.
+        # MetaWorld's reset steps the physics from wherever the last episode left it (hand reset by 50 mocap
+        # steps), so the new scene depended on history in the last bits; restore the full state of a fresh env
+        # first: (task, trial) -> bit-identical scene, whatever ran before.
+        self._restore_initial_state(task_id)
         env._freeze_rand_vec = False
         env.seeded_rand_vec = True
         env.seed(int(init_rng(self.seed, name, trial).integers(2**31 - 1)))
@@ -165,7 +170,20 @@ class MetaWorldEnv(Env):
             env = ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE[self._tasks[task_id].name + "-goal-observable"](seed=self.seed)
             env.max_path_length = max(int(env.max_path_length), self.max_steps + 1)
             self._envs[task_id] = env
+            import mujoco
+
+            spec = mujoco.mjtState.mjSTATE_INTEGRATION
+            state = np.empty(mujoco.mj_stateSize(env.model, spec), np.float64)
+            mujoco.mj_getState(env.model, env.data, state, spec)
+            self._initial_states[task_id] = state
         return self._envs[task_id]
+
+    def _restore_initial_state(self, task_id: int) -> None:
+        import mujoco
+
+        env = self._envs[task_id]
+        mujoco.mj_setState(env.model, env.data, self._initial_states[task_id], mujoco.mjtState.mjSTATE_INTEGRATION)
+        mujoco.mj_forward(env.model, env.data)
 
     def _render(self, cam: str) -> np.ndarray:
         import mujoco
