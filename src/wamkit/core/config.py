@@ -5,7 +5,8 @@
 Rules
 - Keys are dataclass field names; nested dataclasses and dict fields take dotted keys (`server.port=8001`).
 - Values are coerced to the field's annotated type: int, float, bool, str, list[int]/list[str] (comma separated),
-  Optional[...] ("none"/"null" -> None), nested dataclass, dict (free-form; values parsed as YAML scalars).
+  Optional[...] ("none"/"null" -> None), nested dataclass, dict (free-form; values parsed as YAML scalars, and
+  `a,b` without spaces as a list).
 - An unknown key raises ConfigError naming the valid keys. Nothing is half-applied: a new object is returned.
 """
 
@@ -62,6 +63,9 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 def _yaml_scalar(v: Any) -> Any:
+    """A CLI string as YAML would read it; 'a,b,c' (commas, no spaces) becomes a list of scalars."""
+    if isinstance(v, str) and "," in v and not any(c.isspace() for c in v) and not v.startswith(("[", "{")):
+        return [_yaml_scalar(x) for x in v.split(",") if x != ""]
     if isinstance(v, str):
         try:
             return yaml.safe_load(v)

@@ -79,10 +79,18 @@ def make_env_workers(cfg: EvalConfig, n: int):
 
 
 def _start_workers(workers) -> None:
+    """Start every env worker (in parallel); a user error inside the env (unknown suite...) becomes a UserError."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(len(workers)) as ex:
-        list(ex.map(lambda w: w.start(), workers))
+    try:
+        with ThreadPoolExecutor(len(workers)) as ex:
+            list(ex.map(lambda w: w.start(), workers))
+    except RuntimeError as e:
+        msg = getattr(e, "msg", "")
+        for kind in ("UserError: ", "ConfigError: "):
+            if kind in msg:
+                raise UserError(msg.split(kind, 1)[1].splitlines()[0]) from None
+        raise
 
 
 def run_eval(cfg: EvalConfig, console: Console | None = None) -> dict[str, Any]:

@@ -1,0 +1,245 @@
+"""End-to-end evaluation on real simulators: results contract, schedule invariance, faults, resume, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from wamkit.core.config import load_config
+from wamkit.eval.config import EvalConfig
+from wamkit.eval.metrics import outcome_view
+
+ROOT = Path(__file__).resolve().parents[1]
+MW_TASKS = "env_args.tasks=reach-v3,drawer-open-v3"
+
+
+def mw_cfg(tmp_path, name, *extra):
+    # expert with 4-action chunks: a mix of successes and failures within 60 steps
+    return load_config(EvalConfig, None, ["env=metaworld", "suite=mt", MW_TASKS, "trials=2", "image_size=32",
+                                          "policy=metaworld-expert", "horizon=4", "max_steps=60", "progress=false",
+                                          f"out={tmp_path / name}", *extra])
+
+
+def results(out) -> list[dict]:
+    return [json.loads(x) for x in (Path(out) / "results.jsonl").read_text().splitlines()]
+
+
+def cli(*args, timeout=600, **kw):
+    return subprocess.run([sys.executable, "-m", "wamkit.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, **kw)
+
+
+@pytest.fixture(scope="module")
+def mw_serial(tmp_path_factory):
+    from wamkit.eval.runner import run_eval
+
+    tmp = tmp_path_factory.mktemp("serial")
+    run_eval(mw_cfg(tmp, "serial", "mode=serial"))
+    return results(tmp / "serial")
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_metaworld_results_contract(mw_serial, tmp_path):
+    recs = mw_serial
+    assert len(recs) == 4 and len({r["key"] for r in recs}) == 4
+    for r in recs:
+        for k in ("suite", "task_id", "task", "trial", "success", "steps", "wall_s"):
+            assert k in r
+        assert 0 < r["steps"] <= 60
+    # failures run to max steps, successes end early: the expert gives a mix here
+    assert any(r["success"] for r in recs)
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+@pytest.mark.parametrize("mode_args", [
+    ("mode=auto", "num_envs=3"),
+    ("mode=pipelines", "num_envs=2", "batch=1", "pipelines=2"),
+    ("mode=pipelines", "num_envs=2", "batch=2", "pipelines=1"),
+    ("mode=auto", "num_envs=2", "inference=server"),
+], ids=["auto3", "B1P2", "B2P1", "auto-server"])
+def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
+    from wamkit.eval.runner import run_eval
+
+    s = run_eval(mw_cfg(tmp_path, "x", *mode_args))
+    assert outcome_view(results(tmp_path / "x")) == outcome_view(mw_serial)
+    assert s["episodes"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_env_worker_killed_mid_run_every_episode_once(mw_serial, tmp_path):
+    """Kill an env worker while it is busy: its episode is re-run from its init state, nothing lost or doubled."""
+    import asyncio
+
+    from wamkit.envs.worker import EnvWorker
+    from wamkit.eval.inference import InProcessInference
+    from wamkit.eval.plan import make_plan
+    from wamkit.eval.runner import env_kwargs
+    from wamkit.eval.scheduler import Scheduler, SchedulerOptions
+    from wamkit.policies import make_policy
+
+    cfg = mw_cfg(tmp_path, "kill")
+    workers = [EnvWorker("metaworld", env_kwargs(cfg), index=i) for i in range(2)]
+    for w in workers:
+        w.start()
+    done: list = []
+    killed = []
+
+    def on_done(o):
+        done.append(o)
+        if not killed:   # after the first episode, kill the other (busy) worker
+            other = workers[1 - o.env_index]
+            other.kill()
+            killed.append(other.index)
+
+    try:
+        plan = make_plan("mt", [0, 1], 2)
+        pol = make_policy("metaworld-expert", horizon=4)
+        sched = Scheduler(workers, InProcessInference(pol), plan, SchedulerOptions(mode="auto"), on_done)
+        asyncio.run(sched.run())
+    finally:
+        for w in workers:
+            w.close()
+    assert killed and sched.restarts >= 1
+    keys = [o.episode.key for o in done]
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == 4
+    assert {o.episode.key: (o.success, o.steps) for o in done} == outcome_view(mw_serial)
+    assert any(o.attempts > 1 for o in done)
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_server_killed_mid_run_is_restarted(mw_serial, tmp_path):
+    """SIGKILL the action server during the evaluation: the client restarts it and retries; same results."""
+    import asyncio
+
+    from wamkit.envs.worker import EnvWorker
+    from wamkit.eval.inference import ServerInference
+    from wamkit.eval.plan import make_plan
+    from wamkit.eval.runner import env_kwargs
+    from wamkit.eval.scheduler import Scheduler, SchedulerOptions
+
+    cfg = mw_cfg(tmp_path, "srv")
+    workers = [EnvWorker("metaworld", env_kwargs(cfg), index=i) for i in range(2)]
+    for w in workers:
+        w.start()
+    done: list = []
+    inf = ServerInference(policy="metaworld-expert", policy_args={"horizon": 4, "action_dim": 4},
+                          options=cfg.server)
+
+    def on_done(o):
+        done.append(o)
+        if len(done) == 1:
+            os.killpg(inf.worker.pid, signal.SIGKILL)
+
+    async def main():
+        await inf.start()
+        try:
+            await Scheduler(workers, inf, make_plan("mt", [0, 1], 2), SchedulerOptions(mode="auto"), on_done).run()
+        finally:
+            await inf.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for w in workers:
+            w.close()
+    assert inf.restarts >= 1
+    assert {o.episode.key: (o.success, o.steps) for o in done} == outcome_view(mw_serial)
+    with pytest.raises(ProcessLookupError):
+        os.kill(inf.worker.pid, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_resume_after_the_eval_process_is_killed(mw_serial, tmp_path):
+    out = tmp_path / "resume"
+    args = ["eval", "env=metaworld", "suite=mt", MW_TASKS, "trials=2", "image_size=32", "policy=metaworld-expert",
+            "horizon=4", "max_steps=60", "progress=false", f"out={out}"]
+    proc = subprocess.Popen([sys.executable, "-m", "wamkit.cli.main", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            p = out / "results.jsonl"
+            if p.exists() and len(p.read_text().splitlines()) >= 2:
+                break
+            if proc.poll() is not None:
+                pytest.fail("eval finished before it could be killed")
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    before = results(out)
+    assert 2 <= len(before) < 4
+    # without resume=true the directory is protected
+    r = cli(*args)
+    assert r.returncode == 2 and "resume=true" in r.stderr
+    r = cli(*args, "resume=true")
+    assert r.returncode == 0, r.stderr
+    after = results(out)
+    assert len(after) == 4 and len({x["key"] for x in after}) == 4
+    assert outcome_view(after) == outcome_view(mw_serial)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["episodes"] == 4 and summary["throughput"]["episodes_this_run"] == 4 - len(before)
+    assert summary["successes"] == sum(int(x["success"]) for x in mw_serial)
+
+
+def test_cli_errors_exit_2_and_write_nothing(tmp_path):
+    out = tmp_path / "nothing"
+    for args, needle in ((["env=mujoco"], "unknown env 'mujoco'"), (["policy=gpt"], "unknown policy 'gpt'"),
+                         (["suit=x"], "unknown config key 'suit'"), (["mode=fast"], "mode")):
+        r = cli("eval", *args, f"out={out}", timeout=120)
+        assert r.returncode == 2, (args, r.stderr)
+        assert needle in r.stderr and "valid" in r.stderr or needle == "mode"
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not out.exists()
+    r = cli("nope", timeout=60)
+    assert r.returncode == 2 and "unknown verb" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.libero
+def test_libero_eval_end_to_end(tmp_path):
+    out = tmp_path / "lib"
+    r = cli("eval", "env=libero", "suite=libero_object", "tasks=0", "trials=1", "policy=zero", "max_steps=16",
+            "save_videos=1", "image_size=128", f"out={out}", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = results(out)
+    assert len(recs) == 1
+    rec = recs[0]
+    assert rec["suite"] == "libero_object" and rec["task_id"] == 0 and rec["trial"] == 0
+    assert rec["success"] is False and rec["steps"] == 16
+    s = json.loads((out / "summary.json").read_text())
+    assert s["episodes"] == 1 and s["per_task"]["0"]["episodes"] == 1
+    assert s["versions"]["mujoco"] and s["versions"]["robosuite"] == "1.4.0"
+    assert s["config"]["suite"] == "libero_object"
+    assert (out / rec["video"]).stat().st_size > 0
+    assert "success rate" in r.stdout and (out / "report.md").exists() and (out / "timeline.png").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.libero
+def test_libero_schedule_invariance(tmp_path):
+    from wamkit.eval.runner import run_eval
+
+    base = ["env=libero", "suite=libero_object", "tasks=0", "trials=2", "policy=random", "policy_args.scale=0.5",
+            "max_steps=24", "image_size=64", "progress=false"]
+    views = []
+    for i, extra in enumerate((["mode=serial"], ["mode=auto", "num_envs=2"],
+                               ["mode=pipelines", "num_envs=2", "batch=1", "pipelines=2"])):
+        run_eval(load_config(EvalConfig, None, base + extra + [f"out={tmp_path / str(i)}"]))
+        views.append(outcome_view(results(tmp_path / str(i))))
+    assert views[0] == views[1] == views[2]
+    assert len(views[0]) == 2
