@@ -33,7 +33,7 @@ class DemoConfig:
     libero_envs: int = 2
     # learning-loop stage (MetaWorld)
     mw_tasks: list[str] = field(default_factory=lambda: ["button-press-topdown-v3", "drawer-open-v3"])
-    demos: int = 12                 # expert episodes recorded per task
+    demos: int = 12                 # expert episodes recorded per task (init states 20.., unseen by the eval)
     trials: int = 6                 # evaluation episodes per task (init states not seen in training)
     train_steps: int = 600
     batch_size: int = 32
@@ -75,7 +75,7 @@ def learn_stage(cfg: DemoConfig, out: Path, console: Console) -> dict:
     if not (data_dir / "meta" / "info.json").exists():
         record(RecordConfig(env="metaworld", env_args=env_args, episodes=cfg.demos, policy="metaworld-expert",
                             image_size=cfg.mw_image_size, max_steps=cfg.mw_max_steps, out=str(data_dir),
-                            only_success=True, trial_start=100), console)
+                            only_success=True, trial_start=20), console)
     policy_args = {"size": "tiny", "cameras": ["image"], "image_size": cfg.mw_image_size, "state_dim": 39,
                    "action_dim": 4, "horizon": cfg.horizon}
     tcfg = load_config(TrainConfig, None, {

@@ -60,6 +60,10 @@ def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:
         bad = [t for t in task_ids if not 0 <= t < len(tasks)]
         if bad:
             raise UserError(f"unknown task {bad[0]}; valid choices: 0..{len(tasks) - 1}")
+        max_trials = min(t.num_trials for t in tasks)
+        if cfg.trial_start + cfg.episodes > max_trials:
+            raise UserError(f"episodes={cfg.episodes} from trial_start={cfg.trial_start} exceeds the {max_trials} "
+                            f"init states per task of {cfg.env}")
         policy = make_policy(cfg.policy, action_dim=spec.action_dim, **cfg.policy_args)
         plan = make_plan(cfg.suite, task_ids, cfg.episodes, cfg.trial_start,
                          {i: t.instruction for i, t in enumerate(tasks)})
