@@ -95,7 +95,7 @@ class WamRefPolicy(Policy):
 
         preset = get_size(size)
         self.size = size
-        self.cameras = tuple(cameras)
+        self.cameras = tuple(cameras.split(",")) if isinstance(cameras, str) else tuple(cameras)
         self.horizon = int(horizon)
         self.env_action_dim = int(action_dim)
         self.state_dim = int(state_dim)
