@@ -87,10 +87,10 @@ def _eval(tmp_path: Path, name: str, extra: list[str]):
     from wamkit.core.config import load_config
     from wamkit.eval.config import EvalConfig
     from wamkit.eval.runner import run_eval
+    from wamkit.runtime import eval_runtime
 
     cfg = load_config(EvalConfig, None, [*EVAL_ARGS, f"out={tmp_path / name}", *extra])
-    cfg.validate()
-    summary = run_eval(cfg)
+    summary = run_eval(cfg, **eval_runtime(cfg))
     recs = [json.loads(line) for line in (tmp_path / name / "results.jsonl").read_text().splitlines() if line]
     return summary, recs
 

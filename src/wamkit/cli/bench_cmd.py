@@ -25,6 +25,7 @@ def main(argv: list[str]) -> int:
             rest.append(o)
     cfg = load_config(EvalConfig, path, rest)
     from wamkit.eval.bench import bench_eval
+    from wamkit.runtime import eval_runtime
 
-    bench_eval(cfg, Path(cfg.out), rows=rows, horizon=cfg.horizon or 16)
+    bench_eval(cfg, Path(cfg.out), rows=rows, horizon=cfg.horizon or 16, runtime=eval_runtime(cfg))
     return 0

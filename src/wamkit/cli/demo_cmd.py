@@ -32,7 +32,7 @@ class DemoConfig:
     libero_max_steps: int = 64
     libero_envs: int = 2
     # learning-loop stage (MetaWorld)
-    mw_tasks: list[str] = field(default_factory=lambda: ["button-press-topdown-v3", "drawer-open-v3"])
+    mw_tasks: list[str] = field(default_factory=lambda: ["reach-v3", "button-press-topdown-v3"])
     demos: int = 12                 # expert episodes recorded per task (init states 20.., unseen by the eval)
     trials: int = 6                 # evaluation episodes per task (init states not seen in training)
     train_steps: int = 600
@@ -82,7 +82,9 @@ def learn_stage(cfg: DemoConfig, out: Path, console: Console) -> dict:
         "policy": "wam-ref", "dataset": str(data_dir), "steps": cfg.train_steps, "batch_size": cfg.batch_size,
         "warmup": 50, "lr": 1e-3, "out": str(out / "train"), "save_every": 0, "log_every": 25, "num_workers": 0})
     tcfg.policy_args = policy_args
-    tcfg.fps = None
+    from wamkit.envs.metaworld import CONTROL_HZ
+
+    tcfg.fps = CONTROL_HZ   # the recipe's time scale: MetaWorld's control rate, which the recording keeps
     train(tcfg)
     exported = out / "policy"
     export_checkpoint(out / "train" / "checkpoints", exported)

@@ -14,8 +14,9 @@ def main(argv: list[str]) -> int:
     cfg = load_config(EvalConfig, path, overrides)
     from wamkit.eval.report import print_report
     from wamkit.eval.runner import run_eval
+    from wamkit.runtime import eval_runtime
 
     console = Console()
-    run_eval(cfg, console=Console(stderr=True))
+    run_eval(cfg, console=Console(stderr=True), **eval_runtime(cfg))
     print_report(cfg.out, console)
     return 0

@@ -24,10 +24,10 @@ from rich.table import Table
 from wamkit.eval.config import EvalConfig
 
 
-def _run(cfg: EvalConfig, console: Console) -> dict[str, Any]:
+def _run(cfg: EvalConfig, console: Console, runtime: dict[str, Any] | None = None) -> dict[str, Any]:
     from wamkit.eval.runner import run_eval
 
-    return run_eval(cfg, console=console)
+    return run_eval(cfg, console=console, **(runtime or {}))
 
 
 def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
@@ -82,7 +82,8 @@ def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0) -> float
 
 
 def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows: list[str] | None = None,
-               horizon: int = 16) -> dict[str, Any]:
+               horizon: int = 16, runtime: dict[str, Any] | None = None) -> dict[str, Any]:
+    """runtime: run_eval keyword arguments placing the workers (wamkit.runtime.eval_runtime); None = local."""
     console = console or Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
     m = base.num_envs
@@ -107,13 +108,13 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
         cfg = r(cfg, out=str(out / slug))
         console.print(f"[bold]bench eval[/] {name}: mode={cfg.mode} envs={cfg.num_envs} B={cfg.batch} "
                       f"P={cfg.pipelines}")
-        s = _run(cfg, console)
+        s = _run(cfg, console, runtime)
         results.append(_row(name, s, horizon))
         console.print(f"  {results[-1]['episodes_per_hour']:.0f} episodes/h, "
                       f"{results[-1]['env_steps_per_s']:.1f} env steps/s")
     # stage bound: simulation alone and inference alone, same envs and plan
     sim = _run(r(base, out=str(out / "bound_sim"), mode="auto", policy="zero", policy_args={},
-                 inference="inprocess", run_to_max_steps=True, render_every_step=False, **common), console)
+                 inference="inprocess", run_to_max_steps=True, render_every_step=False, **common), console, runtime)
     sim_steps = sim["throughput"]["env_steps_per_s"]
     auto_rows = [x for x in results if x["row"] == "auto"]
     batch = max(1, round(auto_rows[0]["mean_batch"])) if auto_rows else max(1, m // 2)

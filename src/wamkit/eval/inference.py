@@ -80,9 +80,11 @@ class ServerInference(Inference):
 
     name = "server"
 
-    def __init__(self, *, policy: str, policy_args: dict, options, timeline: Timeline | None = None):
+    def __init__(self, *, policy: str, policy_args: dict, options, timeline: Timeline | None = None,
+                 worker_factory=None):
         super().__init__(timeline)
         self.policy_name, self.policy_args, self.options = policy, dict(policy_args), options
+        self.worker_factory = worker_factory     # None: a local `wamkit serve` subprocess
         self.worker = None
         self.client = None
 
@@ -96,7 +98,7 @@ class ServerInference(Inference):
 
         url = self.options.url
         if url is None:
-            self.worker = WamkitServerWorker(policy=self.policy_name, policy_args=self.policy_args,
+            self.worker = (self.worker_factory or WamkitServerWorker)(policy=self.policy_name, policy_args=self.policy_args,
                                              port=self.options.port, max_batch_size=self.options.max_batch_size,
                                              max_wait_ms=self.options.max_wait_ms, token=self.options.token)
             self.worker.default_start_timeout = self.options.startup_timeout_s

@@ -68,14 +68,11 @@ def _prepare_out(cfg: EvalConfig) -> tuple[Path, Journal]:
     return out, Journal(results)
 
 
-def make_env_workers(cfg: EvalConfig, n: int):
-    if cfg.runtime == "ray":
-        from wamkit.runtime.ray_runtime import make_ray_env_workers
-
-        return make_ray_env_workers(cfg.env, env_kwargs(cfg), n, cfg.ray)
+def local_env_workers(env: str, kwargs: dict[str, Any], n: int):
+    """The default runtime: one spawned process per env on this machine."""
     from wamkit.envs.worker import EnvWorker
 
-    return [EnvWorker(cfg.env, env_kwargs(cfg), index=i) for i in range(n)]
+    return [EnvWorker(env, kwargs, index=i) for i in range(n)]
 
 
 def _start_workers(workers) -> None:
@@ -93,12 +90,21 @@ def _start_workers(workers) -> None:
         raise
 
 
-def run_eval(cfg: EvalConfig, console: Console | None = None) -> dict[str, Any]:
-    """Run an evaluation; returns the summary (also written to OUT/summary.json)."""
+def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=None, server_worker_factory=None,
+             cores: int | None = None) -> dict[str, Any]:
+    """Run an evaluation; returns the summary (also written to OUT/summary.json).
+
+    Where the workers run is injected by the caller (the runtime layer, see `wamkit.runtime.eval_runtime`):
+    env_workers(env, env_kwargs, n) -> env worker handles (default: local processes); server_worker_factory(**kw)
+    -> a ServerWorker for inference=server (default: a local `wamkit serve` subprocess); cores: CPU cores the
+    envs share (default: this machine's), used by the auto scheduler's cost model."""
     console = console or Console(stderr=True)
     _check_names(cfg)
+    if cfg.runtime != "local" and env_workers is None:
+        raise UserError(f"runtime={cfg.runtime} needs the runtime layer: run it through `wamkit eval` or pass "
+                        f"wamkit.runtime.eval_runtime(cfg) to run_eval")
     n_envs = 1 if cfg.mode == "serial" else cfg.num_envs
-    workers = make_env_workers(cfg, n_envs)
+    workers = (env_workers or local_env_workers)(cfg.env, env_kwargs(cfg), n_envs)
     inference = None
     journal = None
     try:
@@ -123,7 +129,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> dict[str, Any]:
         if cfg.inference == "inprocess":
             inference = InProcessInference(policy, timeline)
         else:
-            inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=cfg.server, timeline=timeline)
+            inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=cfg.server, timeline=timeline,
+                                        worker_factory=server_worker_factory)
         group = cfg.group_by_task if cfg.group_by_task is not None else False
         opts = SchedulerOptions(mode=cfg.mode, batch=cfg.batch, pipelines=cfg.pipelines, depth=cfg.depth,
                                 max_batch=cfg.max_batch, group_by_task=group, run_to_max_steps=cfg.run_to_max_steps,
@@ -131,7 +138,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> dict[str, Any]:
                                 video_episodes=frozenset(ep.index for ep in plan[:cfg.save_videos]
                                                          if not journal.done(ep.key)),
                                 seed=cfg.seed, max_episode_retries=cfg.max_episode_retries,
-                                cores=os.cpu_count() or 1)
+                                cores=cores or os.cpu_count() or 1)
         run_id = uuid.uuid4().hex[:12]
         if journal.records:
             console.print(f"resuming: {len(journal.records)} of {len(plan)} episodes already done, "

@@ -1,1 +1,26 @@
-"""wamkit.runtime layer (see ARCHITECTURE.md)."""
+"""Where workers run: local processes (default) or a Ray cluster. Knows nothing of what the workers do.
+
+`eval_runtime(cfg)` gives the keyword arguments that place an evaluation's workers (pass them to
+`wamkit.eval.runner.run_eval`): env worker handles and the action-server worker, for `runtime=local|ray`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def eval_runtime(cfg: Any) -> dict[str, Any]:
+    """run_eval keyword arguments for cfg.runtime ('local': {} = local processes; 'ray': Ray actors)."""
+    if cfg.runtime == "local":
+        return {}
+    if cfg.runtime == "ray":
+        from wamkit.runtime.ray_runtime import make_ray_env_workers, ray_server_worker_factory
+        from wamkit.runtime.ray_session import RayOptions
+
+        opts = RayOptions.from_any(cfg.ray)
+        n_envs = 1 if cfg.mode == "serial" else cfg.num_envs
+        return {"env_workers": lambda env, kwargs, n: make_ray_env_workers(env, kwargs, n, opts),
+                "server_worker_factory": ray_server_worker_factory(opts),
+                "cores": max(1, int(round(n_envs * opts.num_cpus_per_env)))}
+    from wamkit.core.errors import unknown_choice
+
+    raise unknown_choice("runtime", cfg.runtime, ["local", "ray"])
