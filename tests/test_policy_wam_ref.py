@@ -237,3 +237,26 @@ def test_bad_inputs(tiny):
         make_policy("wam-ref", size="huge")
     with pytest.raises(UserError):
         make_policy("wam-ref", size="tiny", state_dim=3).predict(_obs(1), [0])
+
+
+def test_kv_room_layout_matches_concat():
+    """The inference-only K/V layout with scratch slots (used by the CUDA-graph sampler) computes the same velocity."""
+    from wamkit.policies.wam_ref.model import Prefix
+
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8)
+    inp = pol.prepare_inputs([o.images for o in _obs(3, state_dim=8)], TASKS[:3],
+                             [o.state for o in _obs(3, state_dim=8)])
+    m = pol.model
+    with torch.no_grad():
+        p = m.encode_prefix(inp["input_ids"], inp["attention_mask"], inp["mm_token_type_ids"], inp["pixel_values"],
+                            inp["image_grid_thw"])
+        x, t = torch.randn(3, pol.horizon, pol.model_action_dim), torch.full((3,), 0.25)
+        ref = m.velocity(p, x, t, inp["state"])
+        n = pol.horizon + 1
+        tc = pol.qwen_config.text_config
+        for rep in (1, tc.num_attention_heads // tc.num_key_value_heads):
+            pad = lambda a: torch.cat([a.repeat_interleave(rep, 1), torch.zeros_like(a[:, :, :n].repeat_interleave(rep, 1))], 2)  # noqa: E731
+            room = Prefix([pad(k) for k in p.keys], [pad(v) for v in p.values],
+                          torch.cat([p.key_mask, torch.ones(3, n, dtype=torch.bool)], 1), p.next_pos)
+            out = m.velocity(room, x, t, inp["state"], shared_t=True, kv_room=True)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

@@ -68,7 +68,11 @@ class GenBlock(nn.Module):
         # AdaLN-single: this block's learned offsets to the shared time modulation (shift, scale, gate) x 2
         self.modulation = nn.Parameter(torch.zeros(6, hidden))
 
-    def forward(self, x, tmod, cos, sin, prefix_k, prefix_v, attn_mask):
+    def forward(self, x, tmod, cos, sin, prefix_k, prefix_v, attn_mask, kv_room: bool = False):
+        """kv_room=False: prefix_k/v are (B, kv_heads, S, hd) and the action tokens' K/V are concatenated to them.
+        kv_room=True (inference only, no autograd): prefix_k/v are (B, heads or kv_heads, S + n, hd) buffers whose last
+        n slots are scratch; this block writes its own K/V there (repeated to the buffer's head count) instead of
+        copying the whole prefix every call. Same values either way."""
         b, n, _ = x.shape
         sh1, sc1, g1, sh2, sc2, g2 = (tmod + self.modulation.to(tmod.dtype)).unbind(1)  # each (B, hidden)
         h = self.norm1(x) * (1 + sc1[:, None]) + sh1[:, None]
@@ -76,9 +80,17 @@ class GenBlock(nn.Module):
         k = self.k_norm(self.k_proj(h).view(b, n, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        k = torch.cat([prefix_k.to(k.dtype), k], dim=2)
-        v = torch.cat([prefix_v.to(v.dtype), v], dim=2)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.heads != self.kv_heads)
+        if kv_room:
+            rep = prefix_k.shape[1] // self.kv_heads
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            prefix_k[:, :, -n:].copy_(k)
+            prefix_v[:, :, -n:].copy_(v)
+            k, v = prefix_k, prefix_v
+        else:
+            k = torch.cat([prefix_k.to(k.dtype), k], dim=2)
+            v = torch.cat([prefix_v.to(v.dtype), v], dim=2)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.heads != k.shape[1])
         x = x + g1[:, None] * self.o_proj(a.transpose(1, 2).reshape(b, n, -1))
         h = self.norm2(x) * (1 + sc2[:, None]) + sh2[:, None]
         x = x + g2[:, None] * self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
@@ -113,8 +125,13 @@ class GenerationTower(nn.Module):
         args = (t.float() * 1000.0)[:, None] * freqs[None]
         return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
-    def forward(self, prefix: Prefix, x_t: torch.Tensor, t: torch.Tensor, state: torch.Tensor | None = None):
-        """Velocity (B, H, action_dim) for noisy actions x_t at times t (B,), attending to the prefix K/V."""
+    def forward(self, prefix: Prefix, x_t: torch.Tensor, t: torch.Tensor, state: torch.Tensor | None = None,
+                shared_t: bool | None = None, kv_room: bool = False):
+        """Velocity (B, H, action_dim) for noisy actions x_t at times t (B,), attending to the prefix K/V.
+
+        shared_t: whether every row has the same t (None: checked, which reads t back from the device; samplers that
+        know it pass it, so the loop can be captured in a CUDA graph). kv_room: see GenBlock.forward (the prefix's
+        key_mask then already covers the n scratch slots)."""
         dtype = self.action_in.weight.dtype
         b, horizon, _ = x_t.shape
         # Batch invariance: CPU GEMMs pick kernels by row count, and for a handful of rows (< ~8) a row's result
@@ -128,7 +145,10 @@ class GenerationTower(nn.Module):
             st = self.state_in(state.to(dtype)[:, None].expand(-1, horizon, -1))[:, :1]
             tok = torch.cat([st, tok], dim=1)
         n = tok.shape[1]
-        shared_t = b > 1 and not torch.is_grad_enabled() and bool((t == t[:1]).all())
+        if shared_t is None:
+            shared_t = b > 1 and not torch.is_grad_enabled() and bool((t == t[:1]).all())
+        else:
+            shared_t = bool(shared_t) and b > 1 and not torch.is_grad_enabled()
         tt = t[:1] if shared_t else t
         c = self.time_mlp(self.time_embedding(tt).to(dtype))
         tmod = self.time_mod(c).view(-1, 6, self.hidden)
@@ -137,13 +157,16 @@ class GenerationTower(nn.Module):
             c, tmod, out_mod = c.expand(b, -1), tmod.expand(b, -1, -1), out_mod.expand(b, -1)
         pos = prefix.next_pos[:, None] + torch.arange(n, device=tok.device)[None]  # (B, n)
         cos, sin = self.rotary(tok, pos[None].expand(3, -1, -1))
-        s = prefix.key_mask.shape[1]
-        mask = torch.cat([prefix.key_mask, torch.ones(b, n, dtype=torch.bool, device=tok.device)], dim=1)
-        attn_mask = mask[:, None, None, :]  # (B, 1, 1, S + n)
-        assert attn_mask.shape[-1] == s + n
+        if kv_room:
+            attn_mask = prefix.key_mask[:, None, None, :]  # (B, 1, 1, S + n): the scratch slots are True
+        else:
+            s = prefix.key_mask.shape[1]
+            mask = torch.cat([prefix.key_mask, torch.ones(b, n, dtype=torch.bool, device=tok.device)], dim=1)
+            attn_mask = mask[:, None, None, :]  # (B, 1, 1, S + n)
+            assert attn_mask.shape[-1] == s + n
         h = tok
         for i, blk in enumerate(self.blocks):
-            h = blk(h, tmod, cos, sin, prefix.keys[i], prefix.values[i], attn_mask)
+            h = blk(h, tmod, cos, sin, prefix.keys[i], prefix.values[i], attn_mask, kv_room)
         shift, scale = out_mod.chunk(2, dim=-1)
         h = self.norm_out(h) * (1 + scale[:, None]) + shift[:, None]
         v = self.action_out(h)
@@ -178,8 +201,8 @@ class WamRefModel(nn.Module):
         next_pos = position_ids.masked_fill(~valid[None], -1).amax(dim=(0, 2)) + 1
         return Prefix(keys=keys, values=values, key_mask=valid, next_pos=next_pos)
 
-    def velocity(self, prefix: Prefix, x_t, t, state=None):
-        return self.gen(prefix, x_t, t, state)
+    def velocity(self, prefix: Prefix, x_t, t, state=None, shared_t: bool | None = None, kv_room: bool = False):
+        return self.gen(prefix, x_t, t, state, shared_t=shared_t, kv_room=kv_room)
 
     def forward(self, input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw, actions,
                 action_mask, noise, t, state=None):

@@ -90,12 +90,23 @@ class WamRefPolicy(Policy):
                  max_text_len: int | None = None, trainable_patterns: Sequence[str] = ("gen.*",),
                  action_lr_multiplier: float = 5.0, image_mean: Sequence[float] = (0.5, 0.5, 0.5),
                  image_std: Sequence[float] = (0.5, 0.5, 0.5), init_seed: int = 0, max_batch: int = 64,
-                 tokenizer_dir: str | None = None, **_):
+                 tokenizer_dir: str | None = None, cuda_graphs: bool = False, graph_kv: str = "expanded", **_):
         from transformers import Qwen3VLConfig
 
         preset = get_size(size)
         self.size = size
         self.cameras = tuple(cameras.split(",")) if isinstance(cameras, str) else tuple(cameras)
+        # CUDA graphs for the denoising loop (inference on a CUDA device only; ignored elsewhere): one graph per
+        # (batch bucket, steps) captured on first use. graph_kv: "expanded" (prefix K/V repeated to all heads once
+        # per observation, with scratch slots for the action tokens: no per-step copy of the prefix, and SDPA
+        # runs without GQA, which lets a fused kernel take the masked attention), "room" (same without the head
+        # repeat) or "cat" (the eager layout).
+        self.cuda_graphs = cuda_graphs if isinstance(cuda_graphs, bool) else \
+            str(cuda_graphs).lower() in ("1", "true", "yes")
+        if graph_kv not in ("expanded", "room", "cat"):
+            raise UserError(f"graph_kv must be expanded, room or cat, got {graph_kv!r}")
+        self.graph_kv = graph_kv
+        self._graphs: dict[tuple, Any] = {}
         self.horizon = int(horizon)
         self.env_action_dim = int(action_dim)
         self.state_dim = int(state_dim)
@@ -145,7 +156,10 @@ class WamRefPolicy(Policy):
         gen_hidden = int(gen_hidden_size or preset.gen_hidden or tc.hidden_size)
         gen_ffn = int(gen_intermediate_size or preset.gen_ffn or tc.intermediate_size)
 
-        build_device = self.device
+        # a random-weight model for an accelerator is built on the meta device and initialized there (materialize):
+        # a CPU build of a Cosmos3-sized model in fp32 would take minutes and tens of GB of host memory
+        on_accel = und_path is None and self.device.type not in ("cpu", "meta")
+        build_device = torch.device("meta") if on_accel else self.device
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.init_seed)
             with torch.device(build_device if build_device.type == "meta" else "cpu"):
@@ -163,6 +177,8 @@ class WamRefPolicy(Policy):
             self.model.to(device=self.device, dtype=self.dtype)
         self.model.eval()
         self.apply_trainable_patterns()
+        if on_accel:
+            self.materialize(self.device)
 
         self.tokenizer_dir = tokenizer_dir
         self.tokenizer = load_tokenizer(tokenizer_dir or und_path, qcfg)
@@ -293,11 +309,31 @@ class WamRefPolicy(Policy):
                                          inputs["pixel_values"], inputs["image_grid_thw"])
         x = self.noise(seeds).to(self.device, torch.float32)
         n = x.shape[0]
+        if self.cuda_graphs and self.device.type == "cuda":
+            return self._sample_graphed(prefix, x, inputs.get("state"), steps)
         for k in range(steps):
             t = torch.full((n,), k / steps, device=self.device, dtype=torch.float32)
-            v = m.velocity(prefix, x, t, inputs.get("state"))
+            v = m.velocity(prefix, x, t, inputs.get("state"), shared_t=n > 1)  # sampling: every row has the same t
             x = x + v.float() / steps
         return x
+
+    def _graph_bucket(self, n: int) -> int:
+        b = 1
+        while b < n:
+            b *= 2
+        return min(b, max(self.max_batch, n))
+
+    def _sample_graphed(self, prefix: Prefix, x: torch.Tensor, state, steps: int) -> torch.Tensor:
+        """The Euler loop replayed from a CUDA graph: the batch is padded to a bucket (a power of two up to max_batch)
+        with copies of row 0, its inputs copied into the graph's static buffers. Same arithmetic as the eager loop;
+        which GPU kernels run (and so the last bits) can differ from eager and between buckets."""
+        n, s = x.shape[0], prefix.key_mask.shape[1]
+        bucket = self._graph_bucket(n)
+        key = (bucket, steps, s, self.graph_kv)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = _DenoiseGraph(self, bucket, steps, s, self.graph_kv)
+        return g.run(prefix, x, state)
 
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
         if len(observations) != len(seeds):
@@ -414,3 +450,65 @@ class WamRefPolicy(Policy):
         total = vis + und_f + steps * gen_step
         return {"vision": float(vis), "und_prefix": float(und_f), "gen_per_step": float(gen_step),
                 "steps": steps, "prefix_len": s, "total": float(total)}
+
+
+class _DenoiseGraph:
+    """Static buffers + one captured CUDA graph of the whole denoising loop for one (batch bucket, steps, S)."""
+
+    def __init__(self, pol: "WamRefPolicy", bucket: int, steps: int, s: int, kv: str):
+        m = pol.model
+        tc = pol.qwen_config.text_config
+        heads, kvh = tc.num_attention_heads, tc.num_key_value_heads
+        hd = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+        n = pol.horizon + (1 if pol.state_dim > 0 else 0)
+        self.kv, self.s, self.n, self.steps, self.bucket = kv, s, n, steps, bucket
+        dev, dt = pol.device, pol.dtype
+        room = 0 if kv == "cat" else n
+        h = heads if kv == "expanded" else kvh
+        L = len(m.gen.blocks)
+        self.keys = [torch.zeros(bucket, h, s + room, hd, device=dev, dtype=dt) for _ in range(L)]
+        self.values = [torch.zeros(bucket, h, s + room, hd, device=dev, dtype=dt) for _ in range(L)]
+        self.key_mask = torch.ones(bucket, s + room, dtype=torch.bool, device=dev)
+        self.next_pos = torch.zeros(bucket, dtype=torch.long, device=dev)
+        self.x = torch.zeros(bucket, pol.horizon, pol.model_action_dim, device=dev, dtype=torch.float32)
+        self.state = torch.zeros(bucket, pol.state_dim, device=dev, dtype=dt) if pol.state_dim > 0 else None
+        self.prefix = Prefix(self.keys, self.values, self.key_mask, self.next_pos)
+        self.rep = heads // kvh if kv == "expanded" else 1
+        t_vals = [k / steps for k in range(steps)]
+
+        def loop():
+            for tv in t_vals:
+                t = torch.full((bucket,), tv, device=dev, dtype=torch.float32)
+                v = m.gen(self.prefix, self.x, t, self.state, shared_t=bucket > 1, kv_room=room > 0)
+                self.x.add_(v.float() / steps)
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            loop()  # warm-up outside the capture (library handles, kernel selection)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            loop()
+
+    def run(self, prefix: Prefix, x: torch.Tensor, state) -> torch.Tensor:
+        n, s = x.shape[0], self.s
+        pad = self.bucket - n
+
+        def fill(dst, src):
+            dst[:n].copy_(src)
+            if pad:
+                dst[n:].copy_(src[:1].expand(pad, *src.shape[1:]))
+
+        for dsts, srcs in ((self.keys, prefix.keys), (self.values, prefix.values)):
+            for dst, src in zip(dsts, srcs):
+                if self.rep > 1:
+                    src = src.repeat_interleave(self.rep, dim=1)
+                fill(dst[:, :, :s], src)
+        fill(self.key_mask[:, :s], prefix.key_mask)
+        fill(self.next_pos, prefix.next_pos)
+        fill(self.x, x)
+        if self.state is not None:
+            fill(self.state, state.to(self.state.dtype))
+        self.graph.replay()
+        return self.x[:n].clone()

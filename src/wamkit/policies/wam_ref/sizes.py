@@ -49,6 +49,16 @@ SIZES: dict[str, SizePreset] = {
                     spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=768, num_position_embeddings=196,
                     deepstack_visual_indexes=[2, 5]),
         image_size=224, max_text_len=96, notes="49 image tokens per camera"),
+    # SFT throughput at >= 1B parameters on one GPU: two ~1.2B towers (2.5B in all) with a byte vocabulary.
+    "1b": SizePreset(
+        text=dict(vocab_size=ByteTokenizer.VOCAB_SIZE, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [24, 20, 20],
+                                   "mrope_interleaved": True}),
+        vision=dict(depth=12, hidden_size=768, intermediate_size=3072, num_heads=12, patch_size=16,
+                    spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=196,
+                    deepstack_visual_indexes=[3, 7, 11]),
+        image_size=224, max_text_len=96, notes="GPU SFT benchmarks: 1.2B per tower, 49 image tokens per camera"),
     # Cosmos3-Nano tower shape (Qwen3-VL-8B): build on the meta device, materialize on a GPU for cost measurements.
     "nano-shape": SizePreset(
         text=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
