@@ -2,6 +2,10 @@
 
     python bench/bench_train.py                                   # CPU: wam-ref tiny on 1 and 2 ranks (gloo)
     python bench/bench_train.py device=cuda size=small nproc=1,8 batch=64 peak_tflops=989   # GPU (NCCL, bf16, AC)
+    python bench/bench_train.py device=cuda size=1b nproc=1 batch=64 trainable=all json=$OUT/sft.json   # full SFT
+
+trainable: "" = the policy's default patterns (wam-ref: the generation tower), "all" = every parameter, or comma
+separated globs. json=PATH also writes the rows as JSON.
 
 Each nproc value relaunches this script under torch.distributed.run. What is timed: the trainer's step on synthetic
 batches in the policy's training format (policy.sft_loss forward + backward, grad clip, AdamW step) under the same
@@ -27,7 +31,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 DEFAULTS = {"device": "cpu", "policy": "wam-ref", "size": "tiny", "nproc": "1,2", "batch": "8", "steps": "8",
             "warmup": "2", "peak_tflops": "989", "out": str(ROOT / "bench" / "results" / "train.md"),
-            "activation_checkpointing": "auto", "mixed_precision": "auto", "note": ""}
+            "activation_checkpointing": "auto", "mixed_precision": "auto", "note": "", "trainable": "",
+            "json": ""}
 
 
 def parse(argv):
@@ -48,15 +53,17 @@ def synthetic_batch(policy, b: int, device):
     g = np.random.default_rng(0)
     size = spec.input.image_size or 64
     d = getattr(policy, "model_action_dim", spec.action.dim)
-    batch = {"images": {c: torch.from_numpy(g.integers(0, 256, (b, size, size, 3), dtype=np.uint8))
-                        for c in spec.input.cameras},
+    # images stay on the host (uint8, as the data loader yields them): the policy's preprocessing reads them there
+    images = {c: torch.from_numpy(g.integers(0, 256, (b, size, size, 3), dtype=np.uint8)) for c in spec.input.cameras}
+    batch = {
              "task": ["put the bowl on the plate"] * b,
              "actions": torch.randn(b, spec.action.horizon, d).clamp(-1, 1),
              "action_mask": torch.ones(b, spec.action.horizon, dtype=torch.bool)}
     if spec.input.state_dim:
         batch["state"] = torch.randn(b, spec.input.state_dim)
-    return {k: (v.to(device) if torch.is_tensor(v) else {c: t.to(device) for c, t in v.items()}
-                if isinstance(v, dict) else v) for k, v in batch.items()}
+    out = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    out["images"] = images
+    return out
 
 
 def worker(kv):
@@ -77,16 +84,22 @@ def worker(kv):
     torch.manual_seed(0)
     policy = build_policy(kv["policy"], {"size": kv["size"]}, device=str(info.device))
     module = policy.module
-    select_trainable(module, list(getattr(policy, "trainable_patterns", []) or []))
+    tr = kv["trainable"]
+    patterns = (["*"] if tr == "all" else tr.split(",")) if tr else list(getattr(policy, "trainable_patterns", []) or [])
+    if hasattr(policy, "apply_trainable_patterns"):
+        policy.apply_trainable_patterns(patterns)
+    select_trainable(module, patterns)
     module.float().train()
     total, trainable = count_params(module)
     batch = synthetic_batch(policy, micro, info.device)
-    # measured FLOPs of one micro-batch (forward + backward), unsharded, before parallelize
+    # measured FLOPs (forward + backward), unsharded, before parallelize, on up to 4 samples (every op is per
+    # sample, so FLOPs scale linearly with the batch; a fp32 unsharded pass over a large micro-batch would not fit)
+    fb = min(micro, 4)
     flops = FlopCounterMode(display=False)
     with flops:
-        loss, _ = policy.sft_loss(batch)
+        loss, _ = policy.sft_loss(synthetic_batch(policy, fb, info.device))
         loss.backward()
-    step_flops = flops.get_total_flops() * world          # all ranks together = one global batch
+    step_flops = flops.get_total_flops() * (micro / fb) * world          # all ranks together = one global batch
     module.zero_grad(set_to_none=True)
     ac = kv["activation_checkpointing"]
     ac = (info.device.type == "cuda") if ac == "auto" else ac.lower() in ("1", "true", "yes")
@@ -124,7 +137,8 @@ def worker(kv):
            "step_s": t_step, "samples_per_s": micro * world / t_step, "tflop_per_step": step_flops / 1e12,
            "achieved_tflops": step_flops / t_step / 1e12,
            "mfu": step_flops / t_step / (world * float(kv["peak_tflops"]) * 1e12) if info.device.type == "cuda"
-           else None, "peak_mem_gib_rank0": peak}
+           else None, "peak_mem_gib_rank0": peak, "size": kv["size"], "trainable": kv["trainable"] or "default",
+           "step_times_s": times}
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
     close_distributed(info)
@@ -151,6 +165,8 @@ def main(argv):
         r = json.loads(line[0][7:])
         print(r)
         rows.append(r)
+    if kv["json"]:
+        Path(kv["json"]).write_text(json.dumps({"kv": kv, "rows": rows}, indent=2))
     write(kv, rows, argv)
 
 

@@ -56,9 +56,11 @@ def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0) -> float
 
     pkw = policy_kwargs(base, int(base.policy_args.get("action_dim", 7)))
     size = base.image_size
-    obs = [Observation({"image": np.zeros((size, size, 3), np.uint8), "wrist_image": np.zeros((size, size, 3),
-                                                                                                np.uint8)},
-                       np.zeros(8, np.float32), "bench") for _ in range(batch)]
+    # the env's observation layout as far as the policy args tell it (MetaWorld: 1 camera, 39-D state)
+    cams = pkw.get("cameras", ("image", "wrist_image"))
+    cams = cams.split(",") if isinstance(cams, str) else list(cams)
+    obs = [Observation({c: np.zeros((size, size, 3), np.uint8) for c in cams},
+                       np.zeros(int(pkw.get("state_dim", 8)) or 8, np.float32), "bench") for _ in range(batch)]
 
     async def go():
         if base.inference == "server":

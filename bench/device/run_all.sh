@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Every GPU measurement of issue 9 in one call on the device machine (see bench/results/gpu.md).
+#
+#   bash bench/device/run_all.sh [scale=smoke|full] [parts=nano,eval,sft] [ngpu=1] [evalscales=8x32,16x64]
+#
+# Installs the carried GL loaders (.gl) and wheels (.whl), then runs each part under its own time limit and keeps
+# going when one fails. Everything lands under $OUT (run_all.log = the whole console; one JSON per part).
+# ngpu=N: SFT under torchrun nproc=N (global batch N x 64), N action servers (one per GPU) for the HTTP rows.
+set -u
+SCALE=smoke; PARTS=nano,eval,sft; NGPU=1; EVALSCALES=""; NANO_ARGS=""
+for a in "$@"; do
+  case "$a" in
+    scale=*) SCALE=${a#*=};; parts=*) PARTS=${a#*=};; ngpu=*) NGPU=${a#*=};; evalscales=*) EVALSCALES=${a#*=};;
+    nano_args=*) NANO_ARGS=${a#*=};;
+    *) echo "unknown argument $a"; exit 2;;
+  esac
+done
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LOG=$OUT/run_all.log
+exec > >(tee -a "$LOG") 2>&1
+export PYTHONUNBUFFERED=1 MUJOCO_GL=egl PYOPENGL_PLATFORM=egl NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+echo "=== run_all $* ($(date -u +%FT%TZ)) scale=$SCALE parts=$PARTS ngpu=$NGPU"
+T0=$(date +%s)
+if [ -d .gl ]; then for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig; fi
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || echo "WARNING: wheel install failed"
+  export PYTHONPATH=/tmp/site:$PWD/src
+else
+  export PYTHONPATH=$PWD/src
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,power.limit --format=csv | tee "$OUT/nvidia-smi.txt"
+python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'gpus', torch.cuda.device_count())"
+echo "setup done after $(( $(date +%s) - T0 )) s"
+
+part() { case ",$PARTS," in *",$1,"*) return 0;; *) return 1;; esac; }
+stamp() { echo "=== $1 done (rc=$2) at +$(( $(date +%s) - T0 )) s"; }
+
+if [ "$SCALE" = smoke ]; then
+  NANO="--batches 1,64 --modes eager,graphs,graphs:cat --reps 2 --profile 1,64 --http 1,8 --http-seconds 3"
+  NANO_T=200; EVAL_T=150; SFT_T=150; SFT="batch=16 steps=2 warmup=1"
+  [ -z "$EVALSCALES" ] && EVALSCALES="2x4"; EVAL_STEPS=40; EVAL_ROWS="single-batch;auto"
+else
+  NANO="--batches 1,2,4,8,16,32,64 --modes eager,graphs --reps 5 --profile 64 --http 1,16,64 --http-seconds 8"
+  NANO_T=270; EVAL_T=300; SFT_T=150; SFT="batch=64 steps=6 warmup=2"
+  [ -z "$EVALSCALES" ] && EVALSCALES="8x32,16x64"; EVAL_STEPS=100; EVAL_ROWS=""
+fi
+[ -n "$NANO_ARGS" ] && NANO="$NANO $NANO_ARGS"
+
+if part nano; then
+  echo "=== nano: bench/device/bench_nano.py $NANO --ngpu $NGPU"
+  timeout -k 10 $NANO_T python3 bench/device/bench_nano.py --out "$OUT/nano.json" --ngpu "$NGPU" $NANO
+  stamp nano $?
+fi
+
+if part sft; then
+  echo "=== sft: bench/bench_train.py device=cuda size=1b nproc=$NGPU $SFT (trainable: gen.* = the generation tower, 1.2B)"
+  B=$(echo "$SFT" | sed -n 's/.*batch=\([0-9]*\).*/\1/p')
+  SFT_ARGS=$(echo "$SFT" | sed "s/batch=[0-9]*/batch=$(( B * NGPU ))/")
+  timeout -k 10 $SFT_T python3 bench/bench_train.py device=cuda size=1b nproc="$NGPU" $SFT_ARGS \
+    peak_tflops=989 json="$OUT/sft.json" out=/tmp/train.md
+  stamp sft $?
+fi
+
+if part eval; then
+  for sc in ${EVALSCALES//,/ }; do
+    ENVS=${sc%x*}; EPS=${sc#*x}; TRIALS=$(( EPS / 4 ))
+    echo "=== eval: $EPS episodes, $ENVS envs (4 tasks x $TRIALS trials, max_steps=$EVAL_STEPS)"
+    ROWARG=(); [ -n "$EVAL_ROWS" ] && ROWARG=("rows=$EVAL_ROWS")
+    if [ "$ENVS" -ge 16 ] && [ -z "$EVAL_ROWS" ]; then
+      ROWARG=("rows=single-batch;serial;B=16, P=1;B=4, P=4;B=1, P=16;auto;auto+")
+    fi
+    timeout -k 10 $EVAL_T python3 -m wamkit.cli.main bench eval bench/device/eval_metaworld.yaml num_envs="$ENVS" \
+      trials="$TRIALS" max_steps="$EVAL_STEPS" out="/tmp/eval_${ENVS}x${EPS}" "${ROWARG[@]}"
+    rc=$?
+    cp "/tmp/eval_${ENVS}x${EPS}/bench_eval.json" "$OUT/eval_${ENVS}x${EPS}.json" 2>/dev/null
+    [ $rc -ne 0 ] && tail -n 30 /tmp/eval_${ENVS}x${EPS}/*/server*.log 2>/dev/null | tail -n 60
+    stamp "eval ${ENVS}x${EPS}" $rc
+  done
+fi
+echo "=== all done after $(( $(date +%s) - T0 )) s"
