@@ -41,9 +41,9 @@ if [ "$SCALE" = smoke ]; then
   NANO_T=200; EVAL_T=150; SFT_T=150; SFT="batch=16 steps=2 warmup=1"
   [ -z "$EVALSCALES" ] && EVALSCALES="2x4"; EVAL_STEPS=40; EVAL_ROWS="single-batch;auto"
 else
-  NANO="--batches 1,2,4,8,16,32,64 --modes eager,graphs --reps 5 --profile 64 --http 1,16,64 --http-seconds 8"
-  NANO_T=270; EVAL_T=300; SFT_T=150; SFT="batch=64 steps=6 warmup=2"
-  [ -z "$EVALSCALES" ] && EVALSCALES="8x32,16x64"; EVAL_STEPS=100; EVAL_ROWS=""
+  NANO="--batches 1,2,4,8,16,32,64 --modes eager,graphs --reps 4 --profile 64 --http 1,16,64 --http-seconds 8"
+  NANO_T=230; EVAL_T=${EVAL_T:-220}; SFT_T=120; SFT="batch=64 steps=6 warmup=2"
+  [ -z "$EVALSCALES" ] && EVALSCALES="8x32"; EVAL_STEPS=100; EVAL_ROWS=""
 fi
 [ -n "$NANO_ARGS" ] && NANO="$NANO $NANO_ARGS"
 
@@ -67,8 +67,9 @@ if part eval; then
     ENVS=${sc%x*}; EPS=${sc#*x}; TRIALS=$(( EPS / 4 ))
     echo "=== eval: $EPS episodes, $ENVS envs (4 tasks x $TRIALS trials, max_steps=$EVAL_STEPS)"
     ROWARG=(); [ -n "$EVAL_ROWS" ] && ROWARG=("rows=$EVAL_ROWS")
-    if [ "$ENVS" -ge 16 ] && [ -z "$EVAL_ROWS" ]; then
-      ROWARG=("rows=single-batch;serial;B=16, P=1;B=4, P=4;B=1, P=16;auto;auto+")
+    if [ -z "$EVAL_ROWS" ]; then   # the (B, P) grid with B x P = envs (B = envs, 4, 1 at 16 envs), serial, auto
+      if [ "$ENVS" -ge 16 ]; then ROWARG=("rows=single-batch;B=16, P=1;B=4, P=4;B=1, P=16;auto")
+      else ROWARG=("rows=single-batch;B=$ENVS, P=1;B=$(( ENVS / 2 )), P=2;B=2, P=$(( ENVS / 2 ));B=1, P=$ENVS;auto"); fi
     fi
     timeout -k 10 $EVAL_T python3 -m wamkit.cli.main bench eval bench/device/eval_metaworld.yaml num_envs="$ENVS" \
       trials="$TRIALS" max_steps="$EVAL_STEPS" out="/tmp/eval_${ENVS}x${EPS}" "${ROWARG[@]}"

@@ -1,0 +1,77 @@
+"""Markdown tables from the JSON files bench/device/run_all.sh leaves under $OUT.
+
+    python bench/device/report.py DIR      # DIR holds nano.json, sft.json, eval_*.json (any subset)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def nano(d: dict) -> list[str]:
+    c, m = d["ceilings"], d["model"]
+    f = m["flops"]
+    out = [f"Ceilings measured in the same call: bf16 matmul 8192^3 {c['bf16_matmul_tflops']:.0f} TFLOP/s, "
+           f"device copy {c['copy_tb_s']:.2f} TB/s (read + write).",
+           f"Model: {m['params']['total'] / 1e9:.2f}B parameters (understanding {m['params']['und'] / 1e9:.2f}B, "
+           f"generation {m['params']['gen'] / 1e9:.2f}B), prefix {m['prefix_len']} tokens, "
+           f"{f['total'] / 1e12:.2f} TFLOP per observation (vision {f['vision'] / 1e12:.2f}, prefix "
+           f"{f['und_prefix'] / 1e12:.2f}, {f['steps']} x {f['gen_per_step'] / 1e12:.3f} denoising); "
+           f"memory floor {m['floor_gen_ms']:.0f} ms (generation weights once per step) / {m['floor_all_ms']:.0f} ms "
+           f"(+ understanding weights once); compute roofline {m['roofline_obs_s']:.1f} obs/s; "
+           f"built in {d.get('build_s', 0):.0f} s.", "",
+           "| mode | batch | p50 ms | p99 ms | obs/s | TFLOP/s | MFU | x floor | prep ms | prefix ms | loop ms | "
+           "first call ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d.get("predict", []):
+        if "error" in r:
+            out.append(f"| {r['mode']} | {r['batch']} | failed: {r['error'][:80]} |||||||||")
+            continue
+        out.append(f"| {r['mode']} | {r['batch']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['obs_s']:.1f} | "
+                   f"{r['tflops']:.0f} | {100 * r['mfu']:.0f}% | {r['p50_ms'] / m['floor_gen_ms']:.2f} | "
+                   f"{r['prep_ms']:.1f} | {r['prefix_ms']:.1f} | {r['loop_ms']:.1f} | {r['first_call_ms']:.0f} |")
+    if d.get("http"):
+        out += ["", "HTTP (`wamkit serve`, cuda_graphs=true; C client loops, one observation per request):", "",
+                "| servers | concurrency | obs/s | p50 ms | p99 ms | mean batch |", "|---|---|---|---|---|---|"]
+        for r in d["http"]:
+            out.append(f"| {r['servers']} | {r['concurrency']} | {r['obs_s']:.1f} | {r['p50_ms']:.0f} | "
+                       f"{r['p99_ms']:.0f} | {r['mean_batch']:.1f} |")
+    if d.get("http_error"):
+        out.append(f"\nHTTP failed: {d['http_error']}")
+    return out
+
+
+def sft(d: dict) -> list[str]:
+    out = ["| ranks | size | trainable | params (trainable) | global batch | step s | samples/s | TFLOP/step | "
+           "TFLOP/s | MFU vs 989 | peak mem GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        out.append(f"| {r['nproc']} | {r.get('size')} | {r.get('trainable')} | {r['params_M'] / 1e3:.2f}B "
+                   f"({r['trainable_M'] / 1e3:.2f}B) | {r['global_batch']} | {r['step_s']:.3f} | "
+                   f"{r['samples_per_s']:.1f} | {r['tflop_per_step']:.1f} | {r['achieved_tflops']:.0f} | "
+                   f"{100 * r['mfu']:.1f}% | {r['peak_mem_gib_rank0']:.1f} |")
+    return out
+
+
+def evalb(d: dict) -> list[str]:
+    from wamkit.eval.bench import markdown
+
+    p = d["plan"]
+    return [f"plan: {p['env']} tasks {p['tasks']} x {p['trials']} trials, {p['num_envs']} envs, max_steps "
+            f"{p['max_steps']}, policy {p['policy']} {p['policy_args']}", "", markdown(d)]
+
+
+def main(argv) -> int:
+    root = Path(argv[0])
+    for name, fn in (("nano.json", nano), ("sft.json", sft)):
+        if (root / name).exists():
+            print(f"### {name}\n")
+            print("\n".join(fn(json.loads((root / name).read_text()))) + "\n")
+    for p in sorted(root.glob("eval_*.json")):
+        print(f"### {p.name}\n")
+        print("\n".join(evalb(json.loads(p.read_text()))) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
