@@ -7,11 +7,11 @@
 # going when one fails. Everything lands under $OUT (run_all.log = the whole console; one JSON per part).
 # ngpu=N: SFT under torchrun nproc=N (global batch N x 64), N action servers (one per GPU) for the HTTP rows.
 set -u
-SCALE=smoke; PARTS=nano,eval,sft; NGPU=1; EVALSCALES=""; NANO_ARGS=""
+SCALE=smoke; PARTS=nano,eval,sft; SFT_TRAIN=all; NGPU=1; EVALSCALES=""; NANO_ARGS=""
 for a in "$@"; do
   case "$a" in
     scale=*) SCALE=${a#*=};; parts=*) PARTS=${a#*=};; ngpu=*) NGPU=${a#*=};; evalscales=*) EVALSCALES=${a#*=};;
-    nano_args=*) NANO_ARGS=${a#*=};;
+    nano_args=*) NANO_ARGS=${a#*=};; sft_trainable=*) SFT_TRAIN=${a#*=};;
     *) echo "unknown argument $a"; exit 2;;
   esac
 done
@@ -54,10 +54,10 @@ if part nano; then
 fi
 
 if part sft; then
-  echo "=== sft: bench/bench_train.py device=cuda size=1b nproc=$NGPU $SFT (trainable: gen.* = the generation tower, 1.2B)"
+  echo "=== sft: bench/bench_train.py device=cuda size=1b nproc=$NGPU $SFT trainable=$SFT_TRAIN"
   B=$(echo "$SFT" | sed -n 's/.*batch=\([0-9]*\).*/\1/p')
   SFT_ARGS=$(echo "$SFT" | sed "s/batch=[0-9]*/batch=$(( B * NGPU ))/")
-  timeout -k 10 $SFT_T python3 bench/bench_train.py device=cuda size=1b nproc="$NGPU" $SFT_ARGS \
+  timeout -k 10 $SFT_T python3 bench/bench_train.py device=cuda size=1b nproc="$NGPU" $SFT_ARGS trainable=$SFT_TRAIN \
     peak_tflops=989 json="$OUT/sft.json" out=/tmp/train.md
   stamp sft $?
 fi

@@ -226,9 +226,15 @@ class WamRefPolicy(Policy):
         return [n for n, p in self.model.named_parameters() if p.requires_grad]
 
     def fsdp_units(self) -> list[torch.nn.Module]:
-        """Modules to `fully_shard` one by one, in order; the last one is the root (`module`)."""
+        """Modules to `fully_shard` one by one, in order; the last one is the root (`module`).
+
+        When the understanding tower's text layers train, they stay in the root's group: the generation tower
+        reaches them through the prefix K/V (not through their outputs), so the per-layer pre-backward all-gather
+        of FSDP2 would never fire for them and their backward would find the weights resharded."""
         und = self.model.und
-        return [*und.visual.blocks, *und.language_model.layers, *self.model.gen.blocks, self.model]
+        text_trains = any(p.requires_grad for p in und.language_model.layers.parameters())
+        text = [] if text_trains else [*und.language_model.layers]
+        return [*und.visual.blocks, *text, *self.model.gen.blocks, self.model]
 
     def lr_multipliers(self) -> dict[str, float]:
         """Glob over `module.named_parameters()` names -> learning-rate multiplier (first match wins)."""
