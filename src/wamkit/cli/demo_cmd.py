@@ -35,7 +35,7 @@ class DemoConfig:
     mw_tasks: list[str] = field(default_factory=lambda: ["reach-v3", "button-press-topdown-v3"])
     demos: int = 12                 # expert episodes recorded per task (init states 20.., unseen by the eval)
     trials: int = 6                 # evaluation episodes per task (init states not seen in training)
-    train_steps: int = 600
+    train_steps: int = 500
     batch_size: int = 32
     mw_image_size: int = 64
     mw_max_steps: int = 120
