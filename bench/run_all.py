@@ -20,8 +20,8 @@ SCRIPTS = {  # name -> (script, args)
     "ray": ("bench_ray.py", []),
     "eval": ("bench_eval.py", []),
 }
-ORDER = ["eval", "envs", "serve", "data", "policy", "train", "ray", "gpu"]
-TITLES = {"eval": "Evaluation scheduler (issue: pipelined evaluation)", "envs": "Environments",
+ORDER = ["eval", "loop", "envs", "serve", "data", "policy", "train", "ray", "gpu"]
+TITLES = {"eval": "Evaluation scheduler (issue: pipelined evaluation)", "loop": "Learning loop (make demo)", "envs": "Environments",
           "serve": "Action serving", "data": "Data loading", "policy": "Models (CPU inference)",
           "train": "Training (CPU)", "ray": "Ray runtime", "gpu": "GPU measurements (H200, device)"}
 

@@ -30,6 +30,23 @@ def make_plan(suite: str, task_ids: list[int], trials: int, trial_start: int = 0
     return plan
 
 
+def plan_for_tasks(suite: str, tasks, task_ids: list[int] | None, trials: int, trial_start: int = 0,
+                   where: str = "") -> list[Episode]:
+    """The plan over an env's TaskInfo list, with the user's task ids and trial range checked (UserError)."""
+    from wamkit.core.errors import UserError
+
+    ids = list(range(len(tasks))) if task_ids is None else list(task_ids)
+    bad = [t for t in ids if not 0 <= t < len(tasks)]
+    if bad:
+        raise UserError(f"unknown task {bad[0]}{' for ' + where if where else ''}; "
+                        f"valid choices: 0..{len(tasks) - 1}")
+    max_trials = min(t.num_trials for t in tasks)
+    if trial_start + trials > max_trials:
+        raise UserError(f"{trials} trials from init state {trial_start} exceed the {max_trials} init states per task"
+                        f"{' of ' + where if where else ''}")
+    return make_plan(suite, ids, trials, trial_start, {i: t.instruction for i, t in enumerate(tasks)})
+
+
 def step_seed(base_seed: int, episode: Episode, step: int) -> int:
     """Noise seed of the policy call at env step `step` of `episode`: a function of (episode, step) only,
     never of the batch it lands in, so results do not depend on the schedule."""

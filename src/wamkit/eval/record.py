@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from wamkit.cli.main import split_args
 from wamkit.core.config import load_config
 from wamkit.core.errors import UserError
-from wamkit.eval.plan import make_plan, step_seed
+from wamkit.eval.plan import plan_for_tasks, step_seed
 
 
 @dataclass
@@ -56,17 +56,8 @@ def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:
     worker.start()
     try:
         spec, tasks = worker.spec, worker.tasks
-        task_ids = list(range(len(tasks))) if cfg.tasks is None else list(cfg.tasks)
-        bad = [t for t in task_ids if not 0 <= t < len(tasks)]
-        if bad:
-            raise UserError(f"unknown task {bad[0]}; valid choices: 0..{len(tasks) - 1}")
-        max_trials = min(t.num_trials for t in tasks)
-        if cfg.trial_start + cfg.episodes > max_trials:
-            raise UserError(f"episodes={cfg.episodes} from trial_start={cfg.trial_start} exceeds the {max_trials} "
-                            f"init states per task of {cfg.env}")
+        plan = plan_for_tasks(cfg.suite, tasks, cfg.tasks, cfg.episodes, cfg.trial_start, cfg.env)
         policy = make_policy(cfg.policy, action_dim=spec.action_dim, **cfg.policy_args)
-        plan = make_plan(cfg.suite, task_ids, cfg.episodes, cfg.trial_start,
-                         {i: t.instruction for i, t in enumerate(tasks)})
         features: dict[str, Any] = {}
         for cam in spec.cameras:
             features[f"observation.images.{cam}"] = {"dtype": "video", "shape": [spec.image_size, spec.image_size, 3],

@@ -21,7 +21,7 @@ from wamkit.eval.config import EvalConfig
 from wamkit.eval.inference import InProcessInference, ServerInference
 from wamkit.eval.journal import Journal
 from wamkit.eval.metrics import summarize
-from wamkit.eval.plan import make_plan
+from wamkit.eval.plan import plan_for_tasks
 from wamkit.eval.scheduler import EpisodeOutcome, Scheduler, SchedulerOptions
 from wamkit.eval.timeline import Timeline
 from wamkit.policies.registry import make_policy, policy_class
@@ -110,16 +110,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
     try:
         _start_workers(workers)
         spec, tasks = workers[0].spec, workers[0].tasks
-        task_ids = list(range(len(tasks))) if cfg.tasks is None else list(cfg.tasks)
-        bad = [t for t in task_ids if not 0 <= t < len(tasks)]
-        if bad:
-            raise UserError(f"unknown task {bad[0]} for {cfg.env}/{cfg.suite}; valid choices: 0..{len(tasks) - 1}")
-        max_trials = min(t.num_trials for t in tasks)
-        if cfg.trial_start + cfg.trials > max_trials:
-            raise UserError(f"trials={cfg.trials} (from {cfg.trial_start}) exceeds the {max_trials} init states "
-                            f"per task of {cfg.env}/{cfg.suite}")
-        plan = make_plan(cfg.suite, task_ids, cfg.trials, cfg.trial_start,
-                         {i: t.instruction for i, t in enumerate(tasks)})
+        plan = plan_for_tasks(cfg.suite, tasks, cfg.tasks, cfg.trials, cfg.trial_start, f"{cfg.env}/{cfg.suite}")
         pkw = policy_kwargs(cfg, spec.action_dim)
         if cfg.inference == "inprocess":
             policy = make_policy(cfg.policy, **pkw)
