@@ -41,7 +41,7 @@ class EvalConfig:
     inference: Literal["inprocess", "server"] = "inprocess"
     server: ServerOptions = field(default_factory=ServerOptions)
     mode: Literal["serial", "pipelines", "auto"] = "serial"
-    num_envs: int = 1                       # env worker processes (serial forces 1)
+    num_envs: int = 1                       # env worker processes (mode=serial uses one, whatever this says)
     batch: int = 1                          # pipelines: observations per request (B)
     pipelines: int = 1                      # pipelines: number of env groups (P)
     depth: int = 0                          # auto: max requests in flight (0 = chosen from measurements)
@@ -59,8 +59,6 @@ class EvalConfig:
     def validate(self) -> None:
         if self.trials < 1:
             raise ConfigError("trials must be >= 1")
-        if self.mode == "serial":
-            self.num_envs, self.batch, self.pipelines = 1, 1, 1
         if self.num_envs < 1:
             raise ConfigError("num_envs must be >= 1")
         if self.mode == "pipelines":
