@@ -55,3 +55,29 @@ def test_summary_contract():
     assert s["throughput"]["env_steps_per_s"] == pytest.approx(18.0)
     assert s["throughput"]["inference_obs_per_s"] == pytest.approx(2.0)
     assert s["config"] == {"a": 1} and s["versions"] == {"mujoco": "x"}
+
+
+def test_auto_plan_follows_measured_costs():
+    """The auto batcher's plan from measurements: cheap inference -> one batch of every env; inference whose cost grows
+    with the batch (comparable to a chunk of simulation) -> cohorts that overlap (several requests in flight)."""
+    import collections
+
+    from wamkit.eval.scheduler import AutoBatcher
+
+    class Inf:
+        max_batch = 64
+        latencies: list = []
+
+    def plan(a, b, s0, envs=4, cores=2):
+        sched = type("S", (), {})()
+        sched.inference = Inf()
+        sched.inference.latencies = [(n, a + b * n) for n in (1, 2, 4, 8)]
+        sched.opts = type("O", (), {"max_batch": 0, "depth": 0, "cores": cores})()
+        sched.sim_samples = collections.deque([(s0, 1)] * 5)
+        sched.active_envs = envs
+        return AutoBatcher(sched).plan()
+
+    assert plan(a=0.001, b=0.0001, s0=1.0) == (4, 1)        # inference ~free: batch everyone
+    n, k = plan(a=0.1, b=0.25, s0=1.0, envs=4, cores=4)     # batch of 4 = 1.1 s ~ one chunk of sim: overlap
+    assert k >= 2 and n * k >= 4
+    assert plan(a=1.0, b=0.0, s0=1.0, envs=4, cores=4) == (4, 1)   # fixed cost per batch: splitting gains nothing

@@ -247,6 +247,8 @@ class AutoBatcher:
     with S(n) = s0 * max(1, n / C). The target batch is n; up to k requests are in flight (depth). A batch is sent
     when n observations wait, or when no simulating env could still join it, or after a short timeout."""
 
+    TIE = 0.05   # cycle times within 5% of the best count as equal
+
     def __init__(self, sched: Scheduler):
         self.s = sched
         self.inf = sched.inference
@@ -287,18 +289,19 @@ class AutoBatcher:
         a, b = self._fit_inference()
         s0 = self._sim_cost()
         c = max(1, self.s.opts.cores)
-        best = None
+        options = []
         for k in range(1, a_envs + 1):
             n = math.ceil(a_envs / k)
             if n > self.cap:
                 continue
             inf = a + b * n
-            cycle = max(k * inf, s0 * max(1.0, n / c) + inf, a_envs * s0 / c)
-            if best is None or cycle < best[0] - 1e-9:
-                best = (cycle, n, k)
-        if best is None:
+            options.append((max(k * inf, s0 * max(1.0, n / c) + inf, a_envs * s0 / c), n, k))
+        if not options:
             return self.cap, math.ceil(a_envs / self.cap)
-        return best[1], best[2]
+        # near-ties go to fewer, larger batches: the model ignores that concurrent requests queue behind each other
+        best = min(c for c, _, _ in options)
+        _, n, k = min((o for o in options if o[0] <= best * (1 + self.TIE)), key=lambda o: o[2])
+        return n, k
 
     # -- flow
     async def submit(self, i: int, ep: Episode, obs: Observation, seed: int) -> np.ndarray:
