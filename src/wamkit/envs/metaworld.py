@@ -61,7 +61,9 @@ class MetaWorldEnv(Env):
                  cameras: tuple[str, ...] = ("image",), max_steps: int = 150, seed: int = 0, **_):
         if suite != "mt":
             raise ConfigError(f"unknown MetaWorld suite {suite!r}; valid choices: mt")
-        cameras = tuple(cameras)
+        # CLI overrides give one name as a plain string (`env_args.tasks=reach-v3`)
+        cameras = tuple(cameras.split(",")) if isinstance(cameras, str) else tuple(cameras)
+        tasks = tasks.split(",") if isinstance(tasks, str) else tasks
         bad = [c for c in cameras if c not in CAMERAS]
         if bad:
             raise ConfigError(f"unknown MetaWorld camera(s) {bad!r}; valid: {', '.join(CAMERAS)}")
