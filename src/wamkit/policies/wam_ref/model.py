@@ -194,9 +194,16 @@ class WamRefModel(nn.Module):
             out = self.und(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                            mm_token_type_ids=mm_token_type_ids, use_cache=True)
-        cache = out.cache
-        keys = [layer.keys for layer in cache.layers]
-        values = [layer.values for layer in cache.layers]
+        # transformers >= 5.2x names the cache `cache`; earlier 5.x releases (e.g. 5.17 on the GPU image) name it
+        # `past_key_values`, and older Cache classes keep key_cache/value_cache lists instead of `layers`
+        cache = getattr(out, "cache", None)
+        if cache is None:
+            cache = out.past_key_values
+        if hasattr(cache, "layers"):
+            keys = [layer.keys for layer in cache.layers]
+            values = [layer.values for layer in cache.layers]
+        else:
+            keys, values = list(cache.key_cache), list(cache.value_cache)
         valid = attention_mask.bool()
         next_pos = position_ids.masked_fill(~valid[None], -1).amax(dim=(0, 2)) + 1
         return Prefix(keys=keys, values=values, key_mask=valid, next_pos=next_pos)
