@@ -50,7 +50,8 @@ def resolve_device_type(device: str) -> str:
 def init_distributed(device: str = "auto") -> DistInfo:
     """Join (or create) the default process group: NCCL on GPU, gloo on CPU. Without torchrun: one rank."""
     dtype = resolve_device_type(device)
-    backend = "nccl" if dtype == "cuda" else "gloo"
+    # NCCL for CUDA tensors plus gloo for the few CPU-side collectives (sampler state, stats broadcast, barriers)
+    backend = "cpu:gloo,cuda:nccl" if dtype == "cuda" else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if dtype == "cuda":
         torch.cuda.set_device(local_rank)
