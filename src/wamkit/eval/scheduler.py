@@ -144,7 +144,8 @@ class Scheduler:
                     chunk = await get_actions(i, ep, obs, seed)
                     res = await self._execute(i, ep, chunk)
                     env_steps += res.steps
-                    frames.extend(res.frames)
+                    if ep.index in self.opts.video_episodes:   # the baseline renders every step: keep no frames
+                        frames.extend(res.frames)
                     if res.done:
                         return EpisodeOutcome(ep, bool(res.success), int(res.episode_steps), env_steps,
                                               time.time() - t0, i, attempts, frames)
@@ -212,7 +213,8 @@ class Scheduler:
                 st.update(obs=await self._reset(i, ep), steps=0, t0=time.time(), frames=[])
                 return
             st["steps"] += res.steps
-            st["frames"].extend(res.frames)
+            if ep.index in self.opts.video_episodes:
+                st["frames"].extend(res.frames)
             if res.done:
                 self.on_done(EpisodeOutcome(ep, bool(res.success), int(res.episode_steps), st["steps"],
                                             time.time() - st["t0"], i, st["attempts"], st["frames"]))
