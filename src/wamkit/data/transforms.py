@@ -21,6 +21,8 @@ are accepted and converted (results are numpy).
 
 from __future__ import annotations
 
+import abc
+
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -251,16 +253,18 @@ def register_step(cls: type["Step"]) -> type["Step"]:
     return cls
 
 
-class Step:
+class Step(abc.ABC):
     """One invertible action transform. ``forward``: env/dataset -> model; ``inverse``: model -> env/dataset."""
 
     name: str = ""
 
+    @abc.abstractmethod
     def forward(self, a: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """env/dataset space -> model space."""
 
+    @abc.abstractmethod
     def inverse(self, a: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """model space -> env/dataset space."""
 
     def out_dim(self, in_dim: int) -> int:
         return in_dim
