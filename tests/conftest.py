@@ -22,3 +22,24 @@ def shared_path(*parts: str) -> Path:
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
     return SHARED_DIR
+
+
+# In-process MuJoCo renderers hold EGL contexts whose destructors can crash (SIGSEGV) during interpreter teardown, after
+# every test has passed and the summary is printed. Once pytest is done, leave with its exit status and skip teardown
+# (every test fixture and worker process has already been closed by then).
+_EXIT_STATUS: list[int] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    if _EXIT_STATUS and os.environ.get("WAMKIT_PYTEST_HARD_EXIT", "1") == "1":
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[0])
