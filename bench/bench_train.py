@@ -5,7 +5,9 @@
     python bench/bench_train.py device=cuda size=1b nproc=1 batch=64 trainable=all json=$OUT/sft.json   # full SFT
 
 trainable: "" = the policy's default patterns (wam-ref: the generation tower), "all" = every parameter, or comma
-separated globs. json=PATH also writes the rows as JSON.
+separated globs. json=PATH also writes the rows as JSON. compile=true: torch.compile of each FSDP unit;
+optimizer=auto|fused|foreach (AdamW kernels; auto = fused on CUDA); activation_checkpointing=auto|true|false;
+profile=true: a torch.profiler table of one more step (CUDA only) in the JSON.
 
 Each nproc value relaunches this script under torch.distributed.run. What is timed: the trainer's step on synthetic
 batches in the policy's training format (policy.sft_loss forward + backward, grad clip, AdamW step) under the same
@@ -32,7 +34,7 @@ sys.path.insert(0, str(ROOT / "src"))
 DEFAULTS = {"device": "cpu", "policy": "wam-ref", "size": "tiny", "nproc": "1,2", "batch": "8", "steps": "8",
             "warmup": "2", "peak_tflops": "989", "out": str(ROOT / "bench" / "results" / "train.md"),
             "activation_checkpointing": "auto", "mixed_precision": "auto", "note": "", "trainable": "",
-            "json": ""}
+            "json": "", "compile": "false", "optimizer": "auto", "profile": "false"}
 
 
 def parse(argv):
@@ -103,9 +105,10 @@ def worker(kv):
     module.zero_grad(set_to_none=True)
     ac = kv["activation_checkpointing"]
     ac = (info.device.type == "cuda") if ac == "auto" else ac.lower() in ("1", "true", "yes")
+    comp = kv["compile"].lower() in ("1", "true", "yes")
     parallelize(module, list(policy.fsdp_units()), info.device.type, world, mixed_precision=kv["mixed_precision"],
-                activation_checkpointing=ac)
-    cfg = TrainConfig()
+                activation_checkpointing=ac, compile=comp)
+    cfg = TrainConfig(optimizer_impl=kv["optimizer"])
     opt = build_optimizer(module, cfg, dict(policy.lr_multipliers()))
     params = [p for p in module.parameters() if p.requires_grad]
     if info.device.type == "cuda":
@@ -123,6 +126,18 @@ def worker(kv):
         if info.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+    prof_table = None
+    if kv["profile"].lower() in ("1", "true", "yes") and info.device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            loss, _ = policy.sft_loss(batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        prof_table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60)
     t_step = sum(times[int(kv["warmup"]):]) / int(kv["steps"])
     t_all = torch.tensor([t_step], dtype=torch.float64)
     torch.distributed.all_reduce(t_all, op=torch.distributed.ReduceOp.MAX)
@@ -133,12 +148,12 @@ def worker(kv):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     res = {"nproc": world, "device": info.device.type, "precision": resolved_precision(kv["mixed_precision"],
                                                                                            info.device.type),
-           "ac": ac, "params_M": total / 1e6, "trainable_M": trainable / 1e6, "global_batch": micro * world,
+           "ac": ac, "compile": comp, "optimizer": kv["optimizer"], "params_M": total / 1e6, "trainable_M": trainable / 1e6, "global_batch": micro * world,
            "step_s": t_step, "samples_per_s": micro * world / t_step, "tflop_per_step": step_flops / 1e12,
            "achieved_tflops": step_flops / t_step / 1e12,
            "mfu": step_flops / t_step / (world * float(kv["peak_tflops"]) * 1e12) if info.device.type == "cuda"
            else None, "peak_mem_gib_rank0": peak, "size": kv["size"], "trainable": kv["trainable"] or "default",
-           "step_times_s": times}
+           "step_times_s": times, "profile": prof_table}
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
     close_distributed(info)

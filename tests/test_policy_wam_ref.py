@@ -60,7 +60,7 @@ def test_prefix_computed_once_per_observation(tiny, steps):
     calls, gen_calls = [], []
     h1 = tiny.model.und.register_forward_pre_hook(lambda m, a, kw: calls.append(int(kw["input_ids"].shape[0])),
                                                   with_kwargs=True)
-    h2 = tiny.model.gen.register_forward_pre_hook(lambda m, a: gen_calls.append(1))
+    h2 = tiny.model.gen.blocks[0].register_forward_pre_hook(lambda m, a: gen_calls.append(1))
     try:
         tiny.num_inference_steps = steps
         tiny.predict(_obs(3), [0, 1, 2])
@@ -69,7 +69,7 @@ def test_prefix_computed_once_per_observation(tiny, steps):
         h1.remove()
         h2.remove()
     assert calls == [3]              # one understanding pass over the 3 observations, whatever the step count
-    assert len(gen_calls) == steps   # the generation tower runs once per denoising step
+    assert len(gen_calls) == steps   # the generation tower (its first block) runs once per denoising step
 
 
 def _synthetic_batch(pol, n=8, seed=0):
@@ -239,24 +239,85 @@ def test_bad_inputs(tiny):
         make_policy("wam-ref", size="tiny", state_dim=3).predict(_obs(1), [0])
 
 
-def test_kv_room_layout_matches_concat():
-    """The inference-only K/V layout with scratch slots (used by the CUDA-graph sampler) computes the same velocity."""
-    from wamkit.policies.wam_ref.model import Prefix
+def _prefix_inputs(pol, n=3, state_dim=8):
+    obs = _obs(n, state_dim=state_dim)
+    inp = pol.prepare_inputs([o.images for o in obs], TASKS[:n], [o.state for o in obs] if state_dim else None)
+    p = pol.model.encode_prefix(inp["input_ids"], inp["attention_mask"], inp["mm_token_type_ids"],
+                                inp["pixel_values"], inp["image_grid_thw"], inp["position_ids"])
+    return inp, p
 
+
+@torch.no_grad()
+def test_kv_room_layout_matches_concat():
+    """The inference K/V layout (scratch slots written in place, heads expanded or not) computes the same velocity
+    as the training layout (prefix K/V concatenated with the action tokens' every call)."""
     pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8)
-    inp = pol.prepare_inputs([o.images for o in _obs(3, state_dim=8)], TASKS[:3],
-                             [o.state for o in _obs(3, state_dim=8)])
+    inp, p = _prefix_inputs(pol)
     m = pol.model
-    with torch.no_grad():
-        p = m.encode_prefix(inp["input_ids"], inp["attention_mask"], inp["mm_token_type_ids"], inp["pixel_values"],
-                            inp["image_grid_thw"])
-        x, t = torch.randn(3, pol.horizon, pol.model_action_dim), torch.full((3,), 0.25)
-        ref = m.velocity(p, x, t, inp["state"])
-        n = pol.horizon + 1
-        tc = pol.qwen_config.text_config
-        for rep in (1, tc.num_attention_heads // tc.num_key_value_heads):
-            pad = lambda a: torch.cat([a.repeat_interleave(rep, 1), torch.zeros_like(a[:, :, :n].repeat_interleave(rep, 1))], 2)  # noqa: E731
-            room = Prefix([pad(k) for k in p.keys], [pad(v) for v in p.values],
-                          torch.cat([p.key_mask, torch.ones(3, n, dtype=torch.bool)], 1), p.next_pos)
+    x, t = torch.randn(3, pol.horizon, pol.model_action_dim), torch.full((3,), 0.25)
+    ref = m.velocity(p, x, t, inp["state"])
+    tc = pol.qwen_config.text_config
+    for heads in (tc.num_key_value_heads, tc.num_attention_heads):
+        room = p.with_room(pol.gen_tokens, heads)
+        assert room.keys[0].shape == (3, heads, p.keys[0].shape[2] + pol.gen_tokens, p.keys[0].shape[3])
+        torch.testing.assert_close(room.keys[1][:, ::heads // tc.num_key_value_heads, :-pol.gen_tokens], p.keys[1])
+        for _ in range(2):  # the scratch slots are overwritten, not accumulated: a second call gives the same
             out = m.velocity(room, x, t, inp["state"], shared_t=True, kv_room=True)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("layout", ["expanded", "room"])
+def test_denoise_matches_step_by_step_velocity(layout):
+    """GenerationTower.denoise (invariants hoisted out of the loop, in-place K/V slots) = the plain Euler loop
+    over the training-layout velocity, and the policy's sample() is that loop."""
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=5, state_dim=8, kv_layout=layout)
+    inp, p = _prefix_inputs(pol)
+    m = pol.model
+    x0 = pol.noise([1, 2, 3])
+    x = x0.clone()
+    for k in range(5):
+        x = x + m.velocity(p, x, torch.full((3,), k / 5), inp["state"]).float() / 5
+    heads = pol._kv_heads()
+    out = m.gen.denoise(p.with_room(pol.gen_tokens, heads), x0, inp["state"], 5)
+    torch.testing.assert_close(out, x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pol.sample(inp, [1, 2, 3]), out, rtol=0, atol=0)
+
+
+def test_position_ids_match_transformers_get_rope_index():
+    """The host-side mRoPE positions (cached template x mask) equal transformers' get_rope_index, for prompts of
+    different text lengths (one filling max_text_len exactly) and for each camera count."""
+    for cams in (("image", "wrist_image"), ("image",)):
+        pol = make_policy("wam-ref", size="tiny", cameras=cams, max_text_len=24)
+        tasks = ["a", "pick up the bowl", "x" * 24, "put the bowl on the plate and then open the drawer"]
+        obs = _obs(4)
+        inp = pol.prepare_inputs([{c: o.images[c] for c in cams} for o in obs], tasks)
+        ref, _ = pol.model.und.get_rope_index(inp["input_ids"], inp["mm_token_type_ids"],
+                                              image_grid_thw=inp["image_grid_thw"],
+                                              attention_mask=inp["attention_mask"])
+        assert inp["attention_mask"].sum(1).unique().numel() > 1   # the prompts really differ in length
+        torch.testing.assert_close(inp["position_ids"], ref, rtol=0, atol=0)
+
+
+def test_graph_buckets_and_warmup():
+    from wamkit.policies.wam_ref.policy import _buckets
+
+    assert _buckets(None, 64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert _buckets(None, 6) == (1, 2, 4, 6)
+    assert _buckets("3,1,40", 8) == (1, 3, 8)
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, max_batch=8)
+    assert pol._graph_bucket(5) == 8 and pol._graph_bucket(1) == 1
+    assert list(pol.warmup(8)) == ["1"]   # on the CPU: one predict (graphs are CUDA-only)
+    with pytest.raises(UserError, match="kv_layout"):
+        make_policy("wam-ref", size="tiny", kv_layout="cat")
+
+
+def test_compile_gives_the_same_actions(one_thread):
+    """compile=true (torch.compile of the generation blocks and the understanding norms/MLPs; Inductor's C++
+    backend here, Triton on GPUs) changes kernels, not arithmetic: same actions to float32 rounding, for two
+    batch sizes (the second one recompiles with a dynamic batch dimension)."""
+    ref = make_policy("wam-ref", size="tiny", num_inference_steps=3, state_dim=8)
+    comp = make_policy("wam-ref", size="tiny", num_inference_steps=3, state_dim=8, compile=True)
+    for n in (1, 3):
+        obs, seeds = _obs(n, seed=n, state_dim=8), list(range(n))
+        np.testing.assert_allclose(comp.predict(obs, seeds), ref.predict(obs, seeds), rtol=1e-4, atol=1e-5)

@@ -6,7 +6,9 @@
 Measures, in one process on one GPU:
 - ceilings: bf16 matmul 8192^3 on random data (median of 10 after 3 warm-ups, CUDA events) and a 4 GiB
   device-to-device copy (bytes read + written);
-- policy.predict per batch size and mode (eager; graphs[:expanded|room|cat] = cuda_graphs=true with that K/V layout):
+- policy.predict per batch size and mode: eager | graphs (cuda_graphs=true), optionally "+compile" (torch.compile of
+  the blocks; modes after the first "+compile" one stay compiled, so list those last) and ":room" (kv_layout=room
+  instead of expanded); graphs modes first capture every bucket (policy.warmup, timed):
   wall-clock latency p50/p99 over `reps` calls after warm-up (includes CPU preprocessing and the copy back), plus a
   device-time split: prefix (vision + understanding tower, once per observation) and the denoising loop;
 - torch.profiler top kernels of one eager sample() at the --profile batch sizes;
@@ -114,12 +116,17 @@ def bench_predict(pol, b: int, reps: int) -> dict:
     with torch.no_grad():
         _, prefix_ms = timed(lambda: m.encode_prefix(inputs["input_ids"], inputs["attention_mask"],
                                                      inputs["mm_token_type_ids"], inputs["pixel_values"],
-                                                     inputs["image_grid_thw"]))
+                                                     inputs["image_grid_thw"], inputs["position_ids"]))
+        try:
+            _, vision_ms = timed(lambda: m.und.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]))
+        except Exception:  # noqa: BLE001 - only a split of the timing
+            vision_ms = float("nan")
         _, sample_ms = timed(lambda: pol.sample(inputs, seeds))
     q = np.percentile(lat, [50, 99])
     return {"batch": b, "p50_ms": float(q[0]), "p99_ms": float(q[1]), "mean_ms": float(np.mean(lat)),
             "obs_s": b / (float(q[0]) / 1e3), "first_call_ms": first_ms, "prep_ms": prep_ms,
-            "prefix_ms": prefix_ms, "loop_ms": sample_ms - prefix_ms, "sample_ms": sample_ms, "reps": reps}
+            "prefix_ms": prefix_ms, "vision_ms": vision_ms, "loop_ms": sample_ms - prefix_ms, "sample_ms": sample_ms,
+            "reps": reps}
 
 
 def profile(pol, b: int, rows: int = 18) -> str:
@@ -214,6 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-wait-ms", type=float, default=5.0)
     ap.add_argument("--ngpu", type=int, default=1)
     ap.add_argument("--size", default="nano-shape")
+    ap.add_argument("--http-compile", default="false", help="compile=true for the served policy")
     args = ap.parse_args(argv)
     res: dict = {"args": vars(args), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -247,9 +255,27 @@ def main(argv=None) -> int:
     save()
     res["predict"] = []
     batches = [int(x) for x in args.batches.split(",") if x]
+    res["warmup"] = {}
     for mode in [x for x in args.modes.split(",") if x]:
-        pol.cuda_graphs = mode.startswith("graphs")
-        pol.graph_kv = mode.split(":", 1)[1] if ":" in mode else "expanded"
+        base, _, layout = mode.partition(":")
+        pol.cuda_graphs = base.startswith("graphs")
+        pol.kv_layout = layout or "expanded"
+        if "+compile" in base and not pol.compile:
+            t0 = time.perf_counter()
+            pol.compile = True
+            pol._compile_modules()
+            log(f"compile wrappers set in {time.perf_counter() - t0:.1f} s (compilation happens on first calls)")
+        if pol.cuda_graphs:
+            t0 = time.perf_counter()
+            try:
+                w = pol.warmup(max(batches))
+            except Exception as e:  # keep going: record the failure
+                log(f"{mode} warm-up FAILED: {type(e).__name__}: {e}")
+                res["warmup"][mode] = {"error": f"{type(e).__name__}: {e}"}
+                save()
+                continue
+            res["warmup"][mode] = {"total_s": time.perf_counter() - t0, "per_bucket_s": w}
+            log(f"{mode} warm-up (every graph bucket): {res['warmup'][mode]['total_s']:.1f} s {w}")
         for b in batches:
             try:
                 r = bench_predict(pol, b, args.reps)
@@ -263,10 +289,13 @@ def main(argv=None) -> int:
             r["mfu"] = r["tflops"] * 1e12 / (res["ceilings"]["bf16_matmul_tflops"] * 1e12)
             res["predict"].append(r)
             log(f"{mode:16s} b={b:3d}: p50 {r['p50_ms']:7.1f} ms p99 {r['p99_ms']:7.1f} ms {r['obs_s']:6.1f} obs/s "
-                f"{r['tflops']:5.0f} TFLOP/s | prep {r['prep_ms']:.1f} prefix {r['prefix_ms']:.1f} loop "
-                f"{r['loop_ms']:.1f} ms | first call {r['first_call_ms']:.0f} ms")
+                f"{r['tflops']:5.0f} TFLOP/s | prep {r['prep_ms']:.1f} prefix {r['prefix_ms']:.1f} (vision "
+                f"{r['vision_ms']:.1f}) loop {r['loop_ms']:.1f} ms | first call {r['first_call_ms']:.0f} ms")
             save()
-        pol._graphs.clear()
+        pol._graphs.clear()   # free this mode's graphs, their pool and static buffers
+        pol._graph_pool = None
+        for k in [k for k in pol._static if isinstance(k, tuple)]:
+            del pol._static[k]
         torch.cuda.empty_cache()
     res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
     res["profile"] = {}
@@ -282,7 +311,7 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
     if args.http:
         try:
-            res["http"] = bench_http(args, dict(policy_args, cuda_graphs="true"))
+            res["http"] = bench_http(args, dict(policy_args, cuda_graphs="true", compile=args.http_compile))
         except Exception as e:
             log(f"http FAILED: {type(e).__name__}: {e}")
             res["http_error"] = f"{type(e).__name__}: {e}"

@@ -22,15 +22,22 @@ def nano(d: dict) -> list[str]:
            f"memory floor {m['floor_gen_ms']:.0f} ms (generation weights once per step) / {m['floor_all_ms']:.0f} ms "
            f"(+ understanding weights once); compute roofline {m['roofline_obs_s']:.1f} obs/s; "
            f"built in {d.get('build_s', 0):.0f} s.", "",
-           "| mode | batch | p50 ms | p99 ms | obs/s | TFLOP/s | MFU | x floor | prep ms | prefix ms | loop ms | "
-           "first call ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| mode | batch | p50 ms | p99 ms | obs/s | TFLOP/s | MFU | x floor | prep ms | prefix ms (vision) | "
+           "loop ms | first call ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d.get("predict", []):
         if "error" in r:
             out.append(f"| {r['mode']} | {r['batch']} | failed: {r['error'][:80]} |||||||||")
             continue
         out.append(f"| {r['mode']} | {r['batch']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['obs_s']:.1f} | "
                    f"{r['tflops']:.0f} | {100 * r['mfu']:.0f}% | {r['p50_ms'] / m['floor_gen_ms']:.2f} | "
-                   f"{r['prep_ms']:.1f} | {r['prefix_ms']:.1f} | {r['loop_ms']:.1f} | {r['first_call_ms']:.0f} |")
+                   f"{r['prep_ms']:.1f} | {r['prefix_ms']:.1f} ({r.get('vision_ms', float('nan')):.1f}) | "
+                   f"{r['loop_ms']:.1f} | {r['first_call_ms']:.0f} |")
+    for mode, w in d.get("warmup", {}).items():
+        if "error" in w:
+            out.append(f"\nWarm-up of {mode} failed: {w['error'][:300]}")
+        else:
+            out.append(f"\nWarm-up of {mode} (every CUDA-graph bucket, before timing): {w['total_s']:.1f} s "
+                       f"({', '.join(f'b={k}: {v:.1f} s' for k, v in w['per_bucket_s'].items())})")
     if d.get("http"):
         out += ["", "HTTP (`wamkit serve`, cuda_graphs=true; C client loops, one observation per request):", "",
                 "| servers | concurrency | obs/s | p50 ms | p99 ms | mean batch |", "|---|---|---|---|---|---|"]
@@ -43,10 +50,12 @@ def nano(d: dict) -> list[str]:
 
 
 def sft(d: dict) -> list[str]:
-    out = ["| ranks | size | trainable | params (trainable) | global batch | step s | samples/s | TFLOP/step | "
-           "TFLOP/s | MFU vs 989 | peak mem GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| ranks | size | trainable | act. ckpt | compile | AdamW | params (trainable) | global batch | step s | "
+           "samples/s | TFLOP/step | TFLOP/s | MFU vs 989 | peak mem GiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
-        out.append(f"| {r['nproc']} | {r.get('size')} | {r.get('trainable')} | {r['params_M'] / 1e3:.2f}B "
+        out.append(f"| {r['nproc']} | {r.get('size')} | {r.get('trainable')} | {r.get('ac')} | {r.get('compile', False)} "
+                   f"| {r.get('optimizer', 'foreach')} | {r['params_M'] / 1e3:.2f}B "
                    f"({r['trainable_M'] / 1e3:.2f}B) | {r['global_batch']} | {r['step_s']:.3f} | "
                    f"{r['samples_per_s']:.1f} | {r['tflop_per_step']:.1f} | {r['achieved_tflops']:.0f} | "
                    f"{100 * r['mfu']:.1f}% | {r['peak_mem_gib_rank0']:.1f} |")
@@ -63,10 +72,15 @@ def evalb(d: dict) -> list[str]:
 
 def main(argv) -> int:
     root = Path(argv[0])
-    for name, fn in (("nano.json", nano), ("sft.json", sft)):
-        if (root / name).exists():
-            print(f"### {name}\n")
-            print("\n".join(fn(json.loads((root / name).read_text()))) + "\n")
+    if (root / "nano.json").exists():
+        print("### nano.json\n")
+        print("\n".join(nano(json.loads((root / "nano.json").read_text()))) + "\n")
+    for p in sorted(root.glob("sft*.json")):
+        print(f"### {p.name}\n")
+        print("\n".join(sft(json.loads(p.read_text()))) + "\n")
+        for r in json.loads(p.read_text())["rows"]:
+            if r.get("profile"):
+                print("```\n" + r["profile"] + "\n```\n")
     for p in sorted(root.glob("eval_*.json")):
         print(f"### {p.name}\n")
         print("\n".join(evalb(json.loads(p.read_text()))) + "\n")

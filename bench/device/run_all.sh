@@ -2,16 +2,17 @@
 # Every GPU measurement of issue 9 in one call on the device machine (see bench/results/gpu.md).
 #
 #   bash bench/device/run_all.sh [scale=smoke|full] [parts=nano,eval,sft] [ngpu=1] [evalscales=8x32,16x64]
+#        [sft_variants="activation_checkpointing=true;activation_checkpointing=false compile=true"] [nano_args=...]
 #
 # Installs the carried GL loaders (.gl) and wheels (.whl), then runs each part under its own time limit and keeps
 # going when one fails. Everything lands under $OUT (run_all.log = the whole console; one JSON per part).
 # ngpu=N: SFT under torchrun nproc=N (global batch N x 64), N action servers (one per GPU) for the HTTP rows.
 set -u
-SCALE=smoke; PARTS=nano,eval,sft; SFT_TRAIN=all; NGPU=1; EVALSCALES=""; NANO_ARGS=""
+SCALE=smoke; PARTS=nano,eval,sft; SFT_TRAIN=all; NGPU=1; EVALSCALES=""; NANO_ARGS=""; SFT_VARIANTS=""
 for a in "$@"; do
   case "$a" in
     scale=*) SCALE=${a#*=};; parts=*) PARTS=${a#*=};; ngpu=*) NGPU=${a#*=};; evalscales=*) EVALSCALES=${a#*=};;
-    nano_args=*) NANO_ARGS=${a#*=};; sft_trainable=*) SFT_TRAIN=${a#*=};;
+    nano_args=*) NANO_ARGS=${a#*=};; sft_trainable=*) SFT_TRAIN=${a#*=};; sft_variants=*) SFT_VARIANTS=${a#*=};;
     *) echo "unknown argument $a"; exit 2;;
   esac
 done
@@ -37,12 +38,12 @@ part() { case ",$PARTS," in *",$1,"*) return 0;; *) return 1;; esac; }
 stamp() { echo "=== $1 done (rc=$2) at +$(( $(date +%s) - T0 )) s"; }
 
 if [ "$SCALE" = smoke ]; then
-  NANO="--batches 1,64 --modes eager,graphs,graphs:cat --reps 2 --profile 1,64 --http 1,8 --http-seconds 3"
+  NANO="--batches 1,64 --modes eager,graphs,graphs+compile --reps 2 --profile 64 --http 1,8 --http-seconds 3"
   NANO_T=200; EVAL_T=150; SFT_T=150; SFT="batch=16 steps=2 warmup=1"
   [ -z "$EVALSCALES" ] && EVALSCALES="2x4"; EVAL_STEPS=40; EVAL_ROWS="single-batch;auto"
 else
-  NANO="--batches 1,2,4,8,16,32,64 --modes eager,graphs --reps 4 --profile 64 --http 1,16,64 --http-seconds 8"
-  NANO_T=230; EVAL_T=${EVAL_T:-220}; SFT_T=120; SFT="batch=64 steps=6 warmup=2"
+  NANO="--batches 1,2,4,8,16,32,64 --modes eager,graphs,graphs+compile --reps 4 --profile 64 --http 1,16,64 --http-seconds 8"
+  NANO_T=${NANO_T:-420}; EVAL_T=${EVAL_T:-220}; SFT_T=${SFT_T:-120}; SFT="batch=64 steps=6 warmup=2"
   [ -z "$EVALSCALES" ] && EVALSCALES="8x32"; EVAL_STEPS=100; EVAL_ROWS=""
 fi
 [ -n "$NANO_ARGS" ] && NANO="$NANO $NANO_ARGS"
@@ -54,12 +55,20 @@ if part nano; then
 fi
 
 if part sft; then
-  echo "=== sft: bench/bench_train.py device=cuda size=1b nproc=$NGPU $SFT trainable=$SFT_TRAIN"
+  # one bench_train run per variant (';'-separated extra key=value sets; default: the trainer's defaults)
   B=$(echo "$SFT" | sed -n 's/.*batch=\([0-9]*\).*/\1/p')
   SFT_ARGS=$(echo "$SFT" | sed "s/batch=[0-9]*/batch=$(( B * NGPU ))/")
-  timeout -k 10 $SFT_T python3 bench/bench_train.py device=cuda size=1b nproc="$NGPU" $SFT_ARGS trainable=$SFT_TRAIN \
-    peak_tflops=989 json="$OUT/sft.json" out=/tmp/train.md
-  stamp sft $?
+  i=0
+  IFS=';' read -ra VARS <<< "${SFT_VARIANTS:-}"
+  [ ${#VARS[@]} -eq 0 ] && VARS=("")
+  for v in "${VARS[@]}"; do
+    J="$OUT/sft.json"; [ ${#VARS[@]} -gt 1 ] && J="$OUT/sft_$i.json"
+    echo "=== sft: bench/bench_train.py device=cuda size=1b nproc=$NGPU $SFT_ARGS trainable=$SFT_TRAIN $v"
+    timeout -k 10 $SFT_T python3 bench/bench_train.py device=cuda size=1b nproc="$NGPU" $SFT_ARGS trainable=$SFT_TRAIN \
+      peak_tflops=989 json="$J" out=/tmp/train.md $v
+    stamp "sft $v" $?
+    i=$(( i + 1 ))
+  done
 fi
 
 if part eval; then

@@ -57,6 +57,7 @@ class InProcessInference(Inference):
         super().__init__(timeline)
         self.policy = policy
         self.max_batch = int(policy.max_batch_size())
+        policy.warmup(self.max_batch)  # one-off work (e.g. CUDA graphs of every batch size) before any timing
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="policy")
 
     def _run(self, observations, seeds):

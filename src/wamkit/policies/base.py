@@ -71,5 +71,10 @@ class Policy(abc.ABC):
         """Largest batch predict() should get at once (servers and schedulers respect it)."""
         return 64
 
+    def warmup(self, max_batch: int | None = None) -> dict[str, float]:
+        """One-off work before the first real call (e.g. capturing CUDA graphs for every batch size up to
+        max_batch); servers call it before they report healthy. Returns seconds per step; default: nothing to do."""
+        return {}
+
     def close(self) -> None:  # noqa: B027
         pass

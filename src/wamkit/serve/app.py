@@ -227,6 +227,12 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
         from wamkit.policies import make_policy
 
         policy = make_policy(cfg.policy, **cfg.policy_args)
+    if cfg.warmup:  # before uvicorn listens: /health answers only once the one-off work is done
+        t0 = time.perf_counter()
+        done = policy.warmup(cfg.max_batch_size or policy.max_batch_size())
+        if done:
+            log.warning("warm-up done in %.1f s (%s)", time.perf_counter() - t0,
+                        ", ".join(f"{k}: {v:.1f} s" for k, v in done.items()))
     srv = ActionServer(cfg, policy)
 
     def guarded(fn):

@@ -25,6 +25,7 @@ class ServeConfig:
     model_name: str | None = None           # the `model` field of responses (default: the policy name)
     graceful_timeout_s: float = 60.0        # on SIGTERM: wait this long for in-flight work
     parent_pid: int = 0                     # exit when this process dies (server workers set it)
+    warmup: bool = True                     # policy.warmup(max batch) before /health answers (e.g. CUDA graphs)
 
     def validate(self) -> None:
         if not (0 <= self.port < 65536):

@@ -36,6 +36,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.99)
     eps: float = 1e-8
     weight_decay: float = 0.05              # applied to >= 2-D parameters only (not biases / norms)
+    optimizer_impl: Literal["auto", "fused", "foreach", "for-loop"] = "auto"  # AdamW kernels; auto: fused on CUDA
     warmup: int = 500                       # linear warmup steps (from lr/warmup to lr)
     decay: int | None = None                # linear decay to 0 over this many steps after warmup; None = to `steps`;
                                             # 0 = constant after warmup

@@ -72,8 +72,14 @@ def build_optimizer(module: nn.Module, cfg, multipliers: dict) -> torch.optim.Op
     groups = param_groups(module, multipliers, cfg.weight_decay)
     for g in groups:
         g["lr"] = cfg.lr * g["lr_mult"]
-    # foreach=True: the multi-tensor path also works on DTensor (FSDP2) parameters.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
+    # fused (one kernel per parameter group on GPUs) or foreach (multi-tensor); both work on DTensor (FSDP2)
+    # parameters. auto: fused on CUDA, foreach elsewhere.
+    impl = getattr(cfg, "optimizer_impl", "auto")
+    if impl == "auto":
+        on_cuda = any(p.device.type == "cuda" for g in groups for p in g["params"])
+        impl = "fused" if on_cuda else "foreach"
+    kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kw)
 
 
 def lr_factor(step: int, warmup: int, decay: int | None, total: int) -> float:

@@ -49,6 +49,29 @@ class Prefix:
     def batch_size(self) -> int:
         return int(self.key_mask.shape[0])
 
+    def with_room(self, n: int, heads: int) -> "Prefix":
+        """The same prefix in the inference layout: per layer (B, heads, S + n, hd) with the last n slots free for
+        the action tokens' K/V (each denoising step writes them in place instead of concatenating the whole prefix
+        again), the K/V heads repeated up to `heads` (a multiple of the kv heads; = kv heads: no repeat), and the
+        key mask covering the n slots."""
+        b, kvh, s, hd = self.keys[0].shape
+        keys = [kv_room_buffer(k, n, heads) for k in self.keys]
+        values = [kv_room_buffer(v, n, heads) for v in self.values]
+        mask = torch.cat([self.key_mask, torch.ones(b, n, dtype=torch.bool, device=self.key_mask.device)], dim=1)
+        return Prefix(keys, values, mask, self.next_pos)
+
+
+def kv_room_buffer(src: torch.Tensor, n: int, heads: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, kv_heads, S, hd) -> (B, heads, S + n, hd) with src in the first S slots (heads repeated kv-head-major, as
+    `repeat_interleave(heads // kv_heads, dim=1)` orders them). Writes into `out[:B]` when given."""
+    b, kvh, s, hd = src.shape
+    if heads % kvh:
+        raise ValueError(f"heads {heads} is not a multiple of kv heads {kvh}")
+    if out is None:
+        out = src.new_zeros(b, heads, s + n, hd)
+    out[:b].view(b, kvh, heads // kvh, out.shape[2], hd)[:, :, :, :s].copy_(src[:, :, None])
+    return out
+
 
 class GenBlock(nn.Module):
     def __init__(self, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int, eps: float = 1e-6):
@@ -69,10 +92,9 @@ class GenBlock(nn.Module):
         self.modulation = nn.Parameter(torch.zeros(6, hidden))
 
     def forward(self, x, tmod, cos, sin, prefix_k, prefix_v, attn_mask, kv_room: bool = False):
-        """kv_room=False: prefix_k/v are (B, kv_heads, S, hd) and the action tokens' K/V are concatenated to them.
-        kv_room=True (inference only, no autograd): prefix_k/v are (B, heads or kv_heads, S + n, hd) buffers whose last
-        n slots are scratch; this block writes its own K/V there (repeated to the buffer's head count) instead of
-        copying the whole prefix every call. Same values either way."""
+        """kv_room=False (training): prefix_k/v are (B, kv_heads, S, hd) and the action tokens' K/V are concatenated
+        to them. kv_room=True (inference, no autograd): prefix_k/v are `Prefix.with_room` buffers (B, heads or
+        kv_heads, S + n, hd) whose last n slots this block overwrites with its own K/V. Same values either way."""
         b, n, _ = x.shape
         sh1, sc1, g1, sh2, sc2, g2 = (tmod + self.modulation.to(tmod.dtype)).unbind(1)  # each (B, hidden)
         h = self.norm1(x) * (1 + sc1[:, None]) + sh1[:, None]
@@ -81,11 +103,12 @@ class GenBlock(nn.Module):
         v = self.v_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if kv_room:
-            rep = prefix_k.shape[1] // self.kv_heads
-            if rep > 1:
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            prefix_k[:, :, -n:].copy_(k)
-            prefix_v[:, :, -n:].copy_(v)
+            hb = prefix_k.shape[1]
+            rep = hb // self.kv_heads
+            s_all = prefix_k.shape[2]
+            # write this step's K/V into the scratch slots (heads repeated as in kv_room_buffer), no allocation
+            prefix_k.view(b, self.kv_heads, rep, s_all, self.head_dim)[:, :, :, -n:].copy_(k[:, :, None])
+            prefix_v.view(b, self.kv_heads, rep, s_all, self.head_dim)[:, :, :, -n:].copy_(v[:, :, None])
             k, v = prefix_k, prefix_v
         else:
             k = torch.cat([prefix_k.to(k.dtype), k], dim=2)
@@ -125,13 +148,40 @@ class GenerationTower(nn.Module):
         args = (t.float() * 1000.0)[:, None] * freqs[None]
         return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
+    def conditioning(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Time conditioning for rows t (R,): the blocks' shared modulation (R, 6, hidden) and the output
+        modulation (R, 2 * hidden)."""
+        dtype = self.action_in.weight.dtype
+        c = self.time_mlp(self.time_embedding(t).to(dtype))
+        return self.time_mod(c).view(-1, 6, self.hidden), self.out_mod(F.silu(c))
+
+    def state_token(self, state: torch.Tensor | None, b: int, horizon: int) -> torch.Tensor | None:
+        if self.state_in is None:
+            return None
+        if state is None:
+            raise ValueError("this model was built with state_dim > 0: pass state")
+        # projected over `horizon` copies so that the GEMM has B * horizon rows (see forward: batch invariance)
+        return self.state_in(state.to(self.action_in.weight.dtype)[:, None].expand(-1, horizon, -1))[:, :1]
+
+    def rope(self, prefix: Prefix, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (B, n, hd) of the n generation tokens: text-style mRoPE positions continuing after the prefix."""
+        pos = prefix.next_pos[:, None] + torch.arange(n, device=like.device)[None]  # (B, n)
+        return self.rotary(like, pos[None].expand(3, -1, -1))
+
+    def run_blocks(self, tok, tmod, out_mod, cos, sin, prefix: Prefix, attn_mask, kv_room: bool, horizon: int):
+        h = tok
+        for i, blk in enumerate(self.blocks):
+            h = blk(h, tmod, cos, sin, prefix.keys[i], prefix.values[i], attn_mask, kv_room)
+        shift, scale = out_mod.chunk(2, dim=-1)
+        h = self.norm_out(h) * (1 + scale[:, None]) + shift[:, None]
+        return self.action_out(h)[:, h.shape[1] - horizon:]
+
     def forward(self, prefix: Prefix, x_t: torch.Tensor, t: torch.Tensor, state: torch.Tensor | None = None,
                 shared_t: bool | None = None, kv_room: bool = False):
         """Velocity (B, H, action_dim) for noisy actions x_t at times t (B,), attending to the prefix K/V.
 
-        shared_t: whether every row has the same t (None: checked, which reads t back from the device; samplers that
-        know it pass it, so the loop can be captured in a CUDA graph). kv_room: see GenBlock.forward (the prefix's
-        key_mask then already covers the n scratch slots)."""
+        shared_t: whether every row has the same t (None: checked, which reads t back from the device).
+        kv_room: the prefix is in the `Prefix.with_room` layout (see GenBlock.forward)."""
         dtype = self.action_in.weight.dtype
         b, horizon, _ = x_t.shape
         # Batch invariance: CPU GEMMs pick kernels by row count, and for a handful of rows (< ~8) a row's result
@@ -139,38 +189,49 @@ class GenerationTower(nn.Module):
         # the state is projected over `horizon` copies (rows = B * horizon, like the action tokens), and the time
         # conditioning is computed from one row and broadcast when every observation has the same t (sampling).
         tok = self.action_in(x_t.to(dtype))
-        if self.state_in is not None:
-            if state is None:
-                raise ValueError("this model was built with state_dim > 0: pass state")
-            st = self.state_in(state.to(dtype)[:, None].expand(-1, horizon, -1))[:, :1]
+        st = self.state_token(state, b, horizon)
+        if st is not None:
             tok = torch.cat([st, tok], dim=1)
         n = tok.shape[1]
         if shared_t is None:
             shared_t = b > 1 and not torch.is_grad_enabled() and bool((t == t[:1]).all())
         else:
             shared_t = bool(shared_t) and b > 1 and not torch.is_grad_enabled()
-        tt = t[:1] if shared_t else t
-        c = self.time_mlp(self.time_embedding(tt).to(dtype))
-        tmod = self.time_mod(c).view(-1, 6, self.hidden)
-        out_mod = self.out_mod(F.silu(c))
+        tmod, out_mod = self.conditioning(t[:1] if shared_t else t)
         if shared_t:
-            c, tmod, out_mod = c.expand(b, -1), tmod.expand(b, -1, -1), out_mod.expand(b, -1)
-        pos = prefix.next_pos[:, None] + torch.arange(n, device=tok.device)[None]  # (B, n)
-        cos, sin = self.rotary(tok, pos[None].expand(3, -1, -1))
+            tmod, out_mod = tmod.expand(b, -1, -1), out_mod.expand(b, -1)
+        cos, sin = self.rope(prefix, n, tok)
         if kv_room:
             attn_mask = prefix.key_mask[:, None, None, :]  # (B, 1, 1, S + n): the scratch slots are True
         else:
-            s = prefix.key_mask.shape[1]
             mask = torch.cat([prefix.key_mask, torch.ones(b, n, dtype=torch.bool, device=tok.device)], dim=1)
             attn_mask = mask[:, None, None, :]  # (B, 1, 1, S + n)
-            assert attn_mask.shape[-1] == s + n
-        h = tok
-        for i, blk in enumerate(self.blocks):
-            h = blk(h, tmod, cos, sin, prefix.keys[i], prefix.values[i], attn_mask, kv_room)
-        shift, scale = out_mod.chunk(2, dim=-1)
-        h = self.norm_out(h) * (1 + scale[:, None]) + shift[:, None]
-        v = self.action_out(h)
-        return v[:, n - horizon:]
+        return self.run_blocks(tok, tmod, out_mod, cos, sin, prefix, attn_mask, kv_room, horizon)
+
+    def denoise(self, prefix: Prefix, x: torch.Tensor, state: torch.Tensor | None, steps: int) -> torch.Tensor:
+        """The whole Euler sampler (t: 0 -> 1 in `steps` steps) from noise x (B, H, action_dim) float32, with the
+        prefix in the `Prefix.with_room` layout. What does not change between steps is computed once: the time
+        conditioning of every step (one GEMM over `steps` rows, shared by all observations), the state token, the
+        rotary tables and the attention mask. Returns the final x (float32). No host synchronisation inside, so
+        it can be captured in a CUDA graph."""
+        dtype = self.action_in.weight.dtype
+        b, horizon, _ = x.shape
+        # k / steps rounded once to float32 (as a Python float cast would be); a device op, not a host copy,
+        # so that it can be captured in a CUDA graph
+        t_all = (torch.arange(steps, device=x.device, dtype=torch.float64) / steps).float()
+        tmods, outs = self.conditioning(t_all)                        # (steps, 6, hidden), (steps, 2 * hidden)
+        st = self.state_token(state, b, horizon)
+        n = horizon + (0 if st is None else 1)
+        cos, sin = self.rope(prefix, n, x.to(dtype))
+        attn_mask = prefix.key_mask[:, None, None, :]
+        for k in range(steps):
+            tok = self.action_in(x.to(dtype))
+            if st is not None:
+                tok = torch.cat([st, tok], dim=1)
+            v = self.run_blocks(tok, tmods[k:k + 1].expand(b, -1, -1), outs[k:k + 1].expand(b, -1), cos, sin,
+                                prefix, attn_mask, True, horizon)
+            x = x + v.float() / steps
+        return x
 
 
 class WamRefModel(nn.Module):
@@ -185,12 +246,18 @@ class WamRefModel(nn.Module):
     def _und_trainable(self) -> bool:
         return any(p.requires_grad for p in self.und.parameters())
 
-    def encode_prefix(self, input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw) -> Prefix:
-        """One understanding-tower pass over the whole batch; returns its per-layer K/V (the 'prefix cache')."""
+    def encode_prefix(self, input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw,
+                      position_ids=None) -> Prefix:
+        """One understanding-tower pass over the whole batch; returns its per-layer K/V (the 'prefix cache').
+
+        position_ids (3, B, S): the mRoPE positions when the caller has them (the policy computes them on the host
+        from a cached template); otherwise transformers' get_rope_index, which loops over the batch in Python and
+        reads the mask back from the device."""
         grad = torch.is_grad_enabled() and self._und_trainable()
         with torch.set_grad_enabled(grad):
-            position_ids, _ = self.und.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw,
-                                                      attention_mask=attention_mask)
+            if position_ids is None:
+                position_ids, _ = self.und.get_rope_index(input_ids, mm_token_type_ids,
+                                                          image_grid_thw=image_grid_thw, attention_mask=attention_mask)
             out = self.und(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                            mm_token_type_ids=mm_token_type_ids, use_cache=True)
@@ -212,9 +279,10 @@ class WamRefModel(nn.Module):
         return self.gen(prefix, x_t, t, state, shared_t=shared_t, kv_room=kv_room)
 
     def forward(self, input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw, actions,
-                action_mask, noise, t, state=None):
+                action_mask, noise, t, state=None, position_ids=None):
         """Per-sample flow-matching loss (B,) (masked mean over valid timesteps and channels)."""
-        prefix = self.encode_prefix(input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw)
+        prefix = self.encode_prefix(input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw,
+                                    position_ids)
         tt = t.to(actions.dtype)[:, None, None]
         x_t = (1 - tt) * noise + tt * actions
         target = actions - noise

@@ -14,6 +14,7 @@ observation's result does not depend on its batch mates (pinned by tests/test_po
 from __future__ import annotations
 
 import fnmatch
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -25,7 +26,7 @@ from wamkit.core.errors import UserError
 from wamkit.core.types import Observation
 from wamkit.policies.base import ActionSpec, InputSpec, Policy, PolicySpec
 from wamkit.policies.tokenizer import load_tokenizer
-from wamkit.policies.wam_ref.model import GenerationTower, Prefix, WamRefModel, init_weights
+from wamkit.policies.wam_ref.model import GenerationTower, Prefix, WamRefModel, init_weights, kv_room_buffer
 from wamkit.policies.wam_ref.sizes import get_size, qwen3vl_config_dict
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -38,6 +39,24 @@ def _dtype(d) -> torch.dtype:
     if str(d) not in _DTYPES:
         raise UserError(f"unknown dtype {d!r}; valid choices: {', '.join(_DTYPES)}")
     return _DTYPES[str(d)]
+
+
+def _buckets(spec, max_batch: int) -> tuple[int, ...]:
+    """CUDA-graph batch buckets: given (list or comma string) or 1, 2, 4, 8, 16, then steps of a quarter of the
+    next power of two (24, 32, 48, 64, 96, ...) up to max_batch, which is always a bucket."""
+    if spec:
+        vals = [int(v) for v in (spec.split(",") if isinstance(spec, str) else spec)]
+    else:
+        vals, b = [], 1
+        while b < max_batch:
+            vals.append(b)
+            b = b * 2 if b < 16 else b + (1 << (b.bit_length() - 1)) // 2
+    vals = sorted({v for v in vals if 0 < v < max_batch} | {max_batch})
+    return tuple(vals)
+
+
+def _flag(v) -> bool:
+    return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
 
 
 def _dtype_name(d: torch.dtype) -> str:
@@ -90,23 +109,30 @@ class WamRefPolicy(Policy):
                  max_text_len: int | None = None, trainable_patterns: Sequence[str] = ("gen.*",),
                  action_lr_multiplier: float = 5.0, image_mean: Sequence[float] = (0.5, 0.5, 0.5),
                  image_std: Sequence[float] = (0.5, 0.5, 0.5), init_seed: int = 0, max_batch: int = 64,
-                 tokenizer_dir: str | None = None, cuda_graphs: bool = False, graph_kv: str = "expanded", **_):
+                 tokenizer_dir: str | None = None, cuda_graphs: bool = False, kv_layout: str = "expanded",
+                 compile: bool = False, graph_buckets: Sequence[int] | str | None = None, **_):
         from transformers import Qwen3VLConfig
 
         preset = get_size(size)
         self.size = size
         self.cameras = tuple(cameras.split(",")) if isinstance(cameras, str) else tuple(cameras)
-        # CUDA graphs for the denoising loop (inference on a CUDA device only; ignored elsewhere): one graph per
-        # (batch bucket, steps) captured on first use. graph_kv: "expanded" (prefix K/V repeated to all heads once
-        # per observation, with scratch slots for the action tokens: no per-step copy of the prefix, and SDPA
-        # runs without GQA, which lets a fused kernel take the masked attention), "room" (same without the head
-        # repeat) or "cat" (the eager layout).
-        self.cuda_graphs = cuda_graphs if isinstance(cuda_graphs, bool) else \
-            str(cuda_graphs).lower() in ("1", "true", "yes")
-        if graph_kv not in ("expanded", "room", "cat"):
-            raise UserError(f"graph_kv must be expanded, room or cat, got {graph_kv!r}")
-        self.graph_kv = graph_kv
+        # Inference speed options (none changes the arithmetic; they change which kernels run):
+        # - cuda_graphs: on a CUDA device the whole denoising loop is one CUDA graph per batch bucket (batches are
+        #   padded up to the next bucket); `warmup()` captures every bucket up front (the server does so before
+        #   /health answers), otherwise a bucket is captured on first use.
+        # - kv_layout: the prefix K/V during denoising, "expanded" (repeated to all query heads once per
+        #   observation: SDPA then runs without GQA, so a fused masked-attention kernel can take it) or "room"
+        #   (kv heads only, SDPA with enable_gqa). Either way the action tokens' K/V go into free slots in place.
+        # - compile: torch.compile of each generation block and of the understanding tower's norms and MLPs
+        #   (fuses the elementwise work around the GEMMs); needs a working Inductor backend (Triton on GPUs).
+        self.cuda_graphs = _flag(cuda_graphs)
+        if kv_layout not in ("expanded", "room"):
+            raise UserError(f"kv_layout must be expanded or room, got {kv_layout!r}")
+        self.kv_layout = kv_layout
+        self.compile = _flag(compile)
         self._graphs: dict[tuple, Any] = {}
+        self._graph_pool = None
+        self._static: dict[str, Any] = {}
         self.horizon = int(horizon)
         self.env_action_dim = int(action_dim)
         self.state_dim = int(state_dim)
@@ -120,6 +146,7 @@ class WamRefPolicy(Policy):
         self.image_std = tuple(float(v) for v in image_std)
         self.init_seed = int(init_seed)
         self.max_batch = int(max_batch)
+        self.graph_buckets = _buckets(graph_buckets, self.max_batch)
         self.und_path = und_path
         pipe = as_action_pipeline(action_pipeline)
         try:
@@ -180,6 +207,8 @@ class WamRefPolicy(Policy):
         if on_accel:
             self.materialize(self.device)
 
+        if self.compile:
+            self._compile_modules()
         self.tokenizer_dir = tokenizer_dir
         self.tokenizer = load_tokenizer(tokenizer_dir or und_path, qcfg)
         self.gen_hidden, self.gen_ffn = gen_hidden, gen_ffn
@@ -281,9 +310,11 @@ class WamRefPolicy(Policy):
                     raise UserError(f"wam-ref needs camera {cam!r}; observation {i} has {sorted(obs_imgs)}")
                 patches.append(self._image_patches(obs_imgs[cam]))
         ids_t = torch.from_numpy(ids)
+        mask_t = torch.from_numpy(mask.astype(np.int64))
         out = {
             "input_ids": ids_t.to(self.device),
-            "attention_mask": torch.from_numpy(mask.astype(np.int64)).to(self.device),
+            "attention_mask": mask_t.to(self.device),
+            "position_ids": self.position_ids(mask_t).to(self.device),
             "mm_token_type_ids": (ids_t == tok.image_id).to(torch.int32).to(self.device),
             "pixel_values": torch.cat(patches).to(self.device, self.dtype),
             "image_grid_thw": torch.tensor([[1, g, g]] * (n * len(self.cameras)), dtype=torch.long,
@@ -297,6 +328,29 @@ class WamRefPolicy(Policy):
                 raise UserError(f"state has {st.shape[-1]} dims, the policy expects {self.state_dim}")
             out["state"] = st.to(self.device, self.dtype)
         return out
+
+    def position_ids(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """mRoPE positions (3, B, S) for prompts in this policy's layout, on the host, without a Python loop.
+
+        Every prompt is [vision tokens per camera] + text right-padded to max_text_len, so a real token's position
+        does not depend on the prompt: it is the position of the same slot in a prompt without padding (the
+        template, computed once by transformers' own get_rope_index); padded slots get 0, as get_rope_index leaves
+        them. tests/test_policy_wam_ref.py checks this against get_rope_index."""
+        tpl = self._static.get("position_template")
+        if tpl is None:
+            tok = self.tokenizer
+            g = self.image_size // self.patch_size
+            ids = []
+            for _ in self.cameras:
+                ids += [tok.vision_start_id] + [tok.image_id] * self.tokens_per_image + [tok.vision_end_id]
+            ids = torch.tensor([ids + [tok.vision_end_id] * self.max_text_len])  # any text id: only types matter
+            types = (ids == tok.image_id).to(torch.int32)
+            grid = torch.tensor([[1, g, g]] * len(self.cameras), dtype=torch.long)
+            tpl, _ = self.model.und.get_rope_index(ids, types, image_grid_thw=grid,
+                                                   attention_mask=torch.ones_like(ids))
+            tpl = self._static["position_template"] = tpl[:, 0].to("cpu")
+        m = attention_mask.to(torch.long).cpu()
+        return tpl[:, None, :] * m[None]
 
     # ------------------------------------------------------------------ inference
     def noise(self, seeds: Sequence[int]) -> torch.Tensor:
@@ -312,34 +366,75 @@ class WamRefPolicy(Policy):
         steps = int(num_inference_steps or self.num_inference_steps)
         m = self.model
         prefix: Prefix = m.encode_prefix(inputs["input_ids"], inputs["attention_mask"], inputs["mm_token_type_ids"],
-                                         inputs["pixel_values"], inputs["image_grid_thw"])
+                                         inputs["pixel_values"], inputs["image_grid_thw"], inputs.get("position_ids"))
         x = self.noise(seeds).to(self.device, torch.float32)
-        n = x.shape[0]
         if self.cuda_graphs and self.device.type == "cuda":
             return self._sample_graphed(prefix, x, inputs.get("state"), steps)
-        for k in range(steps):
-            t = torch.full((n,), k / steps, device=self.device, dtype=torch.float32)
-            v = m.velocity(prefix, x, t, inputs.get("state"), shared_t=n > 1)  # sampling: every row has the same t
-            x = x + v.float() / steps
-        return x
+        room = prefix.with_room(self.gen_tokens, self._kv_heads())
+        return m.gen.denoise(room, x, inputs.get("state"), steps)
+
+    @property
+    def gen_tokens(self) -> int:
+        """Tokens of the generation tower: the action chunk (+ one state token)."""
+        return self.horizon + (1 if self.state_dim > 0 else 0)
+
+    def _kv_heads(self) -> int:
+        tc = self.qwen_config.text_config
+        return tc.num_attention_heads if self.kv_layout == "expanded" else tc.num_key_value_heads
 
     def _graph_bucket(self, n: int) -> int:
-        b = 1
-        while b < n:
-            b *= 2
-        return min(b, max(self.max_batch, n))
+        for b in self.graph_buckets:
+            if b >= n:
+                return b
+        return n
 
     def _sample_graphed(self, prefix: Prefix, x: torch.Tensor, state, steps: int) -> torch.Tensor:
-        """The Euler loop replayed from a CUDA graph: the batch is padded to a bucket (a power of two up to max_batch)
-        with copies of row 0, its inputs copied into the graph's static buffers. Same arithmetic as the eager loop;
-        which GPU kernels run (and so the last bits) can differ from eager and between buckets."""
+        """The Euler loop replayed from a CUDA graph: the batch is padded to a bucket (`graph_buckets`), its inputs
+        copied into static buffers shared by every bucket's graph. Same arithmetic as the eager loop; which GPU
+        kernels run (and so the last bits) can differ from eager and between buckets."""
         n, s = x.shape[0], prefix.key_mask.shape[1]
         bucket = self._graph_bucket(n)
-        key = (bucket, steps, s, self.graph_kv)
+        key = (bucket, steps, s, self.kv_layout)
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = _DenoiseGraph(self, bucket, steps, s, self.graph_kv)
+            g = self._graphs[key] = _DenoiseGraph(self, bucket, steps, s)
         return g.run(prefix, x, state)
+
+    def warmup(self, max_batch: int | None = None) -> dict[str, float]:
+        """Do the one-off work before serving: with cuda_graphs on a CUDA device, capture the denoising graph of
+        every bucket up to `max_batch` (compiling first when compile=true); otherwise one predict of a single
+        observation (library handles, kernel selection). Returns seconds per bucket."""
+        top = min(int(max_batch or self.max_batch), self.max_batch)
+        sizes = [b for b in self.graph_buckets if b <= top] if (self.cuda_graphs and self.device.type == "cuda") \
+            else [1]
+        g = np.random.default_rng(0)
+        side = self.image_size
+        out = {}
+        for b in sizes:
+            obs = [Observation({c: g.integers(0, 256, (side, side, 3), dtype=np.uint8) for c in self.cameras},
+                               np.zeros(self.state_dim, np.float32) if self.state_dim > 0 else None, "warm up")
+                   for _ in range(b)]
+            t0 = time.perf_counter()
+            self.predict(obs, list(range(b)))
+            out[str(b)] = time.perf_counter() - t0
+        return out
+
+    def _compile_modules(self) -> None:
+        """torch.compile (Inductor) of each generation block and of the understanding tower's RMSNorms and MLPs,
+        in place (`nn.Module.compile`). Dynamo's automatic dynamic shapes: the second batch size seen recompiles
+        with a symbolic batch dimension, later sizes reuse it."""
+        import torch._dynamo
+
+        for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                  "accumulated_cache_size_limit"):
+            if hasattr(torch._dynamo.config, k):
+                setattr(torch._dynamo.config, k, max(getattr(torch._dynamo.config, k), 256))
+        for blk in self.model.gen.blocks:
+            blk.compile(fullgraph=True)
+        for name, mod in self.model.und.named_modules():
+            kind = type(mod).__name__
+            if kind.endswith("RMSNorm") or kind.endswith("TextMLP") or kind.endswith("VisionMLP"):
+                mod.compile()
 
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
         if len(observations) != len(seeds):
@@ -459,62 +554,72 @@ class WamRefPolicy(Policy):
 
 
 class _DenoiseGraph:
-    """Static buffers + one captured CUDA graph of the whole denoising loop for one (batch bucket, steps, S)."""
+    """One captured CUDA graph of the whole denoising loop (`GenerationTower.denoise`) for one (bucket, steps, S).
 
-    def __init__(self, pol: "WamRefPolicy", bucket: int, steps: int, s: int, kv: str):
+    Its inputs live in static buffers that every bucket's graph shares (views of the first `bucket` rows of one
+    max-size set, so memory does not grow with the number of buckets); the graphs share one memory pool too, which
+    is safe because they never run at the same time and leave nothing alive in it (the result is copied out)."""
+
+    def __init__(self, pol: "WamRefPolicy", bucket: int, steps: int, s: int):
         m = pol.model
-        tc = pol.qwen_config.text_config
-        heads, kvh = tc.num_attention_heads, tc.num_key_value_heads
-        hd = getattr(tc, "head_dim", None) or tc.hidden_size // heads
-        n = pol.horizon + (1 if pol.state_dim > 0 else 0)
-        self.kv, self.s, self.n, self.steps, self.bucket = kv, s, n, steps, bucket
-        dev, dt = pol.device, pol.dtype
-        room = 0 if kv == "cat" else n
-        h = heads if kv == "expanded" else kvh
-        L = len(m.gen.blocks)
-        self.keys = [torch.zeros(bucket, h, s + room, hd, device=dev, dtype=dt) for _ in range(L)]
-        self.values = [torch.zeros(bucket, h, s + room, hd, device=dev, dtype=dt) for _ in range(L)]
-        self.key_mask = torch.ones(bucket, s + room, dtype=torch.bool, device=dev)
-        self.next_pos = torch.zeros(bucket, dtype=torch.long, device=dev)
-        self.x = torch.zeros(bucket, pol.horizon, pol.model_action_dim, device=dev, dtype=torch.float32)
-        self.state = torch.zeros(bucket, pol.state_dim, device=dev, dtype=dt) if pol.state_dim > 0 else None
+        self.s, self.steps, self.bucket = s, steps, bucket
+        st = _static_buffers(pol, s)
+        self.keys = [k[:bucket] for k in st["keys"]]
+        self.values = [v[:bucket] for v in st["values"]]
+        self.key_mask, self.next_pos = st["key_mask"][:bucket], st["next_pos"][:bucket]
+        self.x, self.out = st["x"][:bucket], st["out"][:bucket]
+        self.state = st["state"][:bucket] if st["state"] is not None else None
         self.prefix = Prefix(self.keys, self.values, self.key_mask, self.next_pos)
-        self.rep = heads // kvh if kv == "expanded" else 1
-        t_vals = [k / steps for k in range(steps)]
+        dev = pol.device
 
         def loop():
-            for tv in t_vals:
-                t = torch.full((bucket,), tv, device=dev, dtype=torch.float32)
-                v = m.gen(self.prefix, self.x, t, self.state, shared_t=bucket > 1, kv_room=room > 0)
-                self.x.add_(v.float() / steps)
+            self.out.copy_(m.gen.denoise(self.prefix, self.x, self.state, steps))
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            loop()  # warm-up outside the capture (library handles, kernel selection)
+            loop()  # warm-up outside the capture (library handles, kernel selection, compilation)
         torch.cuda.current_stream(dev).wait_stream(side)
+        if pol._graph_pool is None:
+            pol._graph_pool = torch.cuda.graph_pool_handle()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pol._graph_pool):
             loop()
 
     def run(self, prefix: Prefix, x: torch.Tensor, state) -> torch.Tensor:
-        n, s = x.shape[0], self.s
-        pad = self.bucket - n
-
-        def fill(dst, src):
-            dst[:n].copy_(src)
-            if pad:
-                dst[n:].copy_(src[:1].expand(pad, *src.shape[1:]))
-
+        # rows past n keep whatever they held (finite values from an earlier call or the initial zeros/ones):
+        # every row is computed independently, so they cannot change rows < n
+        n = x.shape[0]
+        heads = self.keys[0].shape[1]
         for dsts, srcs in ((self.keys, prefix.keys), (self.values, prefix.values)):
             for dst, src in zip(dsts, srcs):
-                if self.rep > 1:
-                    src = src.repeat_interleave(self.rep, dim=1)
-                fill(dst[:, :, :s], src)
-        fill(self.key_mask[:, :s], prefix.key_mask)
-        fill(self.next_pos, prefix.next_pos)
-        fill(self.x, x)
+                kv_room_buffer(src, 0, heads, out=dst)
+        self.key_mask[:n, :self.s].copy_(prefix.key_mask)
+        self.next_pos[:n].copy_(prefix.next_pos)
+        self.x[:n].copy_(x)
         if self.state is not None:
-            fill(self.state, state.to(self.state.dtype))
+            self.state[:n].copy_(state.to(self.state.dtype))
         self.graph.replay()
-        return self.x[:n].clone()
+        return self.out[:n].clone()
+
+
+def _static_buffers(pol: "WamRefPolicy", s: int) -> dict[str, Any]:
+    """The graphs' input/output buffers at the largest bucket (allocated once per prefix length and layout)."""
+    key = ("graph_buffers", s, pol.kv_layout)
+    st = pol._static.get(key)
+    if st is not None:
+        return st
+    top = max(pol.graph_buckets)
+    tc = pol.qwen_config.text_config
+    hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    heads, n, dev, dt = pol._kv_heads(), pol.gen_tokens, pol.device, pol.dtype
+    L = len(pol.model.gen.blocks)
+    st = {"keys": [torch.zeros(top, heads, s + n, hd, device=dev, dtype=dt) for _ in range(L)],
+          "values": [torch.zeros(top, heads, s + n, hd, device=dev, dtype=dt) for _ in range(L)],
+          "key_mask": torch.ones(top, s + n, dtype=torch.bool, device=dev),
+          "next_pos": torch.zeros(top, dtype=torch.long, device=dev),
+          "x": torch.zeros(top, pol.horizon, pol.model_action_dim, device=dev, dtype=torch.float32),
+          "out": torch.zeros(top, pol.horizon, pol.model_action_dim, device=dev, dtype=torch.float32),
+          "state": torch.zeros(top, pol.state_dim, device=dev, dtype=dt) if pol.state_dim > 0 else None}
+    pol._static[key] = st
+    return st
