@@ -321,3 +321,32 @@ def test_compile_gives_the_same_actions(one_thread):
     for n in (1, 3):
         obs, seeds = _obs(n, seed=n, state_dim=8), list(range(n))
         np.testing.assert_allclose(comp.predict(obs, seeds), ref.predict(obs, seeds), rtol=1e-4, atol=1e-5)
+
+
+def test_batched_vision_attention_matches_per_image_calls():
+    """One SDPA call over all (equal-size) images = transformers' one call per image: same actions, and the
+    vision tower's attention really is called once per layer, not once per image."""
+    from wamkit.policies.wam_ref import model as wm
+
+    per_image = make_policy("wam-ref", size="tiny", num_inference_steps=2, batched_vision_attention=False)
+    batched = make_policy("wam-ref", size="tiny", num_inference_steps=2)
+    assert batched.model.und.visual.config._attn_implementation == wm.VISION_ATTENTION
+    assert per_image.model.und.visual.config._attn_implementation != wm.VISION_ATTENTION
+    calls = []
+    orig = wm.vision_attention_equal_length
+
+    def counting(*a, **kw):
+        calls.append(a[1].shape)
+        return orig(*a, **kw)
+
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(wm.VISION_ATTENTION, counting)
+    try:
+        obs = _obs(3, seed=4)
+        np.testing.assert_allclose(batched.predict(obs, [1, 2, 3]), per_image.predict(obs, [1, 2, 3]),
+                                   rtol=1e-5, atol=1e-6)
+    finally:
+        AttentionInterface.register(wm.VISION_ATTENTION, orig)
+    depth = batched.qwen_config.vision_config.depth
+    assert len(calls) == depth and all(c[2] == 3 * 2 * (64 // 8) ** 2 for c in calls)  # 3 obs x 2 cameras packed

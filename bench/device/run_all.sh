@@ -44,7 +44,7 @@ if [ "$SCALE" = smoke ]; then
 else
   NANO="--batches 1,2,4,8,16,32,64 --modes eager,graphs,graphs+compile --reps 4 --profile 64 --http 1,16,64 --http-seconds 8"
   NANO_T=${NANO_T:-420}; EVAL_T=${EVAL_T:-220}; SFT_T=${SFT_T:-120}; SFT="batch=64 steps=6 warmup=2"
-  [ -z "$EVALSCALES" ] && EVALSCALES="8x32"; EVAL_STEPS=100; EVAL_ROWS=""
+  [ -z "$EVALSCALES" ] && EVALSCALES="8x32"; EVAL_STEPS=100; EVAL_ROWS=${EVAL_ROWS:-}
 fi
 [ -n "$NANO_ARGS" ] && NANO="$NANO $NANO_ARGS"
 

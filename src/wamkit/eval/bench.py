@@ -37,6 +37,7 @@ def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
             "episodes_per_hour": th["episodes_per_hour"], "env_steps_per_s": th["env_steps_per_s"],
             "inference_obs_per_s": th["inference_obs_per_s"], "mean_batch": sch.get("mean_batch", 0.0),
             "env_busy": sch.get("env_busy", 0.0), "inference_busy": sch.get("inference_busy", 0.0),
+            "request_ms_mean": sch.get("request_ms_mean", 0.0), "compute_ms_mean": sch.get("compute_ms_mean", 0.0),
             "success_rate": s["success_rate"]}
 
 

@@ -184,7 +184,9 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "server_restarts": getattr(inference, "restarts", 0),
                                 "requests": inference.requests,
                                 "mean_batch": inference.observations / max(inference.requests, 1),
-                                "env_busy": util["env_busy"], "inference_busy": util["inference_busy"]}})
+                                "env_busy": util["env_busy"], "inference_busy": util["inference_busy"],
+                                "request_ms_mean": util.get("request_ms_mean", 0.0),
+                                "compute_ms_mean": util.get("compute_ms_mean", 0.0)}})
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
     finally:

@@ -65,6 +65,9 @@ class Timeline:
             "inference_busy": self._union(compute) / wall,
             "mean_batch": sum(batches) / len(batches) if batches else 0.0,
             "requests": len([s for s in self.spans if s.kind == "request"]),
+            # per call: the client's round trip and the server's own compute (when the server reports it)
+            "request_ms_mean": _mean_ms([s for s in self.spans if s.kind == "request"]),
+            "compute_ms_mean": _mean_ms([s for s in self.spans if s.kind == "compute"]),
         }
 
     def draw(self, path: str | Path, max_seconds: float | None = None) -> Path:
@@ -103,3 +106,7 @@ class Timeline:
         fig.savefig(p, dpi=90)
         plt.close(fig)
         return p
+
+
+def _mean_ms(spans) -> float:
+    return 1000.0 * sum(s.t1 - s.t0 for s in spans) / len(spans) if spans else 0.0

@@ -227,6 +227,12 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
         from wamkit.policies import make_policy
 
         policy = make_policy(cfg.policy, **cfg.policy_args)
+    if "torch" in sys.modules:  # only policies that use torch have imported it
+        import os
+
+        import torch
+
+        torch.set_num_threads(cfg.torch_threads or max(1, min(4, os.cpu_count() or 1)))
     if cfg.warmup:  # before uvicorn listens: /health answers only once the one-off work is done
         t0 = time.perf_counter()
         done = policy.warmup(cfg.max_batch_size or policy.max_batch_size())

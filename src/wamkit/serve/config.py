@@ -26,6 +26,8 @@ class ServeConfig:
     graceful_timeout_s: float = 60.0        # on SIGTERM: wait this long for in-flight work
     parent_pid: int = 0                     # exit when this process dies (server workers set it)
     warmup: bool = True                     # policy.warmup(max batch) before /health answers (e.g. CUDA graphs)
+    torch_threads: int = 0                  # torch intra-op threads of the server; 0: min(4, CPU cores) (the cores
+                                            # belong to env workers: a large OpenMP team on busy cores stalls)
 
     def validate(self) -> None:
         if not (0 <= self.port < 65536):
@@ -36,6 +38,8 @@ class ServeConfig:
             raise ConfigError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms}")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue: must be >= 1, got {self.max_queue}")
+        if self.torch_threads < 0:
+            raise ConfigError(f"torch_threads: must be >= 0, got {self.torch_threads}")
         if self.max_body_mb <= 0:
             raise ConfigError(f"max_body_mb: must be > 0, got {self.max_body_mb}")
 

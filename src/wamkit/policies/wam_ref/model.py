@@ -73,10 +73,42 @@ def kv_room_buffer(src: torch.Tensor, n: int, heads: int, out: torch.Tensor | No
     return out
 
 
+def _block_in(x, tmod, modulation, wq, wk, wv, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int,
+              head_dim: int, eps: float):
+    """GenBlock up to attention: AdaLN modulation, q/k/v projections, q/k norms, rotary. Pure function of its
+    tensors (weights passed in), so one torch.compile serves every block (see GenBlock.compiled)."""
+    b, n, hidden = x.shape
+    sh1, sc1, g1, sh2, sc2, g2 = (tmod + modulation.to(tmod.dtype)).unbind(1)  # each (B, hidden)
+    h = F.rms_norm(x, (hidden,), eps=eps) * (1 + sc1[:, None]) + sh1[:, None]
+    q = F.rms_norm(F.linear(h, wq).view(b, n, heads, head_dim), (head_dim,), q_norm_w, eps).transpose(1, 2)
+    k = F.rms_norm(F.linear(h, wk).view(b, n, kv_heads, head_dim), (head_dim,), k_norm_w, eps).transpose(1, 2)
+    v = F.linear(h, wv).view(b, n, kv_heads, head_dim).transpose(1, 2)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v, g1, sh2, sc2, g2
+
+
+def _block_out(x, a, g1, sh2, sc2, g2, wo, wg, wu, wd, eps: float):
+    """GenBlock after attention: output projection + gate, AdaLN-modulated SwiGLU MLP + gate."""
+    b, n, hidden = x.shape
+    x = x + g1[:, None] * F.linear(a.transpose(1, 2).reshape(b, n, -1), wo)
+    h = F.rms_norm(x, (hidden,), eps=eps) * (1 + sc2[:, None]) + sh2[:, None]
+    return x + g2[:, None] * F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled(name: str):
+    """torch.compile'd _block_in / _block_out (built on first use, shared by every block)."""
+    fn = _COMPILED.get(name)
+    if fn is None:
+        fn = _COMPILED[name] = torch.compile({"in": _block_in, "out": _block_out}[name], fullgraph=True)
+    return fn
+
+
 class GenBlock(nn.Module):
     def __init__(self, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int, eps: float = 1e-6):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         self.norm1 = nn.RMSNorm(hidden, eps=eps, elementwise_affine=False)
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
@@ -90,21 +122,22 @@ class GenBlock(nn.Module):
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
         # AdaLN-single: this block's learned offsets to the shared time modulation (shift, scale, gate) x 2
         self.modulation = nn.Parameter(torch.zeros(6, hidden))
+        # inference speed option (WamRefPolicy compile=true): the code before and after attention runs as one
+        # compiled (fused) function each; the K/V slot writes and attention stay outside, so that compilation
+        # never copies the whole K/V buffer (Inductor writes mutated inputs back in full)
+        self.compiled = False
 
     def forward(self, x, tmod, cos, sin, prefix_k, prefix_v, attn_mask, kv_room: bool = False):
         """kv_room=False (training): prefix_k/v are (B, kv_heads, S, hd) and the action tokens' K/V are concatenated
         to them. kv_room=True (inference, no autograd): prefix_k/v are `Prefix.with_room` buffers (B, heads or
         kv_heads, S + n, hd) whose last n slots this block overwrites with its own K/V. Same values either way."""
         b, n, _ = x.shape
-        sh1, sc1, g1, sh2, sc2, g2 = (tmod + self.modulation.to(tmod.dtype)).unbind(1)  # each (B, hidden)
-        h = self.norm1(x) * (1 + sc1[:, None]) + sh1[:, None]
-        q = self.q_norm(self.q_proj(h).view(b, n, self.heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(h).view(b, n, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        fin, fout = (_compiled("in"), _compiled("out")) if self.compiled else (_block_in, _block_out)
+        q, k, v, g1, sh2, sc2, g2 = fin(x, tmod, self.modulation, self.q_proj.weight, self.k_proj.weight,
+                                        self.v_proj.weight, self.q_norm.weight, self.k_norm.weight, cos, sin,
+                                        self.heads, self.kv_heads, self.head_dim, self.eps)
         if kv_room:
-            hb = prefix_k.shape[1]
-            rep = hb // self.kv_heads
+            rep = prefix_k.shape[1] // self.kv_heads
             s_all = prefix_k.shape[2]
             # write this step's K/V into the scratch slots (heads repeated as in kv_room_buffer), no allocation
             prefix_k.view(b, self.kv_heads, rep, s_all, self.head_dim)[:, :, :, -n:].copy_(k[:, :, None])
@@ -114,10 +147,8 @@ class GenBlock(nn.Module):
             k = torch.cat([prefix_k.to(k.dtype), k], dim=2)
             v = torch.cat([prefix_v.to(v.dtype), v], dim=2)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.heads != k.shape[1])
-        x = x + g1[:, None] * self.o_proj(a.transpose(1, 2).reshape(b, n, -1))
-        h = self.norm2(x) * (1 + sc2[:, None]) + sh2[:, None]
-        x = x + g2[:, None] * self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        return x
+        return fout(x, a, g1, sh2, sc2, g2, self.o_proj.weight, self.gate_proj.weight, self.up_proj.weight,
+                    self.down_proj.weight, self.eps)
 
 
 class GenerationTower(nn.Module):
@@ -290,6 +321,45 @@ class WamRefModel(nn.Module):
         err = (v - target.float()).pow(2).mean(-1)  # (B, H)
         m = action_mask.float()
         return (err * m).sum(-1) / m.sum(-1).clamp_min(1.0)
+
+
+VISION_ATTENTION = "wamkit_flash_equal_length"  # "flash" in the name routes transformers to its packed-sequence call
+
+
+def vision_attention_equal_length(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
+                                  cu_seq_lens_q=None, max_length_q=None, is_causal=False, **_):
+    """The understanding tower's vision attention over all images at once.
+
+    transformers' Qwen3-VL vision attention packs every image of the batch into one sequence (1, heads, total, hd)
+    with boundaries `cu_seq_lens_q`; for non-flash implementations it splits it and calls attention once per image
+    (thousands of small calls per batch, a host sync per layer). Our images all have the same size, so the packed
+    sequence reshapes to (images, heads, len, hd) and one SDPA call does the same arithmetic. Unequal lengths fall
+    back to one call per image. Returns (1, total, heads, hd), as transformers' attention functions do."""
+    _, heads, total, hd = query.shape
+    n = int(cu_seq_lens_q.numel()) - 1 if cu_seq_lens_q is not None else 1
+    if n >= 1 and max_length_q is not None and int(max_length_q) * n == total:
+        length = total // n
+
+        def split(t):
+            return t[0].view(heads, n, length, hd).transpose(0, 1)
+
+        out = F.scaled_dot_product_attention(split(query), split(key), split(value), dropout_p=dropout,
+                                             is_causal=is_causal, scale=scaling)       # (n, heads, len, hd)
+        return out.transpose(1, 2).reshape(1, total, heads, hd), None
+    bounds = cu_seq_lens_q.tolist()
+    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
+                                           is_causal=is_causal, scale=scaling).transpose(1, 2)
+            for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(outs, dim=1), None
+
+
+def use_batched_vision_attention(und) -> None:
+    """Route `und`'s vision attention through vision_attention_equal_length (registered with transformers'
+    AttentionInterface; the text tower keeps its own implementation)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VISION_ATTENTION, vision_attention_equal_length)
+    und.visual.config._attn_implementation = VISION_ATTENTION
 
 
 @torch.no_grad()

@@ -26,7 +26,8 @@ from wamkit.core.errors import UserError
 from wamkit.core.types import Observation
 from wamkit.policies.base import ActionSpec, InputSpec, Policy, PolicySpec
 from wamkit.policies.tokenizer import load_tokenizer
-from wamkit.policies.wam_ref.model import GenerationTower, Prefix, WamRefModel, init_weights, kv_room_buffer
+from wamkit.policies.wam_ref.model import (GenerationTower, Prefix, WamRefModel, init_weights, kv_room_buffer,
+                                          use_batched_vision_attention)
 from wamkit.policies.wam_ref.sizes import get_size, qwen3vl_config_dict
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -110,7 +111,8 @@ class WamRefPolicy(Policy):
                  action_lr_multiplier: float = 5.0, image_mean: Sequence[float] = (0.5, 0.5, 0.5),
                  image_std: Sequence[float] = (0.5, 0.5, 0.5), init_seed: int = 0, max_batch: int = 64,
                  tokenizer_dir: str | None = None, cuda_graphs: bool = False, kv_layout: str = "expanded",
-                 compile: bool = False, graph_buckets: Sequence[int] | str | None = None, **_):
+                 compile: bool = False, graph_buckets: Sequence[int] | str | None = None,
+                 batched_vision_attention: bool = True, **_):
         from transformers import Qwen3VLConfig
 
         preset = get_size(size)
@@ -204,6 +206,17 @@ class WamRefPolicy(Policy):
             self.model.to(device=self.device, dtype=self.dtype)
         self.model.eval()
         self.apply_trainable_patterns()
+        # all images have one size here: the vision tower's attention runs as one call over all images instead of
+        # transformers' one call per image (same arithmetic; see model.vision_attention_equal_length)
+        self.batched_vision_attention = _flag(batched_vision_attention)
+        if self.batched_vision_attention:
+            try:
+                use_batched_vision_attention(self.model.und)
+            except Exception as e:  # noqa: BLE001 - a transformers without this hook: keep its per-image calls
+                import warnings
+
+                warnings.warn(f"wam-ref: batched vision attention unavailable ({e}); using transformers' own")
+                self.batched_vision_attention = False
         if on_accel:
             self.materialize(self.device)
 
@@ -420,7 +433,7 @@ class WamRefPolicy(Policy):
         return out
 
     def _compile_modules(self) -> None:
-        """torch.compile (Inductor) of each generation block and of the understanding tower's RMSNorms and MLPs,
+        """torch.compile (Inductor) of the generation blocks and of the understanding tower's RMSNorms and MLPs,
         in place (`nn.Module.compile`). Dynamo's automatic dynamic shapes: the second batch size seen recompiles
         with a symbolic batch dimension, later sizes reuse it."""
         import torch._dynamo
@@ -430,7 +443,7 @@ class WamRefPolicy(Policy):
             if hasattr(torch._dynamo.config, k):
                 setattr(torch._dynamo.config, k, max(getattr(torch._dynamo.config, k), 256))
         for blk in self.model.gen.blocks:
-            blk.compile(fullgraph=True)
+            blk.compiled = True   # its two pure functions, compiled once for all blocks (see GenBlock)
         for name, mod in self.model.und.named_modules():
             kind = type(mod).__name__
             if kind.endswith("RMSNorm") or kind.endswith("TextMLP") or kind.endswith("VisionMLP"):
