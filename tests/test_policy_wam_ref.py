@@ -350,3 +350,32 @@ def test_batched_vision_attention_matches_per_image_calls():
         AttentionInterface.register(wm.VISION_ATTENTION, orig)
     depth = batched.qwen_config.vision_config.depth
     assert len(calls) == depth and all(c[2] == 3 * 2 * (64 // 8) ** 2 for c in calls)  # 3 obs x 2 cameras packed
+
+
+def test_pixel_values_match_per_image_preprocessing():
+    """The batched preprocessing (uint8 upload, one resize/normalize/patchify over all images) gives the same patches
+    as the per-image recipe written out here: float / 255, antialiased bilinear resize, (x - mean) / std, and the
+    Qwen-VL patch order (checked element by element for one patch)."""
+    import torch.nn.functional as F
+
+    from wamkit.policies.wam_ref.policy import patchify
+
+    pol = make_policy("wam-ref", size="tiny")
+    rng = np.random.default_rng(3)
+    for shapes in ([(96, 96)] * 3, [(64, 64), (80, 48)]):   # one batch / mixed sizes (resized one by one)
+        imgs = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in shapes]
+        ref = []
+        for a in imgs:
+            x = torch.from_numpy(a).permute(2, 0, 1).float() / 255.0
+            if x.shape[1:] != (64, 64):
+                x = F.interpolate(x[None], size=(64, 64), mode="bilinear", align_corners=False,
+                                  antialias=True)[0].clamp_(0.0, 1.0)
+            ref.append(patchify((x - 0.5) / 0.5, 8, 2, 2))
+        torch.testing.assert_close(pol.pixel_values(imgs), torch.cat(ref), rtol=0, atol=0)
+    # patch order: patch 1 of image 0 is the merge window's second patch (row 0, column 1), channel 0 first
+    img = torch.arange(3 * 16 * 16, dtype=torch.float32).reshape(3, 16, 16)
+    p = patchify(img, 4, 2, 2)
+    assert p.shape == (16, 3 * 2 * 16)
+    torch.testing.assert_close(p[1, :16], img[0, 0:4, 4:8].reshape(-1))
+    torch.testing.assert_close(p[1, 16:32], img[0, 0:4, 4:8].reshape(-1))   # the frame repeated (temporal 2)
+    torch.testing.assert_close(p[2, :16], img[0, 4:8, 0:4].reshape(-1))

@@ -84,17 +84,19 @@ def as_action_pipeline(p):
 
 
 def patchify(img: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
-    """(3, H, W) normalized image -> (gh*gw, 3*temporal*patch*patch) in Qwen-VL's patch order.
+    """(3, H, W) or (N, 3, H, W) normalized images -> (N*gh*gw, 3*temporal*patch*patch) in Qwen-VL's patch order
+    (image after image).
 
     Patches are grouped by spatial-merge window (merge x merge neighbours contiguous), channels outermost inside a
     patch, and the single frame repeated `temporal` times (what Qwen3-VL's image processor does for still images);
     this is the layout `Qwen3VLVisionPatchEmbed` (Conv3d over (C, T, p, p)) and the patch merger expect."""
-    c, h, w = img.shape
+    x = img[None] if img.ndim == 3 else img
+    n, c, h, w = x.shape
     gh, gw = h // patch, w // patch
-    x = img.reshape(c, gh // merge, merge, patch, gw // merge, merge, patch)
-    x = x.permute(1, 4, 2, 5, 0, 3, 6)                     # (gh/m, gw/m, m, m, C, p, p)
-    x = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, temporal, -1, -1)
-    return x.reshape(gh * gw, c * temporal * patch * patch)
+    x = x.reshape(n, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)                  # (N, gh/m, gw/m, m, m, C, p, p)
+    x = x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, temporal, -1, -1)
+    return x.reshape(n * gh * gw, c * temporal * patch * patch)
 
 
 class WamRefPolicy(Policy):
@@ -291,17 +293,29 @@ class WamRefPolicy(Policy):
     def prefix_len(self) -> int:
         return len(self.cameras) * (self.tokens_per_image + 2) + self.max_text_len
 
-    def _image_patches(self, img) -> torch.Tensor:
-        a = torch.as_tensor(np.asarray(img))
-        if a.ndim != 3 or a.shape[-1] != 3:
-            raise UserError(f"wam-ref expects HxWx3 uint8 images, got shape {tuple(a.shape)}")
-        x = a.permute(2, 0, 1).float() / 255.0
-        if x.shape[1:] != (self.image_size, self.image_size):
-            x = F.interpolate(x[None], size=(self.image_size, self.image_size), mode="bilinear",
-                              align_corners=False, antialias=True)[0].clamp_(0.0, 1.0)
-        mean = torch.tensor(self.image_mean)[:, None, None]
-        std = torch.tensor(self.image_std)[:, None, None]
-        return patchify((x - mean) / std, self.patch_size, self.merge, self.temporal)
+    def pixel_values(self, images: Sequence[Any]) -> torch.Tensor:
+        """HxWx3 uint8 images -> the vision tower's patches (sum of gh*gw, patch dim) on the policy's device, in its
+        dtype. The uint8 images are uploaded as they are (4x fewer bytes than floats) and converted, resized when
+        they are not image_size, normalized and patchified there, all images in one batch when they share a shape."""
+        arrs = []
+        for a in images:
+            t = torch.as_tensor(np.asarray(a))
+            if t.ndim != 3 or t.shape[-1] != 3:
+                raise UserError(f"wam-ref expects HxWx3 uint8 images, got shape {tuple(t.shape)}")
+            arrs.append(t)
+        if not arrs:
+            return torch.zeros((0, 3 * self.temporal * self.patch_size ** 2), device=self.device, dtype=self.dtype)
+        groups = [torch.stack(arrs)] if len({tuple(t.shape) for t in arrs}) == 1 else [t[None] for t in arrs]
+        mean = torch.tensor(self.image_mean, device=self.device)[:, None, None]
+        std = torch.tensor(self.image_std, device=self.device)[:, None, None]
+        out = []
+        for g in groups:
+            x = g.to(self.device).permute(0, 3, 1, 2).float() / 255.0
+            if x.shape[2:] != (self.image_size, self.image_size):
+                x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False,
+                                  antialias=True).clamp_(0.0, 1.0)
+            out.append(patchify((x - mean) / std, self.patch_size, self.merge, self.temporal))
+        return (out[0] if len(out) == 1 else torch.cat(out)).to(self.dtype)
 
     def prepare_inputs(self, images: dict[str, Any] | list[dict[str, Any]], tasks: Sequence[str],
                        states=None) -> dict[str, torch.Tensor]:
@@ -316,12 +330,12 @@ class WamRefPolicy(Policy):
         text_ids, text_mask = tok.encode_fixed(list(tasks), self.max_text_len)
         ids = np.concatenate([np.tile(np.asarray(vis, np.int64), (n, 1)), text_ids], axis=1)
         mask = np.concatenate([np.ones((n, len(vis)), bool), text_mask], axis=1)
-        patches = []
+        imgs = []  # observation-major, camera-minor: the order of the image tokens in the prompts
         for i, obs_imgs in enumerate(per_obs):
             for cam in self.cameras:
                 if cam not in obs_imgs:
                     raise UserError(f"wam-ref needs camera {cam!r}; observation {i} has {sorted(obs_imgs)}")
-                patches.append(self._image_patches(obs_imgs[cam]))
+                imgs.append(obs_imgs[cam])
         ids_t = torch.from_numpy(ids)
         mask_t = torch.from_numpy(mask.astype(np.int64))
         out = {
@@ -329,7 +343,7 @@ class WamRefPolicy(Policy):
             "attention_mask": mask_t.to(self.device),
             "position_ids": self.position_ids(mask_t).to(self.device),
             "mm_token_type_ids": (ids_t == tok.image_id).to(torch.int32).to(self.device),
-            "pixel_values": torch.cat(patches).to(self.device, self.dtype),
+            "pixel_values": self.pixel_values(imgs),
             "image_grid_thw": torch.tensor([[1, g, g]] * (n * len(self.cameras)), dtype=torch.long,
                                            device=self.device),
         }
