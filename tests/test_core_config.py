@@ -56,3 +56,14 @@ def test_optional_and_nested_defaults():
 
     assert load_config(Outer, None, ["x=none"]).x is None
     assert load_config(Outer, None, ["inner.a=5"]).inner.a == 5
+
+
+def test_server_replicas_validated():
+    from wamkit.eval.config import EvalConfig
+
+    cfg = load_config(EvalConfig, None, ["server.replicas=3", "server.gpus=0,1"])
+    assert (cfg.server.replicas, cfg.server.gpus) == (3, [0, 1])
+    with pytest.raises(ConfigError, match="server.replicas"):
+        load_config(EvalConfig, None, ["server.replicas=0"])
+    with pytest.raises(ConfigError, match="server.port"):
+        load_config(EvalConfig, None, ["server.replicas=2", "server.port=8000"])

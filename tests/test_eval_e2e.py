@@ -65,13 +65,17 @@ def test_metaworld_results_contract(mw_serial, tmp_path):
     ("mode=pipelines", "num_envs=2", "batch=1", "pipelines=2"),
     ("mode=pipelines", "num_envs=2", "batch=2", "pipelines=1"),
     ("mode=auto", "num_envs=2", "inference=server"),
-], ids=["auto3", "B1P2", "B2P1", "auto-server"])
+    ("mode=auto", "num_envs=3", "inference=server", "server.replicas=2"),
+], ids=["auto3", "B1P2", "B2P1", "auto-server", "auto-2servers"])
 def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     from wamkit.eval.runner import run_eval
 
     s = run_eval(mw_cfg(tmp_path, "x", *mode_args))
     assert outcome_view(results(tmp_path / "x")) == outcome_view(mw_serial)
     assert s["episodes"] == 4
+    if "server.replicas=2" in mode_args:   # both servers answered requests (least-loaded dispatch)
+        served = s["scheduler"]["server_requests"]
+        assert len(served) == 2 and min(served) > 0, served
 
 
 @pytest.mark.slow

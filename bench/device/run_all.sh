@@ -6,7 +6,8 @@
 #
 # Installs the carried GL loaders (.gl) and wheels (.whl), then runs each part under its own time limit and keeps
 # going when one fails. Everything lands under $OUT (run_all.log = the whole console; one JSON per part).
-# ngpu=N: SFT under torchrun nproc=N (global batch N x 64), N action servers (one per GPU) for the HTTP rows.
+# ngpu=N: SFT under torchrun nproc=N (global batch N x 64), N action servers (one per GPU) for the HTTP rows, and
+# the evaluation rows once with one server and once with N (server.replicas=N server.gpus=0..N-1).
 set -u
 SCALE=smoke; PARTS=nano,eval,sft; SFT_TRAIN=all; NGPU=1; EVALSCALES=""; NANO_ARGS=""; SFT_VARIANTS=""
 for a in "$@"; do
@@ -80,12 +81,19 @@ if part eval; then
       if [ "$ENVS" -ge 16 ]; then ROWARG=("rows=single-batch;B=16, P=1;B=4, P=4;B=1, P=16;auto")
       else ROWARG=("rows=single-batch;B=$ENVS, P=1;B=$(( ENVS / 2 )), P=2;B=2, P=$(( ENVS / 2 ));B=1, P=$ENVS;auto"); fi
     fi
-    timeout -k 10 $EVAL_T python3 -m wamkit.cli.main bench eval bench/device/eval_metaworld.yaml num_envs="$ENVS" \
-      trials="$TRIALS" max_steps="$EVAL_STEPS" out="/tmp/eval_${ENVS}x${EPS}" "${ROWARG[@]}"
-    rc=$?
-    cp "/tmp/eval_${ENVS}x${EPS}/bench_eval.json" "$OUT/eval_${ENVS}x${EPS}.json" 2>/dev/null
-    [ $rc -ne 0 ] && tail -n 30 /tmp/eval_${ENVS}x${EPS}/*/server*.log 2>/dev/null | tail -n 60
-    stamp "eval ${ENVS}x${EPS}" $rc
+    # ngpu=N > 1: the same rows with one server, then with N servers (one per GPU, least-loaded dispatch)
+    REPS="1"; [ "$NGPU" -gt 1 ] && REPS="1 $NGPU"
+    for R in $REPS; do
+      TAG="${ENVS}x${EPS}"; [ "$R" -gt 1 ] && TAG="${TAG}_${R}servers"
+      GPUS=$(seq -s, 0 $(( R - 1 )))
+      timeout -k 10 $EVAL_T python3 -m wamkit.cli.main bench eval bench/device/eval_metaworld.yaml num_envs="$ENVS" \
+        trials="$TRIALS" max_steps="$EVAL_STEPS" out="/tmp/eval_$TAG" server.replicas="$R" server.gpus="$GPUS" \
+        "${ROWARG[@]}"
+      rc=$?
+      cp "/tmp/eval_$TAG/bench_eval.json" "$OUT/eval_$TAG.json" 2>/dev/null
+      [ $rc -ne 0 ] && tail -n 30 /tmp/eval_$TAG/*/server*.log 2>/dev/null | tail -n 60
+      stamp "eval $TAG" $rc
+    done
   done
 fi
 echo "=== all done after $(( $(date +%s) - T0 )) s"

@@ -70,7 +70,7 @@ def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0) -> float
             inf = InProcessInference(make_policy(base.policy, **pkw))
         await inf.start()
         try:
-            depth = 2
+            depth = 2 * max(1, len(getattr(inf, "clients", [])))   # two requests in flight per server
             await inf.predict(obs, list(range(batch)))   # warm-up
             t0 = time.perf_counter()
             n = 0

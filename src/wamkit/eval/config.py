@@ -19,8 +19,10 @@ class ServerOptions:
     max_batch_size: int = 64
     max_wait_ms: float = 2.0
     token: str | None = None
-    url: str | None = None        # use an already running server (wamkit serve or SGLang) instead of starting one
+    url: str | None = None        # use already running server(s) (wamkit serve or SGLang; comma-separated for several)
     startup_timeout_s: float = 300.0
+    replicas: int = 1             # local servers to start (e.g. one per GPU); requests go to the least loaded one
+    gpus: list[int] | None = None  # replica i sees only GPU gpus[i % len(gpus)] (CUDA_VISIBLE_DEVICES); None: all
 
 
 @dataclass
@@ -68,3 +70,7 @@ class EvalConfig:
                 raise ConfigError(f"num_envs ({self.num_envs}) must be >= pipelines ({self.pipelines})")
         if self.save_videos < 0:
             raise ConfigError("save_videos must be >= 0")
+        if self.server.replicas < 1:
+            raise ConfigError(f"server.replicas must be >= 1, got {self.server.replicas}")
+        if self.server.replicas > 1 and self.server.port:
+            raise ConfigError("server.port must be 0 (pick free ports) when server.replicas > 1")

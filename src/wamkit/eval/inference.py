@@ -76,8 +76,10 @@ class InProcessInference(Inference):
 
 
 class ServerInference(Inference):
-    """An action server over HTTP: a local `wamkit serve` started here (and restarted by the client when it stops
-    answering: the request is then retried), or an existing URL (`server.url=`, wamkit serve or SGLang)."""
+    """Action server(s) over HTTP: local `wamkit serve` processes started here (`server.replicas`, e.g. one per GPU
+    with `server.gpus`; each restarted by its client when it stops answering, the request then retried), or existing
+    URLs (`server.url=`, comma-separated; wamkit serve or SGLang). With several servers each request goes to the one
+    with the fewest observations in flight."""
 
     name = "server"
 
@@ -86,28 +88,56 @@ class ServerInference(Inference):
         super().__init__(timeline)
         self.policy_name, self.policy_args, self.options = policy, dict(policy_args), options
         self.worker_factory = worker_factory     # None: a local `wamkit serve` subprocess
-        self.worker = None
-        self.client = None
+        self.workers: list = []
+        self.clients: list = []
+        self.in_flight: list[int] = []           # observations in flight per server
+        self.served: list[int] = []              # requests answered per server
+        self._next = 0
+
+    @property
+    def worker(self):
+        """The first local server (None when serving from URLs)."""
+        return self.workers[0] if self.workers else None
+
+    @property
+    def client(self):
+        return self.clients[0] if self.clients else None
 
     @property
     def restarts(self) -> int:
-        return 0 if self.worker is None else max(0, self.worker.starts - 1)
+        return sum(max(0, w.starts - 1) for w in self.workers)
+
+    def _start_worker(self, i: int):
+        from wamkit.serve.workers import WamkitServerWorker
+
+        kw = dict(policy=self.policy_name, policy_args=self.policy_args, port=self.options.port,
+                  max_batch_size=self.options.max_batch_size, max_wait_ms=self.options.max_wait_ms,
+                  token=self.options.token)
+        gpus = getattr(self.options, "gpus", None)
+        if gpus:
+            kw["env"] = {"CUDA_VISIBLE_DEVICES": str(gpus[i % len(gpus)])}
+        w = (self.worker_factory or WamkitServerWorker)(**kw)
+        w.default_start_timeout = self.options.startup_timeout_s
+        w.start()
+        return w
 
     async def start(self) -> None:
         from wamkit.serve.client import ActionClient
-        from wamkit.serve.workers import WamkitServerWorker
 
-        url = self.options.url
-        if url is None:
-            self.worker = (self.worker_factory or WamkitServerWorker)(policy=self.policy_name, policy_args=self.policy_args,
-                                             port=self.options.port, max_batch_size=self.options.max_batch_size,
-                                             max_wait_ms=self.options.max_wait_ms, token=self.options.token)
-            self.worker.default_start_timeout = self.options.startup_timeout_s
-            await asyncio.to_thread(self.worker.start)
-            await asyncio.to_thread(self.worker.wait_healthy, self.options.startup_timeout_s)
-            url = self.worker.url
-        self.client = ActionClient(url, token=self.options.token, on_timing=self._on_timing, worker=self.worker)
-        self.max_batch = await self.client.server_max_batch()
+        if self.options.url is None:
+            n = int(getattr(self.options, "replicas", 1) or 1)
+            # start them all, then wait: their model builds and warm-ups overlap
+            self.workers = [await asyncio.to_thread(self._start_worker, i) for i in range(n)]
+            await asyncio.gather(*(asyncio.to_thread(w.wait_healthy, self.options.startup_timeout_s)
+                                   for w in self.workers))
+            targets = [(w.url, w) for w in self.workers]
+        else:
+            targets = [(u.strip(), None) for u in str(self.options.url).split(",") if u.strip()]
+        self.clients = [ActionClient(url, token=self.options.token, on_timing=self._on_timing, worker=w)
+                        for url, w in targets]
+        self.in_flight = [0] * len(self.clients)
+        self.served = [0] * len(self.clients)
+        self.max_batch = min([await c.server_max_batch() for c in self.clients])
 
     def _on_timing(self, rec: dict) -> None:
         t = rec.get("server") or {}
@@ -116,10 +146,20 @@ class ServerInference(Inference):
                               int(t.get("batch_size", rec.get("n", 1))))
 
     async def _predict(self, observations, seeds):
-        return await self.client.predict(list(observations), list(seeds))
+        k = len(self.clients)
+        order = [(self._next + j) % k for j in range(k)]      # ties: round robin
+        i = min(order, key=lambda j: self.in_flight[j])
+        self._next = (i + 1) % k
+        n = len(observations)
+        self.in_flight[i] += n
+        try:
+            out = await self.clients[i].predict(list(observations), list(seeds))
+        finally:
+            self.in_flight[i] -= n
+        self.served[i] += 1
+        return out
 
     async def close(self) -> None:
-        if self.client is not None:
-            await self.client.aclose()
-        if self.worker is not None:
-            await asyncio.to_thread(self.worker.stop)
+        for c in self.clients:
+            await c.aclose()
+        await asyncio.gather(*(asyncio.to_thread(w.stop) for w in self.workers))

@@ -182,6 +182,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                             extra={"run_id": run_id, "scheduler": {
                                 "mode": cfg.mode, "num_envs": n_envs, "env_restarts": sched.restarts,
                                 "server_restarts": getattr(inference, "restarts", 0),
+                                "server_requests": list(getattr(inference, "served", [])),
                                 "requests": inference.requests,
                                 "mean_batch": inference.observations / max(inference.requests, 1),
                                 "env_busy": util["env_busy"], "inference_busy": util["inference_busy"],
