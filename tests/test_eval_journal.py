@@ -81,3 +81,33 @@ def test_auto_plan_follows_measured_costs():
     n, k = plan(a=0.1, b=0.25, s0=1.0, envs=4, cores=4)     # batch of 4 = 1.1 s ~ one chunk of sim: overlap
     assert k >= 2 and n * k >= 4
     assert plan(a=1.0, b=0.0, s0=1.0, envs=4, cores=4) == (4, 1)   # fixed cost per batch: splitting gains nothing
+
+
+def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
+    """The auto batcher holds waiting observations for the next env predicted to finish its chunk only if it comes
+    within a, the fixed cost of one inference call; an env far from done (or a cheap call) means: send now."""
+    import collections
+    import time
+
+    from wamkit.eval.scheduler import AutoBatcher
+
+    class Inf:
+        max_batch = 64
+        latencies: list = []
+
+    def deadline(a, started_ago, s0=1.0, waited=0.0):
+        sched = type("S", (), {})()
+        sched.inference = Inf()
+        sched.inference.latencies = [(n, a + 0.001 * n) for n in (1, 2, 4)]
+        sched.opts = type("O", (), {"max_batch": 0, "depth": 0, "cores": 2})()
+        sched.sim_samples = collections.deque([(s0, 1)] * 5)
+        now = time.monotonic()
+        sched.sim_started = {1: now - started_ago}
+        ab = AutoBatcher(sched)
+        ab.pending = [(None, 0, None, None, now - waited)]
+        return ab._deadline() - now
+
+    assert deadline(a=0.8, started_ago=0.1) <= 0.01                 # next env in ~0.9 s > 0.8 s: send now
+    assert deadline(a=0.8, started_ago=0.6) == pytest.approx(1.2 * 0.4 + 0.005, abs=0.02)   # ~0.4 s away: wait
+    assert deadline(a=0.8, started_ago=0.6, waited=0.7) == pytest.approx(0.1, abs=0.02)     # capped at arrival + a
+    assert deadline(a=0.002, started_ago=0.6) <= 0.01               # cheap calls: never worth waiting

@@ -90,6 +90,7 @@ class Scheduler:
         self.simulating = 0
         self.active_envs = 0
         self.sim_samples: deque[tuple[float, int]] = deque(maxlen=200)   # (seconds, concurrent sims)
+        self.sim_started: dict[int, float] = {}   # env index -> monotonic start of the chunk it is simulating
         self.batcher: AutoBatcher | None = None
 
     # ---- env-side primitives (with timeline spans) -------------------------------------------------------------
@@ -107,12 +108,14 @@ class Scheduler:
         t0 = time.time()
         self.simulating += 1
         conc = self.simulating
+        self.sim_started[i] = time.monotonic()
         try:
             return await self.envs[i].execute(
                 chunk, render_every_step=self.opts.render_every_step or ep.index in self.opts.video_episodes,
                 run_to_max_steps=self.opts.run_to_max_steps)
         finally:
             self.simulating -= 1
+            self.sim_started.pop(i, None)
             t1 = time.time()
             self.sim_samples.append((t1 - t0, conc))
             if self.timeline is not None:
@@ -247,7 +250,10 @@ class AutoBatcher:
                        S(n) + I(n),                  # one env's own loop: simulate, then wait for its batch
                        A * s0 / C)                   # the CPU side simulates every env once per cycle
     with S(n) = s0 * max(1, n / C). The target batch is n; up to k requests are in flight (depth). A batch is sent
-    when n observations wait, or when no simulating env could still join it, or after a short timeout."""
+    when n observations wait, or when no simulating env could still join it, or when waiting stops paying: the next
+    env to finish its chunk is predicted (its start + the current per-chunk simulation time) and waited for only if
+    it comes within a, the fixed cost of one inference call (sending now would make it pay a call of its own), and
+    never longer than a after the oldest waiting observation arrived."""
 
     TIE = 0.05   # cycle times within 5% of the best count as equal
 
@@ -324,15 +330,26 @@ class AutoBatcher:
                 break
 
     def _timed_out(self) -> bool:
-        return bool(self.pending) and (time.monotonic() - self.pending[0][4]) >= self._max_wait()
+        return bool(self.pending) and time.monotonic() >= self._deadline()
 
-    def _max_wait(self) -> float:
-        return max(0.002, 0.5 * self._sim_cost())
+    def _deadline(self) -> float:
+        """When the waiting observations should go (monotonic time)."""
+        now = time.monotonic()
+        a, _ = self._fit_inference()
+        started = list(self.s.sim_started.values())
+        if not started:   # nobody is simulating a chunk (resets only): their arrival is not predicted
+            return self.pending[0][4] + max(0.002, min(a, 0.5 * self._sim_cost()))
+        c = max(1, self.s.opts.cores)
+        chunk = self._sim_cost() * max(1.0, len(started) / c)
+        soonest = max(0.0, min(started) + chunk - now)
+        if soonest > a:
+            return now    # the next env comes later than a whole extra call costs: send now
+        return min(now + 1.2 * soonest + 0.005, self.pending[0][4] + max(a, 0.002))
 
     def _arm_timer(self) -> None:
         if self._timer is None:
             loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(self._max_wait(), self._fire)
+            self._timer = loop.call_later(max(0.001, self._deadline() - time.monotonic()), self._fire)
 
     def _fire(self) -> None:
         self._timer = None
