@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from wamkit.cli.main import split_args
+from wamkit.core.config import split_args
 from wamkit.core.config import load_config
 from wamkit.core.errors import UserError
 from wamkit.eval.config import EvalConfig

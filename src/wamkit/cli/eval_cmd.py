@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from wamkit.cli.main import split_args
+from wamkit.core.config import split_args
 from wamkit.core.config import load_config
 from wamkit.eval.config import EvalConfig
 

@@ -47,17 +47,5 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    """[config.yaml] key=value ... -> (yaml path or None, overrides)."""
-    path = None
-    rest = []
-    for a in argv:
-        if "=" not in a and (a.endswith(".yaml") or a.endswith(".yml")) and path is None:
-            path = a
-        else:
-            rest.append(a)
-    return path, rest
-
-
 if __name__ == "__main__":
     sys.exit(main())

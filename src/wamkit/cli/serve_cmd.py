@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from wamkit.cli.main import split_args
+from wamkit.core.config import split_args
 from wamkit.core.config import load_config
 from wamkit.serve.config import ServeConfig
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from wamkit.cli.main import split_args
+from wamkit.core.config import split_args
 from wamkit.core.config import load_config
 
 

@@ -206,3 +206,15 @@ def to_dict(cfg: Any) -> dict[str, Any]:
         return x
 
     return clean(d)
+
+
+def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Command-line words `[config.yaml] key=value ...` -> (yaml path or None, overrides)."""
+    path = None
+    rest = []
+    for a in argv:
+        if "=" not in a and (a.endswith(".yaml") or a.endswith(".yml")) and path is None:
+            path = a
+        else:
+            rest.append(a)
+    return path, rest

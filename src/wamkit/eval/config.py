@@ -25,10 +25,13 @@ class ServerOptions:
     gpus: list[int] | None = None  # replica i sees only GPU gpus[i % len(gpus)] (CUDA_VISIBLE_DEVICES); None: all
 
 
+DEFAULT_SUITES = {"libero": "libero_object", "metaworld": "mt"}
+
+
 @dataclass
 class EvalConfig:
     env: str = "libero"
-    suite: str = "libero_object"
+    suite: str = ""                         # "" = the env's standard suite (libero: libero_object, metaworld: mt)
     tasks: list[int] | None = None          # task ids; None = every task of the suite
     trials: int = 50                        # init states per task: trial = init-state index 0..trials-1
     trial_start: int = 0
@@ -57,6 +60,10 @@ class EvalConfig:
     runtime: Literal["local", "ray"] = "local"
     ray: dict[str, Any] = field(default_factory=dict)
     max_episode_retries: int = 3            # re-runs of an episode whose env worker crashed
+
+    def __post_init__(self) -> None:
+        if not self.suite:
+            self.suite = DEFAULT_SUITES.get(self.env, "")
 
     def validate(self) -> None:
         if self.trials < 1:

@@ -15,16 +15,17 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from wamkit.cli.main import split_args
+from wamkit.core.config import split_args
 from wamkit.core.config import load_config
 from wamkit.core.errors import UserError
+from wamkit.eval.config import DEFAULT_SUITES
 from wamkit.eval.plan import plan_for_tasks, step_seed
 
 
 @dataclass
 class RecordConfig:
     env: str = "metaworld"
-    suite: str = "mt"
+    suite: str = ""                      # "" = the env's standard suite (see eval.config.DEFAULT_SUITES)
     tasks: list[int] | None = None
     episodes: int = 10                   # per task; trial = init-state index 0..episodes-1
     trial_start: int = 0
@@ -38,6 +39,10 @@ class RecordConfig:
     video_codec: str = "h264"
     seed: int = 0
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.suite:
+            self.suite = DEFAULT_SUITES.get(self.env, "")
 
 
 def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:
