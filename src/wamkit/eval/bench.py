@@ -142,15 +142,20 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
 
 
 def markdown(report: dict[str, Any]) -> str:
+    # per-call times only when the rows have them (reports written before they were recorded do not)
+    calls = any(x.get("request_ms_mean") for x in report["rows"])
     lines = ["| obs/request (B) x pipelines (P) | episodes | episodes/h | env steps/s | inference obs/s | mean batch "
-             "| x single-batch (steps/s) | x single-batch (episodes/h) | of bound |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| x single-batch (steps/s) | x single-batch (episodes/h) | of bound |"
+             + (" request ms | server compute ms |" if calls else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if calls else "")]
     for x in report["rows"]:
         def f(v, fmt):
             return "-" if v is None else format(v, fmt)
         lines.append(f"| {x['row']} | {x['episodes']} | {x['episodes_per_hour']:.0f} | {x['env_steps_per_s']:.1f} | "
                      f"{x['inference_obs_per_s']:.2f} | {x['mean_batch']:.1f} | {f(x['ratio_steps'], '.2f')} | "
-                     f"{f(x['ratio_episodes'], '.2f')} | {f(x['of_bound'], '.2f')} |")
+                     f"{f(x['ratio_episodes'], '.2f')} | {f(x['of_bound'], '.2f')} |"
+                     + (f" {f(x.get('request_ms_mean') or None, '.1f')} | {f(x.get('compute_ms_mean') or None, '.1f')} |"
+                        if calls else ""))
     b = report["bound"]
     lines.append("")
     lines.append(f"Stage bound: simulation alone {b['sim_env_steps_per_s']:.1f} env steps/s; inference alone "
