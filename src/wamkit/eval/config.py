@@ -23,6 +23,7 @@ class ServerOptions:
     startup_timeout_s: float = 300.0
     replicas: int = 1             # local servers to start (e.g. one per GPU); requests go to the least loaded one
     gpus: list[int] | None = None  # replica i sees only GPU gpus[i % len(gpus)] (CUDA_VISIBLE_DEVICES); None: all
+    serve_args: dict[str, Any] = field(default_factory=dict)  # more `wamkit serve` keys, e.g. {torch_threads: 8}
 
 
 DEFAULT_SUITES = {"libero": "libero_object", "metaworld": "mt"}

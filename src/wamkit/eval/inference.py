@@ -113,6 +113,9 @@ class ServerInference(Inference):
         kw = dict(policy=self.policy_name, policy_args=self.policy_args, port=self.options.port,
                   max_batch_size=self.options.max_batch_size, max_wait_ms=self.options.max_wait_ms,
                   token=self.options.token)
+        extra = getattr(self.options, "serve_args", None)
+        if extra:
+            kw["extra_args"] = dict(extra)
         gpus = getattr(self.options, "gpus", None)
         if gpus:
             kw["env"] = {"CUDA_VISIBLE_DEVICES": str(gpus[i % len(gpus)])}
