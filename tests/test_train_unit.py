@@ -4,7 +4,6 @@ one-rank FSDP2 run with checkpoints, exact resume, export -> load -> predict, Le
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np

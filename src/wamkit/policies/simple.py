@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from wamkit.core.types import Observation
-from wamkit.policies.base import ActionSpec, InputSpec, Policy, PolicySpec
+from wamkit.policies.base import ActionSpec, Policy, PolicySpec
 
 # Gripper convention of the env action space (LIBERO and MetaWorld wrappers): -1 = open, +1 = close.
 GRIPPER_OPEN = -1.0
