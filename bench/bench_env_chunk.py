@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import platform
 import statistics
 import sys
 import time
@@ -23,15 +22,7 @@ from wamkit.envs._runtime import setup_headless_gl  # noqa: E402
 
 setup_headless_gl()
 
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from _common import cpu_model  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 def bench_libero(suite: str, chunks: int, chunk: int = 16) -> list[tuple[str, str]]:

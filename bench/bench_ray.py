@@ -33,6 +33,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+
+from _common import cpu_model  # noqa: E402  (bench/ is on sys.path when run as a script)
 EVAL_ARGS = ["env=metaworld", "suite=mt", "tasks=3,4", "trials=2", "policy=metaworld-expert", "horizon=4",
              "max_steps=80", "image_size=64", "mode=auto", "num_envs=2", "progress=false", "seed=3"]
 RAY_ARGS = ["runtime=ray", "ray.num_cpus_per_env=1", "ray.memory_gb_per_env=0.5", "ray.num_cpus=2"]
@@ -166,11 +168,7 @@ def main() -> None:
     finally:
         ray_session.release(sess)
 
-    cpu = ""
-    try:
-        cpu = next(x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     lines = [
         "# runtime=ray vs runtime=local on one machine",
         "",

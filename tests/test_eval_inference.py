@@ -1,55 +1,68 @@
-"""ServerInference with several servers: what each replica is started with, and least-loaded dispatch."""
+"""ServerInference with several real `wamkit serve` processes: what each replica is started with, and least-loaded
+dispatch."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
+import pytest
 
 from wamkit.core.config import load_config
+from wamkit.core.types import Observation
 from wamkit.eval.config import EvalConfig
 from wamkit.eval.inference import ServerInference
 
+ARGS = {"per_obs_ms": 0, "action_dim": 2, "horizon": 2}
 
-class FakeWorker:
-    def __init__(self, **kw):
-        self.kw, self.starts = kw, 0
 
-    def start(self):
-        self.starts += 1
+def obs(n: int) -> list[Observation]:
+    rng = np.random.default_rng(n)
+    return [Observation({"image": rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)}, None, "t") for _ in range(n)]
 
 
 def test_replicas_get_their_gpu_and_the_serve_args():
-    cfg = load_config(EvalConfig, None, ["server.replicas=3", "server.gpus=0,1", "server.serve_args.torch_threads=2"])
-    inf = ServerInference(policy="zero", policy_args={"horizon": 4}, options=cfg.server, worker_factory=FakeWorker)
-    ws = [inf._start_worker(i) for i in range(3)]
-    assert [w.kw["env"]["CUDA_VISIBLE_DEVICES"] for w in ws] == ["0", "1", "0"]
-    assert all(w.kw["extra_args"] == {"torch_threads": 2} and w.kw["policy"] == "zero" for w in ws)
-    plain = ServerInference(policy="zero", policy_args={}, options=load_config(EvalConfig, None, []).server,
-                            worker_factory=FakeWorker)._start_worker(0)
-    assert "env" not in plain.kw and "extra_args" not in plain.kw   # factories without those keys keep working
+    cfg = load_config(EvalConfig, None, ["server.replicas=2", "server.gpus=3,5", "server.serve_args.torch_threads=1"])
+    inf = ServerInference(policy="fixed-cost", policy_args={**ARGS, "base_ms": 1}, options=cfg.server)
+
+    async def main():
+        await inf.start()
+        try:
+            assert [w.env["CUDA_VISIBLE_DEVICES"] for w in inf.workers] == ["3", "5"]
+            assert all("torch_threads=1" in w.command() for w in inf.workers)
+            assert len({w.url for w in inf.workers}) == 2
+            a = await inf.predict(obs(3), [1, 2, 3])
+            assert a.shape == (3, 2, 2)
+        finally:
+            await inf.close()
+
+    asyncio.run(main())
+    for w in inf.workers:   # both stopped, nothing left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(w.pid, 0)
 
 
 def test_requests_go_to_the_least_loaded_server():
-    class Client:
-        def __init__(self, delay):
-            self.delay, self.calls = delay, 0
+    """Server 0 takes 1 s per batch, server 1 5 ms: while server 0 holds 4 observations, the next single
+    observations all go to server 1."""
+    from wamkit.serve.workers import WamkitServerWorker
 
-        async def predict(self, obs, seeds):
-            self.calls += 1
-            await asyncio.sleep(self.delay)
-            return np.zeros((len(obs), 2, 1), np.float32)
+    with WamkitServerWorker("fixed-cost", {**ARGS, "base_ms": 1000}) as slow, \
+            WamkitServerWorker("fixed-cost", {**ARGS, "base_ms": 5}) as fast:
+        cfg = load_config(EvalConfig, None, [f"server.url={slow.url},{fast.url}"])
+        inf = ServerInference(policy="fixed-cost", policy_args={}, options=cfg.server)
 
-    inf = ServerInference(policy="zero", policy_args={}, options=load_config(EvalConfig, None, []).server)
-    slow, fast = Client(0.2), Client(0.01)
-    inf.clients, inf.in_flight, inf.served = [slow, fast], [0, 0], [0, 0]
+        async def main():
+            await inf.start()
+            try:
+                first = asyncio.create_task(inf.predict(obs(4), [0, 1, 2, 3]))   # tie: server 0
+                await asyncio.sleep(0.05)
+                for k in range(5):
+                    await inf.predict(obs(1), [10 + k])
+                await first
+            finally:
+                await inf.close()
 
-    async def main():
-        first = asyncio.create_task(inf.predict([None] * 4, [0] * 4))   # goes to server 0 (tie: round robin)
-        await asyncio.sleep(0.01)
-        for _ in range(5):                 # server 0 is busy with 4 observations: these go to server 1
-            await inf.predict([None], [0])
-        await first
-
-    asyncio.run(main())
-    assert (slow.calls, fast.calls) == (1, 5) and inf.served == [1, 5] and inf.in_flight == [0, 0]
+        asyncio.run(main())
+    assert inf.served == [1, 5] and inf.in_flight == [0, 0]

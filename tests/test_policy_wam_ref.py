@@ -250,19 +250,20 @@ def _prefix_inputs(pol, n=3, state_dim=8):
 @torch.no_grad()
 def test_kv_room_layout_matches_concat():
     """The inference K/V layout (scratch slots written in place, heads expanded or not) computes the same velocity
-    as the training layout (prefix K/V concatenated with the action tokens' every call)."""
+    as the training layout (prefix K/V concatenated with the action tokens' every call): one Euler step of
+    `denoise` from t = 0 is x + velocity(x, 0)."""
     pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8)
     inp, p = _prefix_inputs(pol)
     m = pol.model
-    x, t = torch.randn(3, pol.horizon, pol.model_action_dim), torch.full((3,), 0.25)
-    ref = m.velocity(p, x, t, inp["state"])
+    x = torch.randn(3, pol.horizon, pol.model_action_dim)
+    ref = x + m.velocity(p, x, torch.zeros(3), inp["state"]).float()
     tc = pol.qwen_config.text_config
     for heads in (tc.num_key_value_heads, tc.num_attention_heads):
         room = p.with_room(pol.gen_tokens, heads)
         assert room.keys[0].shape == (3, heads, p.keys[0].shape[2] + pol.gen_tokens, p.keys[0].shape[3])
         torch.testing.assert_close(room.keys[1][:, ::heads // tc.num_key_value_heads, :-pol.gen_tokens], p.keys[1])
         for _ in range(2):  # the scratch slots are overwritten, not accumulated: a second call gives the same
-            out = m.velocity(room, x, t, inp["state"], shared_t=True, kv_room=True)
+            out = m.gen.denoise(room, x, inp["state"], 1)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 

@@ -261,8 +261,7 @@ def main(argv=None) -> int:
         pol.kv_layout = layout or "expanded"
         if "+compile" in base and not pol.compile:
             t0 = time.perf_counter()
-            pol.compile = True
-            pol._compile_modules()
+            pol.enable_compile()
             log(f"compile wrappers set in {time.perf_counter() - t0:.1f} s (compilation happens on first calls)")
         if pol.cuda_graphs:
             t0 = time.perf_counter()
@@ -291,10 +290,7 @@ def main(argv=None) -> int:
                 f"{r['tflops']:5.0f} TFLOP/s | prep {r['prep_ms']:.1f} prefix {r['prefix_ms']:.1f} (vision "
                 f"{r['vision_ms']:.1f}) loop {r['loop_ms']:.1f} ms | first call {r['first_call_ms']:.0f} ms")
             save()
-        pol._graphs.clear()   # free this mode's graphs, their pool and static buffers
-        pol._graph_pool = None
-        for k in [k for k in pol._static if isinstance(k, tuple)]:
-            del pol._static[k]
+        pol.release_graphs()   # free this mode's graphs, their pool and static buffers
         torch.cuda.empty_cache()
     res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
     res["profile"] = {}

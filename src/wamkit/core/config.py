@@ -123,14 +123,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return {k: _yaml_scalar(v) for k, v in value.items()}
     if tp is bool:
-        if isinstance(value, bool):
-            return value
-        s = str(value).strip().lower()
-        if s in ("1", "true", "yes", "on"):
-            return True
-        if s in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return parse_bool(value, key)
     if tp is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
@@ -218,3 +211,15 @@ def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
         else:
             rest.append(a)
     return path, rest
+
+
+def parse_bool(value: Any, key: str = "value") -> bool:
+    """true/false, 1/0, yes/no, on/off (any case) or a bool -> bool; anything else is a ConfigError naming `key`."""
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key}: expected true/false, got {value!r}")

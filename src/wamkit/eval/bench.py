@@ -148,14 +148,15 @@ def markdown(report: dict[str, Any]) -> str:
              "| x single-batch (steps/s) | x single-batch (episodes/h) | of bound |"
              + (" request ms | server compute ms |" if calls else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if calls else "")]
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
     for x in report["rows"]:
-        def f(v, fmt):
-            return "-" if v is None else format(v, fmt)
+        per_call = (f" {f(x.get('request_ms_mean') or None, '.1f')} | {f(x.get('compute_ms_mean') or None, '.1f')} |"
+                    if calls else "")
         lines.append(f"| {x['row']} | {x['episodes']} | {x['episodes_per_hour']:.0f} | {x['env_steps_per_s']:.1f} | "
                      f"{x['inference_obs_per_s']:.2f} | {x['mean_batch']:.1f} | {f(x['ratio_steps'], '.2f')} | "
-                     f"{f(x['ratio_episodes'], '.2f')} | {f(x['of_bound'], '.2f')} |"
-                     + (f" {f(x.get('request_ms_mean') or None, '.1f')} | {f(x.get('compute_ms_mean') or None, '.1f')} |"
-                        if calls else ""))
+                     f"{f(x['ratio_episodes'], '.2f')} | {f(x['of_bound'], '.2f')} |" + per_call)
     b = report["bound"]
     lines.append("")
     lines.append(f"Stage bound: simulation alone {b['sim_env_steps_per_s']:.1f} env steps/s; inference alone "

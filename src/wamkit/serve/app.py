@@ -19,6 +19,7 @@ import contextlib
 import hmac
 import logging
 import math
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -228,8 +229,6 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
 
         policy = make_policy(cfg.policy, **cfg.policy_args)
     if "torch" in sys.modules:  # only policies that use torch have imported it
-        import os
-
         import torch
 
         torch.set_num_threads(cfg.torch_threads or max(1, min(4, os.cpu_count() or 1)))

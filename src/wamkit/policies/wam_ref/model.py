@@ -61,15 +61,25 @@ class Prefix:
         return Prefix(keys, values, mask, self.next_pos)
 
 
-def kv_room_buffer(src: torch.Tensor, n: int, heads: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, kv_heads, S, hd) -> (B, heads, S + n, hd) with src in the first S slots (heads repeated kv-head-major, as
-    `repeat_interleave(heads // kv_heads, dim=1)` orders them). Writes into `out[:B]` when given."""
-    b, kvh, s, hd = src.shape
+def head_dim_of(text_config) -> int:
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+
+
+def write_heads(dst: torch.Tensor, src: torch.Tensor, start: int) -> None:
+    """dst[:B, :, start:start + L] = src (B, kv_heads, L, hd) with the kv heads repeated up to dst's head count,
+    kv-head-major (as `repeat_interleave(heads // kv_heads, dim=1)` orders them); in place, no allocation."""
+    b, kvh, length, hd = src.shape
+    heads, slots = dst.shape[1], dst.shape[2]
     if heads % kvh:
         raise ValueError(f"heads {heads} is not a multiple of kv heads {kvh}")
-    if out is None:
-        out = src.new_zeros(b, heads, s + n, hd)
-    out[:b].view(b, kvh, heads // kvh, out.shape[2], hd)[:, :, :, :s].copy_(src[:, :, None])
+    dst[:b].view(b, kvh, heads // kvh, slots, hd)[:, :, :, start:start + length].copy_(src[:, :, None])
+
+
+def kv_room_buffer(src: torch.Tensor, n: int, heads: int) -> torch.Tensor:
+    """(B, kv_heads, S, hd) -> a new (B, heads, S + n, hd) buffer with src in the first S slots (see write_heads)."""
+    b, _, s, hd = src.shape
+    out = src.new_zeros(b, heads, s + n, hd)
+    write_heads(out, src, 0)
     return out
 
 
@@ -136,12 +146,9 @@ class GenBlock(nn.Module):
         q, k, v, g1, sh2, sc2, g2 = fin(x, tmod, self.modulation, self.q_proj.weight, self.k_proj.weight,
                                         self.v_proj.weight, self.q_norm.weight, self.k_norm.weight, cos, sin,
                                         self.heads, self.kv_heads, self.head_dim, self.eps)
-        if kv_room:
-            rep = prefix_k.shape[1] // self.kv_heads
-            s_all = prefix_k.shape[2]
-            # write this step's K/V into the scratch slots (heads repeated as in kv_room_buffer), no allocation
-            prefix_k.view(b, self.kv_heads, rep, s_all, self.head_dim)[:, :, :, -n:].copy_(k[:, :, None])
-            prefix_v.view(b, self.kv_heads, rep, s_all, self.head_dim)[:, :, :, -n:].copy_(v[:, :, None])
+        if kv_room:  # this step's K/V into the scratch slots, in place
+            write_heads(prefix_k, k, prefix_k.shape[2] - n)
+            write_heads(prefix_v, v, prefix_v.shape[2] - n)
             k, v = prefix_k, prefix_v
         else:
             k = torch.cat([prefix_k.to(k.dtype), k], dim=2)
@@ -158,7 +165,7 @@ class GenerationTower(nn.Module):
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
         heads, kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        head_dim = head_dim_of(text_config)
         eps = text_config.rms_norm_eps
         self.hidden, self.action_dim, self.state_dim, self.time_freq_dim = hidden, action_dim, state_dim, time_freq_dim
         self.action_in = nn.Linear(action_dim, hidden)
@@ -207,37 +214,24 @@ class GenerationTower(nn.Module):
         h = self.norm_out(h) * (1 + scale[:, None]) + shift[:, None]
         return self.action_out(h)[:, h.shape[1] - horizon:]
 
-    def forward(self, prefix: Prefix, x_t: torch.Tensor, t: torch.Tensor, state: torch.Tensor | None = None,
-                shared_t: bool | None = None, kv_room: bool = False):
-        """Velocity (B, H, action_dim) for noisy actions x_t at times t (B,), attending to the prefix K/V.
-
-        shared_t: whether every row has the same t (None: checked, which reads t back from the device).
-        kv_room: the prefix is in the `Prefix.with_room` layout (see GenBlock.forward)."""
+    def forward(self, prefix: Prefix, x_t: torch.Tensor, t: torch.Tensor, state: torch.Tensor | None = None):
+        """Velocity (B, H, action_dim) for noisy actions x_t at times t (B,), attending to the prefix K/V (the
+        training path: the prefix K/V is concatenated with the action tokens' in every block; sampling goes through
+        `denoise`)."""
         dtype = self.action_in.weight.dtype
         b, horizon, _ = x_t.shape
         # Batch invariance: CPU GEMMs pick kernels by row count, and for a handful of rows (< ~8) a row's result
-        # depends on how many rows share the call. So no matmul here runs over "one row per observation":
-        # the state is projected over `horizon` copies (rows = B * horizon, like the action tokens), and the time
-        # conditioning is computed from one row and broadcast when every observation has the same t (sampling).
+        # depends on how many rows share the call. So the state is projected over `horizon` copies (rows =
+        # B * horizon, like the action tokens); `denoise` computes the time conditioning over the steps, not the rows.
         tok = self.action_in(x_t.to(dtype))
         st = self.state_token(state, b, horizon)
         if st is not None:
             tok = torch.cat([st, tok], dim=1)
         n = tok.shape[1]
-        if shared_t is None:
-            shared_t = b > 1 and not torch.is_grad_enabled() and bool((t == t[:1]).all())
-        else:
-            shared_t = bool(shared_t) and b > 1 and not torch.is_grad_enabled()
-        tmod, out_mod = self.conditioning(t[:1] if shared_t else t)
-        if shared_t:
-            tmod, out_mod = tmod.expand(b, -1, -1), out_mod.expand(b, -1)
+        tmod, out_mod = self.conditioning(t)
         cos, sin = self.rope(prefix, n, tok)
-        if kv_room:
-            attn_mask = prefix.key_mask[:, None, None, :]  # (B, 1, 1, S + n): the scratch slots are True
-        else:
-            mask = torch.cat([prefix.key_mask, torch.ones(b, n, dtype=torch.bool, device=tok.device)], dim=1)
-            attn_mask = mask[:, None, None, :]  # (B, 1, 1, S + n)
-        return self.run_blocks(tok, tmod, out_mod, cos, sin, prefix, attn_mask, kv_room, horizon)
+        mask = torch.cat([prefix.key_mask, torch.ones(b, n, dtype=torch.bool, device=tok.device)], dim=1)
+        return self.run_blocks(tok, tmod, out_mod, cos, sin, prefix, mask[:, None, None, :], False, horizon)
 
     def denoise(self, prefix: Prefix, x: torch.Tensor, state: torch.Tensor | None, steps: int) -> torch.Tensor:
         """The whole Euler sampler (t: 0 -> 1 in `steps` steps) from noise x (B, H, action_dim) float32, with the
@@ -306,8 +300,8 @@ class WamRefModel(nn.Module):
         next_pos = position_ids.masked_fill(~valid[None], -1).amax(dim=(0, 2)) + 1
         return Prefix(keys=keys, values=values, key_mask=valid, next_pos=next_pos)
 
-    def velocity(self, prefix: Prefix, x_t, t, state=None, shared_t: bool | None = None, kv_room: bool = False):
-        return self.gen(prefix, x_t, t, state, shared_t=shared_t, kv_room=kv_room)
+    def velocity(self, prefix: Prefix, x_t, t, state=None):
+        return self.gen(prefix, x_t, t, state)
 
     def forward(self, input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw, actions,
                 action_mask, noise, t, state=None, position_ids=None):

@@ -22,12 +22,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from wamkit.core.config import parse_bool
 from wamkit.core.errors import UserError
 from wamkit.core.types import Observation
 from wamkit.policies.base import ActionSpec, InputSpec, Policy, PolicySpec
 from wamkit.policies.tokenizer import load_tokenizer
-from wamkit.policies.wam_ref.model import (GenerationTower, Prefix, WamRefModel, init_weights, kv_room_buffer,
-                                          use_batched_vision_attention)
+from wamkit.policies.wam_ref.model import (GenerationTower, Prefix, WamRefModel, head_dim_of, init_weights,
+                                          use_batched_vision_attention, write_heads)
 from wamkit.policies.wam_ref.sizes import get_size, qwen3vl_config_dict
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -54,10 +55,6 @@ def _buckets(spec, max_batch: int) -> tuple[int, ...]:
             b = b * 2 if b < 16 else b + (1 << (b.bit_length() - 1)) // 2
     vals = sorted({v for v in vals if 0 < v < max_batch} | {max_batch})
     return tuple(vals)
-
-
-def _flag(v) -> bool:
-    return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
 
 
 def _dtype_name(d: torch.dtype) -> str:
@@ -129,11 +126,11 @@ class WamRefPolicy(Policy):
         #   (kv heads only, SDPA with enable_gqa). Either way the action tokens' K/V go into free slots in place.
         # - compile: torch.compile of each generation block and of the understanding tower's norms and MLPs
         #   (fuses the elementwise work around the GEMMs); needs a working Inductor backend (Triton on GPUs).
-        self.cuda_graphs = _flag(cuda_graphs)
+        self.cuda_graphs = parse_bool(cuda_graphs, "cuda_graphs")
         if kv_layout not in ("expanded", "room"):
             raise UserError(f"kv_layout must be expanded or room, got {kv_layout!r}")
         self.kv_layout = kv_layout
-        self.compile = _flag(compile)
+        self.compile = parse_bool(compile, "compile")
         self._graphs: dict[tuple, Any] = {}
         self._graph_pool = None
         self._static: dict[str, Any] = {}
@@ -210,7 +207,7 @@ class WamRefPolicy(Policy):
         self.apply_trainable_patterns()
         # all images have one size here: the vision tower's attention runs as one call over all images instead of
         # transformers' one call per image (same arithmetic; see model.vision_attention_equal_length)
-        self.batched_vision_attention = _flag(batched_vision_attention)
+        self.batched_vision_attention = parse_bool(batched_vision_attention, "batched_vision_attention")
         if self.batched_vision_attention:
             try:
                 use_batched_vision_attention(self.model.und)
@@ -223,7 +220,7 @@ class WamRefPolicy(Policy):
             self.materialize(self.device)
 
         if self.compile:
-            self._compile_modules()
+            self.enable_compile()
         self.tokenizer_dir = tokenizer_dir
         self.tokenizer = load_tokenizer(tokenizer_dir or und_path, qcfg)
         self.gen_hidden, self.gen_ffn = gen_hidden, gen_ffn
@@ -446,12 +443,20 @@ class WamRefPolicy(Policy):
             out[str(b)] = time.perf_counter() - t0
         return out
 
-    def _compile_modules(self) -> None:
-        """torch.compile (Inductor) of the generation blocks and of the understanding tower's RMSNorms and MLPs,
-        in place (`nn.Module.compile`). Dynamo's automatic dynamic shapes: the second batch size seen recompiles
-        with a symbolic batch dimension, later sizes reuse it."""
+    def release_graphs(self) -> None:
+        """Drop every captured CUDA graph, their memory pool and static buffers (e.g. before changing kv_layout)."""
+        self._graphs.clear()
+        self._graph_pool = None
+        for k in [k for k in self._static if isinstance(k, tuple) and k[0] == "graph_buffers"]:
+            del self._static[k]
+
+    def enable_compile(self) -> None:
+        """What compile=true does (also callable after construction): torch.compile (Inductor) of the generation
+        blocks and of the understanding tower's RMSNorms and MLPs, in place (`nn.Module.compile`). Dynamo's
+        automatic dynamic shapes: the second batch size seen recompiles with a symbolic batch dimension."""
         import torch._dynamo
 
+        self.compile = True
         for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
                   "accumulated_cache_size_limit"):
             if hasattr(torch._dynamo.config, k):
@@ -564,7 +569,7 @@ class WamRefPolicy(Policy):
         s = int(prefix_len or self.prefix_len)
         tc = self.qwen_config.text_config
         L, nh = tc.num_hidden_layers, tc.num_attention_heads
-        hd = getattr(tc, "head_dim", None) or tc.hidden_size // nh
+        hd = head_dim_of(tc)
         und = self.model.und
         layer_params = sum(p.numel() for p in und.language_model.layers.parameters())
         vis_params = sum(p.numel() for n, p in und.visual.named_parameters() if "pos_embed" not in n)
@@ -617,10 +622,9 @@ class _DenoiseGraph:
         # rows past n keep whatever they held (finite values from an earlier call or the initial zeros/ones):
         # every row is computed independently, so they cannot change rows < n
         n = x.shape[0]
-        heads = self.keys[0].shape[1]
         for dsts, srcs in ((self.keys, prefix.keys), (self.values, prefix.values)):
             for dst, src in zip(dsts, srcs):
-                kv_room_buffer(src, 0, heads, out=dst)
+                write_heads(dst, src, 0)
         self.key_mask[:n, :self.s].copy_(prefix.key_mask)
         self.next_pos[:n].copy_(prefix.next_pos)
         self.x[:n].copy_(x)
@@ -637,8 +641,7 @@ def _static_buffers(pol: "WamRefPolicy", s: int) -> dict[str, Any]:
     if st is not None:
         return st
     top = max(pol.graph_buckets)
-    tc = pol.qwen_config.text_config
-    hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    hd = head_dim_of(pol.qwen_config.text_config)
     heads, n, dev, dt = pol._kv_heads(), pol.gen_tokens, pol.device, pol.dtype
     L = len(pol.model.gen.blocks)
     st = {"keys": [torch.zeros(top, heads, s + n, hd, device=dev, dtype=dt) for _ in range(L)],
