@@ -76,3 +76,25 @@ def test_camera_images_are_upright():
         raw.close()
     finally:
         env.close()
+
+
+def test_render_quality_fast_is_close_and_deterministic():
+    """render_quality=fast (no MSAA, 1024^2 shadow map) changes only edge and shadow pixels a little; the same
+    state gives the same frame every time; an unknown value is a clear ConfigError."""
+    from wamkit.core.errors import ConfigError
+    from wamkit.envs.metaworld import MetaWorldEnv
+
+    frames = {}
+    for q in ("model", "fast", "fast"):
+        env = MetaWorldEnv(tasks=("pick-place-v3",), cameras=("image",), image_size=96, render_quality=q)
+        try:
+            frames.setdefault(q, []).append(env.reset(0, 3).images["image"].astype(np.int16))
+            assert env._envs[0].model.vis.quality.offsamples == (0 if q == "fast" else 4)
+        finally:
+            env.close()
+    np.testing.assert_array_equal(frames["fast"][0], frames["fast"][1])
+    diff = np.abs(frames["fast"][0] - frames["model"][0])
+    assert 0 < diff.mean() < 12, diff.mean()       # not the same renderer settings, but the same scene
+    assert np.median(diff) <= 2
+    with pytest.raises(ConfigError, match="render_quality"):
+        MetaWorldEnv(tasks=("reach-v3",), render_quality="ultra")

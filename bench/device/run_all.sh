@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Every GPU measurement of issue 9 in one call on the device machine (see bench/results/gpu.md).
 #
-#   bash bench/device/run_all.sh [scale=smoke|full] [parts=nano,eval,sft] [ngpu=1] [evalscales=8x32,16x64]
+#   bash bench/device/run_all.sh [scale=smoke|full] [parts=nano,eval,sft,contention] [ngpu=1] [evalscales=8x32,16x64]
 #        [sft_variants="activation_checkpointing=true;activation_checkpointing=false compile=true"] [nano_args=...]
+#        [gl=egl|osmesa] [eval_args="env_args.render_quality=fast ..."] [cont_args=...]
 #
 # Installs the carried GL loaders (.gl) and wheels (.whl), then runs each part under its own time limit and keeps
 # going when one fails. Everything lands under $OUT (run_all.log = the whole console; one JSON per part).
 # ngpu=N: SFT under torchrun nproc=N (global batch N x 64), N action servers (one per GPU) for the HTTP rows, and
 # the evaluation rows once with one server and once with N (server.replicas=N server.gpus=0..N-1).
 set -u
-SCALE=smoke; PARTS=nano,eval,sft; SFT_TRAIN=all; NGPU=1; EVALSCALES=""; NANO_ARGS=""; SFT_VARIANTS=""
+SCALE=smoke; PARTS=nano,eval,sft; CONT_ARGS=""; GL=egl; EVAL_ARGS=""; SFT_TRAIN=all; NGPU=1; EVALSCALES=""; NANO_ARGS=""; SFT_VARIANTS=""
 for a in "$@"; do
   case "$a" in
     scale=*) SCALE=${a#*=};; parts=*) PARTS=${a#*=};; ngpu=*) NGPU=${a#*=};; evalscales=*) EVALSCALES=${a#*=};;
-    nano_args=*) NANO_ARGS=${a#*=};; sft_trainable=*) SFT_TRAIN=${a#*=};; sft_variants=*) SFT_VARIANTS=${a#*=};;
+    nano_args=*) NANO_ARGS=${a#*=};; cont_args=*) CONT_ARGS=${a#*=};; gl=*) GL=${a#*=};; eval_args=*) EVAL_ARGS=${a#*=};; sft_trainable=*) SFT_TRAIN=${a#*=};; sft_variants=*) SFT_VARIANTS=${a#*=};;
     *) echo "unknown argument $a"; exit 2;;
   esac
 done
@@ -24,19 +25,27 @@ export PYTHONUNBUFFERED=1 MUJOCO_GL=egl PYOPENGL_PLATFORM=egl NCCL_NVLS_ENABLE=0
 echo "=== run_all $* ($(date -u +%FT%TZ)) scale=$SCALE parts=$PARTS ngpu=$NGPU"
 T0=$(date +%s)
 if [ -d .gl ]; then for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig; fi
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+WHL=.whl; [ -d .whl ] || WHL=.whl-lite   # .whl-lite: the wheels without metaworld (room for .mesa in one call)
+if [ -d $WHL ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHL/*.whl \
     || echo "WARNING: wheel install failed"
   export PYTHONPATH=/tmp/site:$PWD/src
 else
   export PYTHONPATH=$PWD/src
 fi
+# gl=osmesa: MuJoCo on the CPU (Mesa llvmpipe) instead of EGL on the GPU; see setup_osmesa.sh
+[ "$GL" = osmesa ] && . bench/device/setup_osmesa.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,power.limit --format=csv | tee "$OUT/nvidia-smi.txt"
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'gpus', torch.cuda.device_count())"
+python3 bench/device/gl_check.py 2>&1 | grep gl_check || echo "gl_check: MuJoCo not importable here"
 echo "setup done after $(( $(date +%s) - T0 )) s"
+# GPU clock, utilization and power every 500 ms for the whole call (which part ran when: the stamps in run_all.log)
+nvidia-smi --query-gpu=timestamp,clocks.sm,utilization.gpu,power.draw --format=csv -lms 500 > "$OUT/gpu_samples.csv" 2>/dev/null &
+SMI=$!
+trap 'kill $SMI 2>/dev/null' EXIT
 
 part() { case ",$PARTS," in *",$1,"*) return 0;; *) return 1;; esac; }
-stamp() { echo "=== $1 done (rc=$2) at +$(( $(date +%s) - T0 )) s"; }
+stamp() { echo "=== $1 done (rc=$2) at +$(( $(date +%s) - T0 )) s ($(date -u +%T))"; }
 
 if [ "$SCALE" = smoke ]; then
   NANO="--batches 1,64 --modes eager,graphs,graphs+compile --reps 2 --profile 64 --http 1,8 --http-seconds 3"
@@ -53,6 +62,12 @@ if part nano; then
   echo "=== nano: bench/device/bench_nano.py $NANO --ngpu $NGPU"
   timeout -k 10 $NANO_T python3 bench/device/bench_nano.py --out "$OUT/nano.json" --ngpu "$NGPU" $NANO
   stamp nano $?
+fi
+
+if part contention; then   # the action server beside controlled CPU / simulation load (bench_contention.py)
+  echo "=== contention: bench/device/bench_contention.py $CONT_ARGS"
+  timeout -k 10 ${CONT_T:-300} python3 bench/device/bench_contention.py --out "$OUT/contention.json" $CONT_ARGS
+  stamp contention $?
 fi
 
 if part sft; then
@@ -78,8 +93,8 @@ if part eval; then
     echo "=== eval: $EPS episodes, $ENVS envs (4 tasks x $TRIALS trials, max_steps=$EVAL_STEPS)"
     ROWARG=(); [ -n "$EVAL_ROWS" ] && ROWARG=("rows=$EVAL_ROWS")
     if [ -z "$EVAL_ROWS" ]; then   # the (B, P) grid with B x P = envs (B = envs, 4, 1 at 16 envs), serial, auto
-      if [ "$ENVS" -ge 16 ]; then ROWARG=("rows=single-batch;B=16, P=1;B=4, P=4;B=1, P=16;auto")
-      else ROWARG=("rows=single-batch;B=$ENVS, P=1;B=$(( ENVS / 2 )), P=2;B=2, P=$(( ENVS / 2 ));B=1, P=$ENVS;auto"); fi
+      if [ "$ENVS" -ge 16 ]; then ROWARG=("rows=single-batch;serial;B=16, P=1;B=4, P=4;B=1, P=16;auto")
+      else ROWARG=("rows=single-batch;serial;B=$ENVS, P=1;B=$(( ENVS / 2 )), P=2;B=2, P=$(( ENVS / 2 ));B=1, P=$ENVS;auto"); fi
     fi
     # ngpu=N > 1: the same rows with one server, then with N servers (one per GPU, least-loaded dispatch)
     REPS="1"; [ "$NGPU" -gt 1 ] && REPS="1 $NGPU"
@@ -88,7 +103,7 @@ if part eval; then
       GPUS=$(seq -s, 0 $(( R - 1 )))
       timeout -k 10 $EVAL_T python3 -m wamkit.cli.main bench eval bench/device/eval_metaworld.yaml num_envs="$ENVS" \
         trials="$TRIALS" max_steps="$EVAL_STEPS" out="/tmp/eval_$TAG" server.replicas="$R" server.gpus="$GPUS" \
-        "${ROWARG[@]}"
+        "${ROWARG[@]}" $EVAL_ARGS
       rc=$?
       cp "/tmp/eval_$TAG/bench_eval.json" "$OUT/eval_$TAG.json" 2>/dev/null
       [ $rc -ne 0 ] && tail -n 30 /tmp/eval_$TAG/*/server*.log 2>/dev/null | tail -n 60

@@ -1,0 +1,21 @@
+# source bench/device/setup_osmesa.sh  (from bench/device/run_all.sh gl=osmesa)
+#
+# MuJoCo renders on the CPU (Mesa's llvmpipe through OSMesa) instead of the GPU through EGL, so that env workers do
+# not time-slice the GPU with the action server (bench/device/bench_contention.py measured why). The machine has no
+# Mesa: a carried .mesa/osmesa.tar.xz (Debian bookworm-backports libosmesa6 25.0.7 + bookworm libllvm15, libdrm2 and
+# libz3-4 as fallbacks) is unpacked into .mesa-root/ (ignored by git, so it stays there for the next call on a warm
+# machine). Support libraries the machine already has are used from the machine. On success: MUJOCO_GL=osmesa.
+M=$PWD/.mesa-root
+if [ ! -e "$M/lib/libOSMesa.so" ] && [ -f .mesa/osmesa.tar.xz ]; then
+  mkdir -p "$M" && tar xJf .mesa/osmesa.tar.xz -C "$M"
+fi
+if [ -e "$M/lib/libOSMesa.so" ]; then
+  for so in libdrm.so.2 libz3.so.4; do
+    if ldconfig -p | grep -q "/$so\$"; then rm -f "$M/lib/$so"; fi
+  done
+  export LD_LIBRARY_PATH=$M/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export MUJOCO_GL=osmesa PYOPENGL_PLATFORM=osmesa LP_NUM_THREADS=${LP_NUM_THREADS:-1}
+  echo "gl: osmesa from $M/lib ($(ls "$M/lib" | tr '\n' ' '))"
+else
+  echo "gl: no OSMesa here (.mesa/osmesa.tar.xz not carried, .mesa-root/ not left by an earlier call): EGL on the GPU"
+fi
