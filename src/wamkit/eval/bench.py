@@ -33,7 +33,7 @@ def _run(cfg: EvalConfig, console: Console, runtime: dict[str, Any] | None = Non
 def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
     th = s["throughput"]
     sch = s.get("scheduler", {})
-    return {"row": name, "episodes": th["episodes_this_run"], "wall_s": th["wall_s"],
+    return {"row": name, "episodes": th["episodes_this_run"], "wall_s": th["wall_s"], "setup_s": sch.get("setup_s", 0.0),
             "episodes_per_hour": th["episodes_per_hour"], "env_steps_per_s": th["env_steps_per_s"],
             "inference_obs_per_s": th["inference_obs_per_s"], "mean_batch": sch.get("mean_batch", 0.0),
             "env_busy": sch.get("env_busy", 0.0), "inference_busy": sch.get("inference_busy", 0.0),

@@ -134,7 +134,9 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         if journal.records:
             console.print(f"resuming: {len(journal.records)} of {len(plan)} episodes already done, "
                           f"{len(todo)} to run")
-        t_start = time.time()
+        # the clock starts once the inference side is up: a server's start-up and warm-up (CUDA graphs) is setup,
+        # reported as setup_s, not evaluation time (throughput is episodes and env steps over evaluation time)
+        clock = {"t0": time.time(), "setup_s": 0.0}
         stats = {"done": 0, "succ": sum(int(r["success"]) for r in journal.records.values()), "steps": 0}
         progress = Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("success {task.fields[succ]}"), TextColumn("{task.fields[rate]}"),
@@ -158,7 +160,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
             stats["done"] += 1
             stats["succ"] += int(o.success)
             stats["steps"] += o.env_steps
-            el = time.time() - t_start
+            el = time.time() - clock["t0"]
             n_total = len(journal.records)
             progress.update(bar, advance=1, succ=f"{stats['succ']}/{n_total} ({stats['succ'] / n_total:.0%})",
                             rate=f"{stats['steps'] / el:.1f} steps/s {stats['done'] / el * 3600:.0f} ep/h")
@@ -166,7 +168,10 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         sched = Scheduler(workers, inference, todo, opts, on_done, timeline)
 
         async def main():
+            t_setup = time.time()
             await inference.start()
+            clock["t0"] = time.time()
+            clock["setup_s"] = clock["t0"] - t_setup
             try:
                 await sched.run()
             finally:
@@ -174,13 +179,14 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
 
         with progress:
             asyncio.run(main())
-        wall = time.time() - t_start
+        wall = time.time() - clock["t0"]
         timeline.save(out / "timeline.json")
         util = timeline.utilization()
         summary = summarize(list(journal.records.values()), wall_s=wall, config=to_dict(cfg), versions=versions(),
                             inference_obs=inference.observations,
                             extra={"run_id": run_id, "scheduler": {
                                 "mode": cfg.mode, "num_envs": n_envs, "env_restarts": sched.restarts,
+                                "setup_s": round(clock["setup_s"], 3),
                                 "server_restarts": getattr(inference, "restarts", 0),
                                 "server_requests": list(getattr(inference, "served", [])),
                                 "requests": inference.requests,
