@@ -105,7 +105,8 @@ if part eval; then
         trials="$TRIALS" max_steps="$EVAL_STEPS" out="/tmp/eval_$TAG" server.replicas="$R" server.gpus="$GPUS" \
         "${ROWARG[@]}" $EVAL_ARGS
       rc=$?
-      cp "/tmp/eval_$TAG/bench_eval.json" "$OUT/eval_$TAG.json" 2>/dev/null
+      cp "/tmp/eval_$TAG/bench_eval.json" "$OUT/eval_$TAG.json" 2>/dev/null \
+        || cp "/tmp/eval_$TAG/bench_eval.partial.json" "$OUT/eval_${TAG}_partial.json" 2>/dev/null
       [ $rc -ne 0 ] && tail -n 30 /tmp/eval_$TAG/*/server*.log 2>/dev/null | tail -n 60
       stamp "eval $TAG" $rc
     done

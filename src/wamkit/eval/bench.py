@@ -113,6 +113,8 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
                       f"P={cfg.pipelines}")
         s = _run(cfg, console, runtime)
         results.append(_row(name, s, horizon))
+        # rows so far, in case the run is cut short (bound and ratios come at the end)
+        (out / "bench_eval.partial.json").write_text(json.dumps({"rows": results}, indent=2))
         console.print(f"  {results[-1]['episodes_per_hour']:.0f} episodes/h, "
                       f"{results[-1]['env_steps_per_s']:.1f} env steps/s")
     # stage bound: simulation alone and inference alone, same envs and plan
