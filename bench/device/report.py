@@ -70,6 +70,18 @@ def evalb(d: dict) -> list[str]:
             f"{p['max_steps']}, policy {p['policy']} {p['policy_args']}", "", markdown(d)]
 
 
+def contention(d: dict) -> list[str]:
+    out = [f"MuJoCo: MUJOCO_GL={d.get('MUJOCO_GL')}, load render_quality={d.get('render_quality', 'model')}; policy "
+           f"{d['policy_args']}; {d['cores']} cores.", "",
+           "| beside the server | torch threads | batch | request ms | server compute ms (p90) | in-process prefix ms "
+           "| in-process loop ms | load env steps/s | GPU util % | SM MHz |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        out.append(f"| {r['scenario']} | {r['torch_threads']} | {r['batch']} | {r['request_ms']} | {r['compute_ms']} "
+                   f"({r['compute_p90_ms']}) | {r.get('split_prefix_ms', '-')} | {r.get('split_loop_ms', '-')} | "
+                   f"{r['load_steps_s']} | {r.get('gpu_util', '-')} | {r.get('sm_clock_mhz', '-')} |")
+    return out
+
+
 def main(argv) -> int:
     root = Path(argv[0])
     if (root / "nano.json").exists():
@@ -81,6 +93,9 @@ def main(argv) -> int:
         for r in json.loads(p.read_text())["rows"]:
             if r.get("profile"):
                 print("```\n" + r["profile"] + "\n```\n")
+    if (root / "contention.json").exists():
+        print("### contention.json\n")
+        print("\n".join(contention(json.loads((root / "contention.json").read_text()))) + "\n")
     for p in sorted(root.glob("eval_*.json")):
         print(f"### {p.name}\n")
         print("\n".join(evalb(json.loads(p.read_text()))) + "\n")
