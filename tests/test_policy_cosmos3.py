@@ -106,6 +106,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
     """Answers /v1/actions/generations with normalized actions that encode (seed, batch position)."""
 
     seen: list = []
+    busy = 0          # answer this many next POSTs with 503 Retry-After: 0
 
     def log_message(self, *a):
         pass
@@ -130,6 +131,13 @@ class _FakeSGLang(BaseHTTPRequestHandler):
         from wamkit.protocol.codec import decode_body
 
         body = decode_body(self.rfile.read(int(self.headers["content-length"])), self.headers.get("content-type"))
+        if type(self).busy > 0:
+            type(self).busy -= 1
+            self.send_response(503)
+            self.send_header("retry-after", "0")
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
         imgs = body["input"]["image"]
         imgs = imgs if isinstance(imgs, list) else [imgs]
         seed = int(body["parameters"]["seed"])
@@ -146,32 +154,66 @@ class _FakeSGLang(BaseHTTPRequestHandler):
                      "usage": {"batch_size": len(imgs)}}, "msgpack" in (self.headers.get("content-type") or ""))
 
 
-def test_predict_through_sglang_endpoint():
+@pytest.fixture
+def fake_sglang():
+    _FakeSGLang.seen = []
+    _FakeSGLang.busy = 0
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
     th = threading.Thread(target=srv.serve_forever, daemon=True)
     th.start()
     try:
-        url = f"http://127.0.0.1:{srv.server_address[1]}"
-        pol = make_policy("cosmos3", url=url, action_stats={"q01": Q01.tolist(), "q99": Q99.tolist()})
-        rng = np.random.default_rng(0)
-        obs = [Observation(images={c: rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)
-                                   for c in ("image", "wrist_image")}, state=None, task=t)
-               for t in ("open the drawer", "open the drawer", "close it")]
-        a = pol.predict(obs, [5, 5, 9])
-        assert a.shape == (3, 16, 7) and a.dtype == np.float32
-        np.testing.assert_allclose(a[:, 0, 0], [0.05, 0.05, 0.09], atol=1e-5)   # row i follows its own seed
-        np.testing.assert_allclose(a[..., 3:6], 0, atol=1e-6)
-        np.testing.assert_allclose(a[..., 6], -1, atol=1e-6)                     # open
-        sizes = sorted(s[2] for s in _FakeSGLang.seen)
-        assert sizes == [1, 2]                                                   # same prompt + seed share a batch
-        assert all(s[3]["domain_name"] == "libero" and s[3]["raw_action_dim"] == 10 for s in _FakeSGLang.seen)
-        pol.close()
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
     finally:
         srv.shutdown()
+
+
+def _obs3():
+    rng = np.random.default_rng(0)
+    return [Observation(images={c: rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)
+                                for c in ("image", "wrist_image")}, state=None, task=t)
+            for t in ("open the drawer", "open the drawer", "close it")]
+
+
+@pytest.mark.parametrize("client", ["own", "serve"])
+def test_predict_through_sglang_endpoint(fake_sglang, client):
+    """The policy's own client and wamkit.serve's SyncActionClient (injected, as the serving layer would) give the
+    same actions; observations with the same prompt and seed share a request."""
+    stats = {"q01": Q01.tolist(), "q99": Q99.tolist()}
+    kw = {}
+    if client == "serve":
+        from wamkit.policies.cosmos3 import io as C
+        from wamkit.serve.client import SyncActionClient
+
+        kw["client"] = SyncActionClient(fake_sglang, mode="sglang", camera="image",
+                                        parameters=C.cosmos3_parameters(30), raw_action_dim=C.RAW_ACTION_DIM,
+                                        group_by_seed=True)
+    pol = make_policy("cosmos3", url=fake_sglang, action_stats=stats, **kw)
+    obs = _obs3()
+    a = pol.predict(obs, [5, 5, 9])
+    assert a.shape == (3, 16, 7) and a.dtype == np.float32
+    np.testing.assert_allclose(a[:, 0, 0], [0.05, 0.05, 0.09], atol=1e-5)   # row i follows its own seed
+    np.testing.assert_allclose(a[..., 3:6], 0, atol=1e-6)
+    np.testing.assert_allclose(a[..., 6], -1, atol=1e-6)                     # open
+    sizes = sorted(s[2] for s in _FakeSGLang.seen)
+    assert sizes == [1, 2]                                                   # same prompt + seed share a batch
+    assert all(s[3]["domain_name"] == "libero" and s[3]["raw_action_dim"] == 10 for s in _FakeSGLang.seen)
+    pol.close()
     with pytest.raises(UserError):
         make_policy("cosmos3").predict(obs, [0, 1, 2])                          # no url
     with pytest.raises(UserError):
         make_policy("cosmos3", url="http://127.0.0.1:9").predict(obs, [0, 1, 2])  # no stats
+
+
+def test_own_client_splits_batches_and_retries_when_busy(fake_sglang):
+    """max_batch splits a (prompt, seed) group; a 503 with Retry-After is retried and nothing is lost or doubled."""
+    pol = make_policy("cosmos3", url=fake_sglang, action_stats={"q01": Q01.tolist(), "q99": Q99.tolist()},
+                      max_batch=1)
+    _FakeSGLang.busy = 2                                   # the next two requests get 503 Retry-After: 0
+    a = pol.predict(_obs3(), [5, 5, 9])
+    np.testing.assert_allclose(a[:, 0, 0], [0.05, 0.05, 0.09], atol=1e-5)
+    assert sorted(s[2] for s in _FakeSGLang.seen) == [1, 1, 1]   # answered requests only: three of one
+    assert _FakeSGLang.busy == 0
+    pol.close()
 
 
 def test_helpers_for_fsdp():

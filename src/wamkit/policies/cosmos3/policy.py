@@ -2,8 +2,9 @@
 
 Two independent halves:
 - Serving/evaluation (`url=`): `predict` sends the observations to an SGLang action server running Cosmos3
-  (`sglang serve --model-type diffusion ...`) through wamkit.serve's ActionClient in SGLang mode, with our request
-  builder (side-by-side 192x320 image, training-format prompt, LIBERO parameters) and our response decoder
+  (`sglang serve --model-type diffusion ...`) through the policy's own `SGLangHttpClient` (or any client passed
+  as `client=`, e.g. wamkit.serve's SyncActionClient in SGLang mode: the policies layer does not import the
+  serving layer), with our request builder (side-by-side 192x320 image, training-format prompt, LIBERO parameters) and our response decoder
   (wamkit.policies.cosmos3.io). One seed per request in SGLang, so observations are grouped by seed (a result
   depends only on (observation, seed)).
 - Training (`framework=True`): the model is built by NVIDIA's cosmos-framework with its own config system
@@ -20,6 +21,7 @@ import contextlib
 import importlib
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -157,7 +159,7 @@ class Cosmos3Policy(Policy):
                  max_batch: int | None = None, framework: bool = False, framework_module: str = "cosmos_framework",
                  experiment: str = DEFAULT_EXPERIMENT, model_path: str | None = None,
                  keys_to_select: Sequence[str] = DEFAULT_KEYS_TO_SELECT, keys_to_skip_loading: Sequence[str] = (),
-                 ema: bool = False, vae_path: str | None = None, device: str = "cpu", **_):
+                 ema: bool = False, vae_path: str | None = None, device: str = "cpu", client: Any = None, **_):
         if action_dim != 7:
             raise UserError(f"cosmos3 (LIBERO) produces 7-D env actions, got action_dim={action_dim}")
         if horizon != C.ACTION_HORIZON:
@@ -176,7 +178,7 @@ class Cosmos3Policy(Policy):
         self.keys_to_select = tuple(keys_to_select)
         self.trainable_patterns = tuple(f"*{k}*" for k in self.keys_to_select)
         self.device = device
-        self._client = None
+        self._client = client   # injected: any object with predict(observations, seeds) and close()
         self._omni = None
         self._global_step = 0
         if framework:
@@ -199,15 +201,8 @@ class Cosmos3Policy(Policy):
             raise UserError("cosmos3 predict needs url= (an SGLang action server running Cosmos3); in-process "
                             "Cosmos3 inference is cosmos-framework's and not wrapped here")
         if self._client is None:
-            try:
-                from wamkit.serve.client import SyncActionClient
-            except ImportError:  # serving layer absent: a plain httpx client against the contract
-                self._client = _HttpxClient(self.url, self.token, self.timeout_s, self.sglang_parameters())
-            else:
-                self._client = SyncActionClient(self.url, token=self.token, mode="sglang", camera="image",
-                                                parameters=self.sglang_parameters(),
-                                                raw_action_dim=C.RAW_ACTION_DIM, group_by_seed=True,
-                                                max_batch=self.max_batch, timeout_s=self.timeout_s)
+            self._client = SGLangHttpClient(self.url, self.token, self.timeout_s, self.sglang_parameters(),
+                                            max_batch=self.max_batch_size())
         return self._client
 
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
@@ -279,15 +274,40 @@ class Cosmos3Policy(Policy):
                 "experiment": self.experiment, "keys_to_select": list(self.keys_to_select)}
 
 
-class _HttpxClient:
-    """Fallback when wamkit.serve is absent: one request per seed group, JSON body, against the SGLang contract."""
+class SGLangHttpClient:
+    """The policy's own client for the SGLang action contract (`POST /v1/actions/generations`, JSON): one request per
+    (prompt, seed) group of at most `max_batch` observations, since SGLang batches one prompt and one seed per
+    request. 503 (busy) and connection errors are retried `retries` times (Retry-After, else exponential backoff);
+    other errors raise a UserError with the server's message. wamkit.serve's ActionClient is richer (async,
+    msgpack, worker restarts); pass it as `Cosmos3Policy(client=...)` where the serving layer is at hand."""
 
-    def __init__(self, url: str, token: str | None, timeout_s: float, parameters: dict[str, Any]):
+    def __init__(self, url: str, token: str | None, timeout_s: float, parameters: dict[str, Any],
+                 max_batch: int = 64, retries: int = 3, backoff_s: float = 0.5):
         import httpx
 
         self.parameters = dict(parameters)
+        self.max_batch, self.retries, self.backoff_s = max(1, int(max_batch)), int(retries), float(backoff_s)
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers)
+
+    def _post(self, body: dict[str, Any]):
+        import httpx
+
+        for attempt in range(self.retries + 1):
+            try:
+                r = self._http.post("/v1/actions/generations", json=body)
+            except httpx.TransportError as e:
+                if attempt == self.retries:
+                    raise UserError(f"SGLang {self._http.base_url} unreachable: {type(e).__name__}: {e}") from None
+            else:
+                if r.status_code != 503 or attempt == self.retries:
+                    return r
+                after = r.headers.get("retry-after")
+                if after and after.replace(".", "", 1).isdigit():
+                    time.sleep(float(after))
+                    continue
+            time.sleep(self.backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")
 
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
         from wamkit.protocol.sglang import build_sglang_request, decode_sglang_response
@@ -296,10 +316,12 @@ class _HttpxClient:
         groups: dict[tuple, list[int]] = {}
         for i, (o, s) in enumerate(zip(observations, seeds)):
             groups.setdefault((o.task, int(s)), []).append(i)
-        for (_, seed), idx in groups.items():
+        chunks = [(seed, idx[k:k + self.max_batch]) for (_, seed), idx in groups.items()
+                  for k in range(0, len(idx), self.max_batch)]
+        for seed, idx in chunks:
             body = build_sglang_request([observations[i] for i in idx], seed, self.parameters,
                                         camera="image", binary=False)
-            r = self._http.post("/v1/actions/generations", json=body)
+            r = self._post(body)
             if r.status_code >= 400:
                 raise UserError(f"SGLang {r.request.url} -> {r.status_code}: {r.text[:300]}")
             acts = decode_sglang_response(r.json(), C.RAW_ACTION_DIM, expect_n=len(idx))
