@@ -269,3 +269,35 @@ def test_server_start_up_is_setup_not_evaluation_time(mw_serial, tmp_path):
     assert s["scheduler"]["setup_s"] >= 3.0
     assert s["throughput"]["wall_s"] <= total - s["scheduler"]["setup_s"]
     assert outcome_view(results(tmp_path / "slow")) == outcome_view(mw_serial)
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypatch):
+    """bench eval with inference=server starts its server once for every row and the inference bound (not once per
+    row), and the rows' per-episode results do not change."""
+    from wamkit.eval.bench import bench_eval
+    from wamkit.serve.workers import WamkitServerWorker
+
+    starts = []
+    orig = WamkitServerWorker.start
+
+    def counting_start(self):
+        starts.append(self.port)
+        return orig(self)
+
+    monkeypatch.setattr(WamkitServerWorker, "start", counting_start)
+    cfg = mw_cfg(tmp_path, "bench", "inference=server", "num_envs=2", "mode=auto")
+    rep = bench_eval(cfg, tmp_path / "bench", rows=["serial", "auto"], horizon=4)
+    assert len(starts) == 1
+    assert [r["row"] for r in rep["rows"]] == ["serial", "auto"]
+    assert rep["bound"]["inference_obs_per_s"] > 0
+    # the rows run to max steps (the reference's semantics): same successes as the serial run, same outcomes
+    # in every row, with the shared server or with the row's own
+    shared = outcome_view(results(tmp_path / "bench" / "serial"))
+    assert outcome_view(results(tmp_path / "bench" / "auto")) == shared
+    assert {k: s for k, (s, _) in shared.items()} == {k: s for k, (s, _) in outcome_view(mw_serial).items()}
+    starts.clear()
+    bench_eval(cfg, tmp_path / "bench2", rows=["auto"], horizon=4, share_server=False)
+    assert len(starts) == 2          # the row's own server, then the inference bound's
+    assert outcome_view(results(tmp_path / "bench2" / "auto")) == shared

@@ -1,13 +1,13 @@
 """`wamkit bench eval [config.yaml] key=value ...`: the scheduler table (see wamkit.eval.bench).
 
-Extra keys: rows=single-batch,auto (subset of rows). `out=` is the bench directory (one sub-directory per row)."""
+Extra keys: rows=single-batch;auto (subset of rows); share_server=true|false (inference=server: one set of local
+servers for every row, default true). `out=` is the bench directory (one sub-directory per row)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from wamkit.core.config import split_args
-from wamkit.core.config import load_config
+from wamkit.core.config import load_config, parse_bool, split_args
 from wamkit.core.errors import UserError
 from wamkit.eval.config import EvalConfig
 
@@ -17,15 +17,18 @@ def main(argv: list[str]) -> int:
         raise UserError("usage: wamkit bench eval [config.yaml] key=value ... (other benchmarks live in bench/)")
     path, overrides = split_args(argv[1:])
     rows = None
+    share = True
     rest = []
     for o in overrides:
         if o.startswith("rows="):
             rows = [r.strip() for r in o.split("=", 1)[1].split(";") if r.strip()]
+        elif o.startswith("share_server="):
+            share = parse_bool(o.split("=", 1)[1], "share_server")
         else:
             rest.append(o)
     cfg = load_config(EvalConfig, path, rest)
     from wamkit.eval.bench import bench_eval
     from wamkit.runtime import eval_runtime
 
-    bench_eval(cfg, Path(cfg.out), rows=rows, horizon=cfg.horizon or 16, runtime=eval_runtime(cfg))
+    bench_eval(cfg, Path(cfg.out), rows=rows, horizon=cfg.horizon or 16, runtime=eval_runtime(cfg), share_server=share)
     return 0

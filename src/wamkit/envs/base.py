@@ -42,6 +42,10 @@ class EnvSpec:
 class Env(abc.ABC):
     """One simulator instance. Not thread-safe; one per process."""
 
+    # known before an env is built (the same as its spec's); 0 = not fixed
+    action_dim: int = 0
+    state_dim: int = 0
+
     spec: EnvSpec
 
     @abc.abstractmethod

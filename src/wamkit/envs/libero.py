@@ -34,6 +34,9 @@ def _quiet():
 
 
 class LiberoEnv(Env):
+    action_dim = C.ACTION_DIM
+    state_dim = C.STATE_DIM
+
     def __init__(self, suite: str = "libero_object", image_size: int = 256,
                  cameras: tuple[str, ...] = ("image", "wrist_image"), max_steps: int | None = None,
                  seed: int = 0, **_):

@@ -12,6 +12,7 @@ back to back), both in env steps/s; bound = min of the two. Ratios are over the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -46,22 +47,76 @@ def grid(num_envs: int) -> list[tuple[int, int]]:
     return [(num_envs // p, p) for p in range(1, num_envs + 1) if num_envs % p == 0]
 
 
-def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0) -> float:
-    """Observations/s of the inference side alone under back-to-back batches of `batch` (synthetic load)."""
+def bench_policy_kwargs(base: EvalConfig) -> dict[str, Any]:
+    """The policy's keyword arguments as run_eval builds them (it reads the action size from a built env's spec;
+    here: policy_args.action_dim, else the env class's action_dim, else 7)."""
+    from wamkit.envs.base import env_class
+    from wamkit.eval.runner import policy_kwargs
+
+    dim = base.policy_args.get("action_dim") or getattr(env_class(base.env), "action_dim", 0) or 7
+    return policy_kwargs(base, int(dim))
+
+
+@contextlib.contextmanager
+def shared_servers(base: EvalConfig, console: Console):
+    """inference=server without server.url: start the local server(s) once for every row and the inference bound
+    (their start-up and CUDA-graph warm-up happen once, not per row); yields `base` pointing at them."""
+    if base.inference != "server" or base.server.url:
+        yield base
+        return
+    from wamkit.eval.inference import start_server_worker
+
+    pkw = bench_policy_kwargs(base)
+    t0 = time.perf_counter()
+    workers = []
+    try:
+        for i in range(max(1, int(base.server.replicas))):
+            workers.append(start_server_worker(base.policy, pkw, base.server, i))
+        for w in workers:
+            w.wait_healthy(base.server.startup_timeout_s)
+        console.print(f"[bold]bench eval[/] {len(workers)} shared server(s) up in {time.perf_counter() - t0:.1f} s")
+        url = ",".join(w.url for w in workers)
+        yield dataclasses.replace(base, server=dataclasses.replace(base.server, url=url, replicas=1, port=0))
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def _slug(row: str) -> str:
+    """A row's sub-directory name: 'B=4, P=4' -> 'B4_P4'."""
+    return row.replace(" ", "").replace(",", "_").replace("=", "")
+
+
+def _first_task(out: Path, configs) -> str | None:
+    """The instruction of the first episode the rows ran (the bound's synthetic observations use it)."""
+    for name, _ in configs:
+        p = out / _slug(name) / "results.jsonl"
+        if p.exists():
+            for line in p.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError):
+                    return json.loads(line)["task"]
+    return None
+
+
+def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0, task: str = "bench") -> float:
+    """Observations/s of the inference side alone under back-to-back batches of `batch` (synthetic observations in
+    the env's layout; `task`: their instruction, a real one when the policy reads it)."""
     import numpy as np
 
     from wamkit.core.types import Observation
+    from wamkit.envs.base import env_class
     from wamkit.eval.inference import InProcessInference, ServerInference
     from wamkit.eval.runner import policy_kwargs
     from wamkit.policies.registry import make_policy
 
-    pkw = policy_kwargs(base, int(base.policy_args.get("action_dim", 7)))
+    pkw = bench_policy_kwargs(base)
     size = base.image_size
     # the env's observation layout as far as the policy args tell it (MetaWorld: 1 camera, 39-D state)
     cams = pkw.get("cameras", ("image", "wrist_image"))
     cams = cams.split(",") if isinstance(cams, str) else list(cams)
+    state_dim = int(pkw.get("state_dim", 0) or getattr(env_class(base.env), "state_dim", 0) or 8)
     obs = [Observation({c: np.zeros((size, size, 3), np.uint8) for c in cams},
-                       np.zeros(int(pkw.get("state_dim", 8)) or 8, np.float32), "bench") for _ in range(batch)]
+                       np.zeros(state_dim, np.float32), task) for _ in range(batch)]
 
     async def go():
         if base.inference == "server":
@@ -85,9 +140,19 @@ def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0) -> float
 
 
 def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows: list[str] | None = None,
-               horizon: int = 16, runtime: dict[str, Any] | None = None) -> dict[str, Any]:
-    """runtime: run_eval keyword arguments placing the workers (wamkit.runtime.eval_runtime); None = local."""
+               horizon: int = 16, runtime: dict[str, Any] | None = None, share_server: bool = True) -> dict[str, Any]:
+    """runtime: run_eval keyword arguments placing the workers (wamkit.runtime.eval_runtime); None = local.
+    share_server: with inference=server (and no server.url, local runtime), one set of local servers serves every
+    row and the inference bound; false: each row starts its own (run_eval's default)."""
     console = console or Console(stderr=True)
+    if share_server and not runtime:
+        with shared_servers(base, console) as shared:
+            return _bench_eval(shared, out, console, rows, horizon, runtime)
+    return _bench_eval(base, out, console, rows, horizon, runtime)
+
+
+def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] | None, horizon: int,
+                runtime: dict[str, Any] | None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     m = base.num_envs
     r = dataclasses.replace
@@ -107,7 +172,7 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
         configs = [c for c in configs if c[0] in rows]
     results = []
     for name, cfg in configs:
-        slug = name.replace(" ", "").replace(",", "_").replace("=", "")
+        slug = _slug(name)
         cfg = r(cfg, out=str(out / slug))
         console.print(f"[bold]bench eval[/] {name}: mode={cfg.mode} envs={cfg.num_envs} B={cfg.batch} "
                       f"P={cfg.pipelines}")
@@ -123,7 +188,7 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
     sim_steps = sim["throughput"]["env_steps_per_s"]
     auto_rows = [x for x in results if x["row"] == "auto"]
     batch = max(1, round(auto_rows[0]["mean_batch"])) if auto_rows else max(1, m // 2)
-    inf_obs = inference_bound(base, batch)
+    inf_obs = inference_bound(base, batch, task=_first_task(out, configs) or "bench")
     bound = min(sim_steps, inf_obs * horizon)
     base_rate = results[0]["env_steps_per_s"] if results and results[0]["row"] == "single-batch" else None
     base_eph = results[0]["episodes_per_hour"] if base_rate else None
@@ -136,7 +201,9 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
                                          "bound_env_steps_per_s": bound},
               "plan": {"env": base.env, "suite": base.suite, "tasks": base.tasks, "trials": base.trials,
                        "num_envs": m, "max_steps": base.max_steps, "policy": base.policy,
-                       "policy_args": base.policy_args}}
+                       "policy_args": base.policy_args,
+                       # inference=server: the server(s) every row used (shared ones are started by bench_eval)
+                       "server_url": base.server.url if base.inference == "server" else None}}
     (out / "bench_eval.json").write_text(json.dumps(report, indent=2))
     (out / "bench_eval.md").write_text(markdown(report))
     console.print(table(report))

@@ -108,21 +108,7 @@ class ServerInference(Inference):
         return sum(max(0, w.starts - 1) for w in self.workers)
 
     def _start_worker(self, i: int):
-        from wamkit.serve.workers import WamkitServerWorker
-
-        kw = dict(policy=self.policy_name, policy_args=self.policy_args, port=self.options.port,
-                  max_batch_size=self.options.max_batch_size, max_wait_ms=self.options.max_wait_ms,
-                  token=self.options.token)
-        extra = getattr(self.options, "serve_args", None)
-        if extra:
-            kw["extra_args"] = dict(extra)
-        gpus = getattr(self.options, "gpus", None)
-        if gpus:
-            kw["env"] = {"CUDA_VISIBLE_DEVICES": str(gpus[i % len(gpus)])}
-        w = (self.worker_factory or WamkitServerWorker)(**kw)
-        w.default_start_timeout = self.options.startup_timeout_s
-        w.start()
-        return w
+        return start_server_worker(self.policy_name, self.policy_args, self.options, i, self.worker_factory)
 
     async def start(self) -> None:
         from wamkit.serve.client import ActionClient
@@ -166,3 +152,22 @@ class ServerInference(Inference):
         for c in self.clients:
             await c.aclose()
         await asyncio.gather(*(asyncio.to_thread(w.stop) for w in self.workers))
+
+
+def start_server_worker(policy: str, policy_args: dict, options, i: int = 0, worker_factory=None):
+    """Start local server i of `options` (ServerOptions: port, batching, token, serve_args; GPU gpus[i % len]);
+    returns the started worker (not yet healthy: call wait_healthy)."""
+    from wamkit.serve.workers import WamkitServerWorker
+
+    kw = dict(policy=policy, policy_args=dict(policy_args), port=options.port, max_batch_size=options.max_batch_size,
+              max_wait_ms=options.max_wait_ms, token=options.token)
+    extra = getattr(options, "serve_args", None)
+    if extra:
+        kw["extra_args"] = dict(extra)
+    gpus = getattr(options, "gpus", None)
+    if gpus:
+        kw["env"] = {"CUDA_VISIBLE_DEVICES": str(gpus[i % len(gpus)])}
+    w = (worker_factory or WamkitServerWorker)(**kw)
+    w.default_start_timeout = options.startup_timeout_s
+    w.start()
+    return w
