@@ -106,7 +106,6 @@ def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0, task: st
     from wamkit.core.types import Observation
     from wamkit.envs.base import env_class
     from wamkit.eval.inference import InProcessInference, ServerInference
-    from wamkit.eval.runner import policy_kwargs
     from wamkit.policies.registry import make_policy
 
     pkw = bench_policy_kwargs(base)
