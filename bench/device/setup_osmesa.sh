@@ -4,12 +4,18 @@
 # not time-slice the GPU with the action server (bench/device/bench_contention.py measured why). The machine has no
 # Mesa: a carried .mesa/osmesa.tar.xz (Debian bookworm-backports libosmesa6 25.0.7 + bookworm libllvm15, libdrm2 and
 # libz3-4 as fallbacks) is unpacked into .mesa-root/ (ignored by git, so it stays there for the next call on a warm
-# machine). Support libraries the machine already has are used from the machine. On success: MUJOCO_GL=osmesa.
-M=$PWD/.mesa-root
-if [ ! -e "$M/lib/libOSMesa.so" ] && [ -f .mesa/osmesa.tar.xz ]; then
-  mkdir -p "$M" && tar xJf .mesa/osmesa.tar.xz -C "$M"
+# machine, and into /opt/wamkit-mesa). Support libraries the machine already has are used from the machine. On success: MUJOCO_GL=osmesa.
+# Session 3 saw .mesa-root/ gone at the next call on the same warm machine (it was ignored only in .git/info/exclude,
+# which does not travel; .gitignore now names it); /opt/wamkit-mesa, outside the synced tree, is the second place.
+M=""
+for d in "$PWD/.mesa-root" /opt/wamkit-mesa; do
+  if [ -e "$d/lib/libOSMesa.so" ]; then M=$d; break; fi
+done
+if [ -z "$M" ] && [ -f .mesa/osmesa.tar.xz ]; then
+  M=$PWD/.mesa-root
+  mkdir -p "$M" /opt/wamkit-mesa && tar xJf .mesa/osmesa.tar.xz -C "$M" && cp -a "$M/lib" /opt/wamkit-mesa/
 fi
-if [ -e "$M/lib/libOSMesa.so" ]; then
+if [ -n "$M" ] && [ -e "$M/lib/libOSMesa.so" ]; then
   for so in libdrm.so.2 libz3.so.4; do
     if ldconfig -p | grep -q "/$so\$"; then rm -f "$M/lib/$so"; fi
   done
