@@ -289,7 +289,7 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     monkeypatch.setattr(WamkitServerWorker, "start", counting_start)
     cfg = mw_cfg(tmp_path, "bench", "inference=server", "num_envs=2", "mode=auto")
     rep = bench_eval(cfg, tmp_path / "bench", rows=["serial", "auto"], horizon=4)
-    assert len(starts) == 1
+    assert len(starts) == 1 and rep["plan"]["shared_servers"] == 1
     assert [r["row"] for r in rep["rows"]] == ["serial", "auto"]
     assert rep["bound"]["inference_obs_per_s"] > 0
     # the rows run to max steps (the reference's semantics): same successes as the serial run, same outcomes

@@ -66,3 +66,32 @@ def test_requests_go_to_the_least_loaded_server():
 
         asyncio.run(main())
     assert inf.served == [1, 5] and inf.in_flight == [0, 0]
+
+
+def test_attached_server_is_restarted_and_left_running():
+    """Servers the caller started (bench eval's shared ones): used as they are, restarted by the client when killed
+    mid-run (restarts counted for this run only), and still running after close."""
+    import signal
+
+    from wamkit.serve.workers import WamkitServerWorker
+
+    with WamkitServerWorker("fixed-cost", {**ARGS, "base_ms": 1}) as w:
+        cfg = load_config(EvalConfig, None, [])
+        for run in range(2):
+            inf = ServerInference(policy="fixed-cost", policy_args={}, options=cfg.server, workers=[w])
+
+            async def main():
+                await inf.start()
+                try:
+                    assert inf.workers == [w] and inf.restarts == 0
+                    a = await inf.predict(obs(2), [1, 2])
+                    if run == 0:
+                        os.killpg(w.pid, signal.SIGKILL)
+                        b = await inf.predict(obs(2), [1, 2])   # the client restarts the server, then retries
+                        np.testing.assert_array_equal(a, b)
+                finally:
+                    await inf.close()
+
+            asyncio.run(main())
+            assert inf.restarts == (1 if run == 0 else 0)
+            assert w.healthy()                                    # close left it running

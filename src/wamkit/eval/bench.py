@@ -60,9 +60,10 @@ def bench_policy_kwargs(base: EvalConfig) -> dict[str, Any]:
 @contextlib.contextmanager
 def shared_servers(base: EvalConfig, console: Console):
     """inference=server without server.url: start the local server(s) once for every row and the inference bound
-    (their start-up and CUDA-graph warm-up happen once, not per row); yields `base` pointing at them."""
+    (their start-up and CUDA-graph warm-up happen once, not per row); yields the started workers ([] otherwise),
+    stops them at the end. A row restarts one that stops answering, as with its own."""
     if base.inference != "server" or base.server.url:
-        yield base
+        yield []
         return
     from wamkit.eval.inference import start_server_worker
 
@@ -75,8 +76,7 @@ def shared_servers(base: EvalConfig, console: Console):
         for w in workers:
             w.wait_healthy(base.server.startup_timeout_s)
         console.print(f"[bold]bench eval[/] {len(workers)} shared server(s) up in {time.perf_counter() - t0:.1f} s")
-        url = ",".join(w.url for w in workers)
-        yield dataclasses.replace(base, server=dataclasses.replace(base.server, url=url, replicas=1, port=0))
+        yield workers
     finally:
         for w in workers:
             w.stop()
@@ -98,9 +98,11 @@ def _first_task(out: Path, configs) -> str | None:
     return None
 
 
-def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0, task: str = "bench") -> float:
+def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0, task: str = "bench",
+                    workers: list | None = None) -> float:
     """Observations/s of the inference side alone under back-to-back batches of `batch` (synthetic observations in
-    the env's layout; `task`: their instruction, a real one when the policy reads it)."""
+    the env's layout; `task`: their instruction, a real one when the policy reads it; `workers`: servers already
+    running, for inference=server)."""
     import numpy as np
 
     from wamkit.core.types import Observation
@@ -119,7 +121,7 @@ def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0, task: st
 
     async def go():
         if base.inference == "server":
-            inf = ServerInference(policy=base.policy, policy_args=pkw, options=base.server)
+            inf = ServerInference(policy=base.policy, policy_args=pkw, options=base.server, workers=workers)
         else:
             inf = InProcessInference(make_policy(base.policy, **pkw))
         await inf.start()
@@ -145,8 +147,8 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
     row and the inference bound; false: each row starts its own (run_eval's default)."""
     console = console or Console(stderr=True)
     if share_server and not runtime:
-        with shared_servers(base, console) as shared:
-            return _bench_eval(shared, out, console, rows, horizon, runtime)
+        with shared_servers(base, console) as workers:
+            return _bench_eval(base, out, console, rows, horizon, {"server_workers": workers} if workers else None)
     return _bench_eval(base, out, console, rows, horizon, runtime)
 
 
@@ -187,7 +189,8 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     sim_steps = sim["throughput"]["env_steps_per_s"]
     auto_rows = [x for x in results if x["row"] == "auto"]
     batch = max(1, round(auto_rows[0]["mean_batch"])) if auto_rows else max(1, m // 2)
-    inf_obs = inference_bound(base, batch, task=_first_task(out, configs) or "bench")
+    inf_obs = inference_bound(base, batch, task=_first_task(out, configs) or "bench",
+                              workers=(runtime or {}).get("server_workers"))
     bound = min(sim_steps, inf_obs * horizon)
     base_rate = results[0]["env_steps_per_s"] if results and results[0]["row"] == "single-batch" else None
     base_eph = results[0]["episodes_per_hour"] if base_rate else None
@@ -201,8 +204,8 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
               "plan": {"env": base.env, "suite": base.suite, "tasks": base.tasks, "trials": base.trials,
                        "num_envs": m, "max_steps": base.max_steps, "policy": base.policy,
                        "policy_args": base.policy_args,
-                       # inference=server: the server(s) every row used (shared ones are started by bench_eval)
-                       "server_url": base.server.url if base.inference == "server" else None}}
+                       # inference=server: servers started once for every row (0: each row started its own)
+                       "shared_servers": len((runtime or {}).get("server_workers") or [])}}
     (out / "bench_eval.json").write_text(json.dumps(report, indent=2))
     (out / "bench_eval.md").write_text(markdown(report))
     console.print(table(report))

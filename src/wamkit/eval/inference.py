@@ -84,11 +84,15 @@ class ServerInference(Inference):
     name = "server"
 
     def __init__(self, *, policy: str, policy_args: dict, options, timeline: Timeline | None = None,
-                 worker_factory=None):
+                 worker_factory=None, workers: Sequence | None = None):
         super().__init__(timeline)
         self.policy_name, self.policy_args, self.options = policy, dict(policy_args), options
         self.worker_factory = worker_factory     # None: a local `wamkit serve` subprocess
+        # workers: servers started by the caller (e.g. one set for every row of `bench eval`): used instead of
+        # starting our own, restarted when they stop answering, left running at close
+        self.attached = list(workers or [])
         self.workers: list = []
+        self._starts0: list[int] = []
         self.clients: list = []
         self.in_flight: list[int] = []           # observations in flight per server
         self.served: list[int] = []              # requests answered per server
@@ -105,7 +109,8 @@ class ServerInference(Inference):
 
     @property
     def restarts(self) -> int:
-        return sum(max(0, w.starts - 1) for w in self.workers)
+        """Server restarts during this run."""
+        return sum(max(0, w.starts - max(s0, 1)) for w, s0 in zip(self.workers, self._starts0))
 
     def _start_worker(self, i: int):
         return start_server_worker(self.policy_name, self.policy_args, self.options, i, self.worker_factory)
@@ -113,7 +118,12 @@ class ServerInference(Inference):
     async def start(self) -> None:
         from wamkit.serve.client import ActionClient
 
-        if self.options.url is None:
+        if self.attached:
+            self.workers = self.attached
+            await asyncio.gather(*(asyncio.to_thread(w.wait_healthy, self.options.startup_timeout_s)
+                                   for w in self.workers))
+            targets = [(w.url, w) for w in self.workers]
+        elif self.options.url is None:
             n = int(getattr(self.options, "replicas", 1) or 1)
             # start them all, then wait: their model builds and warm-ups overlap
             self.workers = [await asyncio.to_thread(self._start_worker, i) for i in range(n)]
@@ -122,6 +132,7 @@ class ServerInference(Inference):
             targets = [(w.url, w) for w in self.workers]
         else:
             targets = [(u.strip(), None) for u in str(self.options.url).split(",") if u.strip()]
+        self._starts0 = [w.starts for w in self.workers]
         self.clients = [ActionClient(url, token=self.options.token, on_timing=self._on_timing, worker=w)
                         for url, w in targets]
         self.in_flight = [0] * len(self.clients)
@@ -151,7 +162,7 @@ class ServerInference(Inference):
     async def close(self) -> None:
         for c in self.clients:
             await c.aclose()
-        await asyncio.gather(*(asyncio.to_thread(w.stop) for w in self.workers))
+        await asyncio.gather(*(asyncio.to_thread(w.stop) for w in self.workers if w not in self.attached))
 
 
 def start_server_worker(policy: str, policy_args: dict, options, i: int = 0, worker_factory=None):

@@ -91,13 +91,14 @@ def _start_workers(workers) -> None:
 
 
 def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=None, server_worker_factory=None,
-             cores: int | None = None) -> dict[str, Any]:
+             server_workers=None, cores: int | None = None) -> dict[str, Any]:
     """Run an evaluation; returns the summary (also written to OUT/summary.json).
 
     Where the workers run is injected by the caller (the runtime layer, see `wamkit.runtime.eval_runtime`):
     env_workers(env, env_kwargs, n) -> env worker handles (default: local processes); server_worker_factory(**kw)
-    -> a ServerWorker for inference=server (default: a local `wamkit serve` subprocess); cores: CPU cores the
-    envs share (default: this machine's), used by the auto scheduler's cost model."""
+    -> a ServerWorker for inference=server (default: a local `wamkit serve` subprocess); server_workers: servers
+    the caller started and keeps (used instead of starting any, restarted if they stop answering, left running);
+    cores: CPU cores the envs share (default: this machine's), used by the auto scheduler's cost model."""
     console = console or Console(stderr=True)
     _check_names(cfg)
     if cfg.runtime != "local" and env_workers is None:
@@ -121,7 +122,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
             inference = InProcessInference(policy, timeline)
         else:
             inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=cfg.server, timeline=timeline,
-                                        worker_factory=server_worker_factory)
+                                        worker_factory=server_worker_factory, workers=server_workers)
         group = cfg.group_by_task if cfg.group_by_task is not None else False
         opts = SchedulerOptions(mode=cfg.mode, batch=cfg.batch, pipelines=cfg.pipelines, depth=cfg.depth,
                                 max_batch=cfg.max_batch, group_by_task=group, run_to_max_steps=cfg.run_to_max_steps,
