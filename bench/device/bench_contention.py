@@ -79,8 +79,8 @@ class Loads:
     def __init__(self, kind: str, n: int, cores: list[int] | None, quality: str = "model"):
         ctx = mp.get_context("spawn")
         self.stop, self.counter = ctx.Event(), ctx.Value("l", 0)
-        self.procs = [ctx.Process(target=_load_main, args=(kind, i, cores, self.stop, self.counter, quality), daemon=True)
-                      for i in range(n)]
+        self.procs = [ctx.Process(target=_load_main, args=(kind, i, cores, self.stop, self.counter, quality),
+                                  daemon=True) for i in range(n)]
         for p in self.procs:
             p.start()
 
@@ -124,7 +124,8 @@ class GpuSampler:
         r = [x for x in self.rows if x[0] >= self.t0]
         if not r:
             return {}
-        return {"sm_clock_mhz": round(statistics.mean(x[1] for x in r)), "gpu_util": round(statistics.mean(x[2] for x in r))}
+        return {"sm_clock_mhz": round(statistics.mean(x[1] for x in r)),
+                "gpu_util": round(statistics.mean(x[2] for x in r))}
 
     def close(self) -> None:
         if self.proc is not None:
@@ -132,12 +133,17 @@ class GpuSampler:
 
 
 # ---------------------------------------------------------------------------------------------------- client
+def observations(b: int) -> list[Observation]:
+    """b MetaWorld-shaped observations (one 224x224 camera, 39-D state), seeded by b."""
+    rng = np.random.default_rng(b)
+    return [Observation({"image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)},
+                        rng.standard_normal(39).astype(np.float32), "pick place") for _ in range(b)]
+
+
 async def measure(url: str, b: int, seconds: float, gap_s: float) -> dict:
     from wamkit.serve import ActionClient
 
-    rng = np.random.default_rng(b)
-    obs = [Observation({"image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)},
-                       rng.standard_normal(39).astype(np.float32), "pick place") for _ in range(b)]
+    obs = observations(b)
     req, comp = [], []
     async with ActionClient(url) as c:
         for _ in range(3):
@@ -161,9 +167,7 @@ def split_times(pol, b: int, seconds: float) -> dict:
     """Wall ms of the eager prefix (vision + understanding tower) and of the graph-replayed loop, one call at a time."""
     import torch
 
-    rng = np.random.default_rng(b)
-    obs = [Observation({"image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)},
-                       rng.standard_normal(39).astype(np.float32), "pick place") for _ in range(b)]
+    obs = observations(b)
     pre, loop = [], []
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end or len(pre) < 3:

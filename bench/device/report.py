@@ -74,7 +74,8 @@ def contention(d: dict) -> list[str]:
     out = [f"MuJoCo: MUJOCO_GL={d.get('MUJOCO_GL')}, load render_quality={d.get('render_quality', 'model')}; policy "
            f"{d['policy_args']}; {d['cores']} cores.", "",
            "| beside the server | torch threads | batch | request ms | server compute ms (p90) | in-process prefix ms "
-           "| in-process loop ms | load env steps/s | GPU util % | SM MHz |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "| in-process loop ms | load env steps/s | GPU util % | SM MHz |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         out.append(f"| {r['scenario']} | {r['torch_threads']} | {r['batch']} | {r['request_ms']} | {r['compute_ms']} "
                    f"({r['compute_p90_ms']}) | {r.get('split_prefix_ms', '-')} | {r.get('split_loop_ms', '-')} | "

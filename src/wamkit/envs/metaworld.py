@@ -63,6 +63,7 @@ def init_rng(seed: int, task_name: str, trial: int) -> np.random.Generator:
 class MetaWorldEnv(Env):
     action_dim = ACTION_DIM
     state_dim = STATE_DIM
+
     def __init__(self, suite: str = "mt", tasks: tuple[str, ...] | list[str] = DEFAULT_TASKS, image_size: int = 224,
                  cameras: tuple[str, ...] = ("image",), max_steps: int = 150, seed: int = 0,
                  render_quality: str = "model", **_):

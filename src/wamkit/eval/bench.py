@@ -34,7 +34,8 @@ def _run(cfg: EvalConfig, console: Console, runtime: dict[str, Any] | None = Non
 def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
     th = s["throughput"]
     sch = s.get("scheduler", {})
-    return {"row": name, "episodes": th["episodes_this_run"], "wall_s": th["wall_s"], "setup_s": sch.get("setup_s", 0.0),
+    return {"row": name, "episodes": th["episodes_this_run"], "wall_s": th["wall_s"],
+            "setup_s": sch.get("setup_s", 0.0),
             "episodes_per_hour": th["episodes_per_hour"], "env_steps_per_s": th["env_steps_per_s"],
             "inference_obs_per_s": th["inference_obs_per_s"], "mean_batch": sch.get("mean_batch", 0.0),
             "env_busy": sch.get("env_busy", 0.0), "inference_busy": sch.get("inference_busy", 0.0),
@@ -65,16 +66,11 @@ def shared_servers(base: EvalConfig, console: Console):
     if base.inference != "server" or base.server.url:
         yield []
         return
-    from wamkit.eval.inference import start_server_worker
+    from wamkit.eval.inference import start_server_workers
 
-    pkw = bench_policy_kwargs(base)
     t0 = time.perf_counter()
-    workers = []
+    workers = start_server_workers(base.policy, bench_policy_kwargs(base), base.server)
     try:
-        for i in range(max(1, int(base.server.replicas))):
-            workers.append(start_server_worker(base.policy, pkw, base.server, i))
-        for w in workers:
-            w.wait_healthy(base.server.startup_timeout_s)
         console.print(f"[bold]bench eval[/] {len(workers)} shared server(s) up in {time.perf_counter() - t0:.1f} s")
         yield workers
     finally:

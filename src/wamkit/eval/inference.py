@@ -112,9 +112,6 @@ class ServerInference(Inference):
         """Server restarts during this run."""
         return sum(max(0, w.starts - max(s0, 1)) for w, s0 in zip(self.workers, self._starts0))
 
-    def _start_worker(self, i: int):
-        return start_server_worker(self.policy_name, self.policy_args, self.options, i, self.worker_factory)
-
     async def start(self) -> None:
         from wamkit.serve.client import ActionClient
 
@@ -124,11 +121,8 @@ class ServerInference(Inference):
                                    for w in self.workers))
             targets = [(w.url, w) for w in self.workers]
         elif self.options.url is None:
-            n = int(getattr(self.options, "replicas", 1) or 1)
-            # start them all, then wait: their model builds and warm-ups overlap
-            self.workers = [await asyncio.to_thread(self._start_worker, i) for i in range(n)]
-            await asyncio.gather(*(asyncio.to_thread(w.wait_healthy, self.options.startup_timeout_s)
-                                   for w in self.workers))
+            self.workers = await asyncio.to_thread(start_server_workers, self.policy_name, self.policy_args,
+                                                   self.options, self.worker_factory)
             targets = [(w.url, w) for w in self.workers]
         else:
             targets = [(u.strip(), None) for u in str(self.options.url).split(",") if u.strip()]
@@ -165,20 +159,31 @@ class ServerInference(Inference):
         await asyncio.gather(*(asyncio.to_thread(w.stop) for w in self.workers if w not in self.attached))
 
 
-def start_server_worker(policy: str, policy_args: dict, options, i: int = 0, worker_factory=None):
-    """Start local server i of `options` (ServerOptions: port, batching, token, serve_args; GPU gpus[i % len]);
-    returns the started worker (not yet healthy: call wait_healthy)."""
+def start_server_workers(policy: str, policy_args: dict, options, worker_factory=None) -> list:
+    """Start the `options.replicas` local servers of `options` (ServerOptions: port, batching, token, serve_args;
+    server i sees GPU gpus[i % len] only) and wait until all are healthy: all start first, so their model builds
+    and warm-ups overlap. If one fails, those already started are stopped and the error raised."""
     from wamkit.serve.workers import WamkitServerWorker
 
-    kw = dict(policy=policy, policy_args=dict(policy_args), port=options.port, max_batch_size=options.max_batch_size,
-              max_wait_ms=options.max_wait_ms, token=options.token)
-    extra = getattr(options, "serve_args", None)
-    if extra:
-        kw["extra_args"] = dict(extra)
-    gpus = getattr(options, "gpus", None)
-    if gpus:
-        kw["env"] = {"CUDA_VISIBLE_DEVICES": str(gpus[i % len(gpus)])}
-    w = (worker_factory or WamkitServerWorker)(**kw)
-    w.default_start_timeout = options.startup_timeout_s
-    w.start()
-    return w
+    workers = []
+    try:
+        for i in range(max(1, int(getattr(options, "replicas", 1) or 1))):
+            kw = dict(policy=policy, policy_args=dict(policy_args), port=options.port,
+                      max_batch_size=options.max_batch_size, max_wait_ms=options.max_wait_ms, token=options.token)
+            extra = getattr(options, "serve_args", None)
+            if extra:
+                kw["extra_args"] = dict(extra)
+            gpus = getattr(options, "gpus", None)
+            if gpus:
+                kw["env"] = {"CUDA_VISIBLE_DEVICES": str(gpus[i % len(gpus)])}
+            w = (worker_factory or WamkitServerWorker)(**kw)
+            w.default_start_timeout = options.startup_timeout_s
+            w.start()
+            workers.append(w)
+        for w in workers:
+            w.wait_healthy(options.startup_timeout_s)
+    except BaseException:
+        for w in workers:
+            w.stop()
+        raise
+    return workers

@@ -4,9 +4,9 @@ Two independent halves:
 - Serving/evaluation (`url=`): `predict` sends the observations to an SGLang action server running Cosmos3
   (`sglang serve --model-type diffusion ...`) through the policy's own `SGLangHttpClient` (or any client passed
   as `client=`, e.g. wamkit.serve's SyncActionClient in SGLang mode: the policies layer does not import the
-  serving layer), with our request builder (side-by-side 192x320 image, training-format prompt, LIBERO parameters) and our response decoder
-  (wamkit.policies.cosmos3.io). One seed per request in SGLang, so observations are grouped by seed (a result
-  depends only on (observation, seed)).
+  serving layer), with our request builder (side-by-side 192x320 image, training-format prompt, LIBERO
+  parameters) and our response decoder (wamkit.policies.cosmos3.io). One seed per request in SGLang, so
+  observations are grouped by seed (a result depends only on (observation, seed)).
 - Training (`framework=True`): the model is built by NVIDIA's cosmos-framework with its own config system
   (`make_config` + `override(experiment=...)` + `instantiate`), its own parallelism turned off (FSDP2 from wamkit's
   trainer is the only sharding), weights warm-started with its own loaders, parameters outside `keys_to_select`
