@@ -1,4 +1,4 @@
-"""Shared pytest setup: headless rendering defaults for simulator tests, and the ../shared path helper."""
+"""Shared pytest setup: headless rendering defaults for simulator tests, and the fixtures kept in the repository."""
 
 from __future__ import annotations
 
@@ -11,17 +11,8 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"] if os.environ["MUJOCO_GL"] == "osmesa" else "egl")
 os.environ.setdefault("LP_NUM_THREADS", "1")
 
-SHARED_DIR = Path(__file__).resolve().parents[1].parent / "shared"
-
-
-def shared_path(*parts: str) -> Path:
-    """A path under the project's shared directory (../shared from the repository root)."""
-    return SHARED_DIR.joinpath(*parts)
-
-
-@pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    return SHARED_DIR
+FIXTURES = Path(__file__).resolve().parent / "fixtures"   # data written by other tools (LeRobot), kept in the repo
+LIBERO_TINY = FIXTURES / "lerobot_v3_libero_tiny"
 
 
 # In-process MuJoCo renderers hold EGL contexts whose destructors can crash (SIGSEGV) during interpreter teardown, after

@@ -14,9 +14,8 @@ from wamkit.data.errors import CorruptFileError, FeatureMissingError, FpsMismatc
 from wamkit.data.lerobot import LeRobotDataset, read_tasks
 from wamkit.data.writer import LeRobotWriter
 
-SHARED = Path(__file__).parents[2] / "shared"
-FIXTURE = SHARED / "fixtures" / "lerobot_v3_libero_tiny"
-EXPECTED = SHARED / "fixtures" / "lerobot_v3_libero_tiny.expected.json"
+FIXTURE = Path(__file__).parent / "fixtures" / "lerobot_v3_libero_tiny"
+EXPECTED = Path(__file__).parent / "fixtures" / "lerobot_v3_libero_tiny.expected.json"
 CAMS = ["observation.images.image", "observation.images.wrist_image"]
 
 

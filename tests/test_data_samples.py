@@ -10,7 +10,7 @@ from wamkit.data.lerobot import LeRobotDataset
 from wamkit.data.samples import ResumableShardedSampler, TrainingSamples, collate
 from wamkit.data.transforms import ActionPipeline, QuantileNormalizeStep, Rot6dStep, compute_action_stats
 
-FIXTURE = Path(__file__).parents[2] / "shared" / "fixtures" / "lerobot_v3_libero_tiny"
+FIXTURE = Path(__file__).parent / "fixtures" / "lerobot_v3_libero_tiny"
 
 
 def test_training_batch_format():

@@ -1,4 +1,4 @@
-"""Training on a real LeRobot v3 dataset (the shared tiny LIBERO fixture): data errors before training, and the
+"""Training on a real LeRobot v3 dataset (the tiny LIBERO fixture in tests/fixtures): data errors before training, and the
 reference WAM trained -> exported -> loaded by make_policy -> predicting."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from wamkit.core.types import Observation
 from wamkit.train.config import TrainConfig
 from wamkit.train.trainer import train
 
-FIXTURE = Path(__file__).parents[2] / "shared" / "fixtures" / "lerobot_v3_libero_tiny"
+FIXTURE = Path(__file__).parent / "fixtures" / "lerobot_v3_libero_tiny"
 pytestmark = pytest.mark.skipif(not FIXTURE.exists(), reason=f"fixture {FIXTURE} not present")
 
 BASE = ["policy=wam-ref", "policy_args.size=tiny", f"dataset={FIXTURE}", "fps=10", "num_workers=0",
