@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from wamkit.core.errors import UserError
 from wamkit.core.types import Observation
 from wamkit.eval.timeline import Timeline
 
@@ -113,8 +114,6 @@ class ServerInference(Inference):
         return sum(max(0, w.starts - max(s0, 1)) for w, s0 in zip(self.workers, self._starts0))
 
     async def start(self) -> None:
-        from wamkit.serve.client import ActionClient
-
         if self.attached:
             self.workers = self.attached
             await asyncio.gather(*(asyncio.to_thread(w.wait_healthy, self.options.startup_timeout_s)
@@ -127,11 +126,20 @@ class ServerInference(Inference):
         else:
             targets = [(u.strip(), None) for u in str(self.options.url).split(",") if u.strip()]
         self._starts0 = [w.starts for w in self.workers]
-        self.clients = [ActionClient(url, token=self.options.token, on_timing=self._on_timing, worker=w)
-                        for url, w in targets]
+        self.clients = [self._make_client(url, w) for url, w in targets]
         self.in_flight = [0] * len(self.clients)
         self.served = [0] * len(self.clients)
         self.max_batch = min([await c.server_max_batch() for c in self.clients])
+
+    def _make_client(self, url: str, worker):
+        """The transport to one server, by `server.protocol`: an object with the async ActionClient interface
+        (predict(observations, seeds) -> (N, H, D) float32, server_max_batch(), aclose())."""
+        from wamkit.serve.client import ActionClient
+
+        protocol = getattr(self.options, "protocol", "wamkit")
+        if protocol == "wamkit":
+            return ActionClient(url, token=self.options.token, on_timing=self._on_timing, worker=worker)
+        raise UserError(f"server.protocol={protocol!r} is not supported; valid choices: wamkit")
 
     def _on_timing(self, rec: dict) -> None:
         t = rec.get("server") or {}
