@@ -35,6 +35,14 @@ class EnvWorkerCrashed(RuntimeError):
         self.index, self.msg = index, msg
 
 
+class EnvWorkerTimeout(EnvWorkerCrashed):
+    """The env worker did not answer within its deadline (stalled, e.g. SIGSTOP or a hung simulator); the process
+    has been (or is about to be) killed, so it is handled exactly like a crash: restart, re-run the episode."""
+
+    def __init__(self, index: int, msg: str):
+        super().__init__(index, msg)
+
+
 class EnvWorkerError(RuntimeError):
     """The env raised inside the worker process (the process is still alive); carries the remote traceback."""
 
@@ -174,6 +182,10 @@ class EnvWorker:
         _LIVE.add(self)
         try:
             msg = self._recv_blocking(self.start_timeout)
+        except TimeoutError:
+            self._teardown(kill=True)
+            raise EnvWorkerTimeout(self.index, f"env {self.env_name!r} not built within {self.start_timeout:.0f} s "
+                                               f"(start_timeout)") from None
         except BaseException:
             self._teardown(kill=True)
             raise

@@ -61,7 +61,13 @@ class EvalConfig:
     progress: bool = True
     runtime: Literal["local", "ray"] = "local"
     ray: dict[str, Any] = field(default_factory=dict)
-    max_episode_retries: int = 3            # re-runs of an episode whose env worker crashed
+    max_episode_retries: int = 3            # re-runs of an episode whose env worker crashed (or stalled)
+    # a stalled env worker (hung simulator, SIGSTOP) is killed and restarted, its episode re-run, once a call takes
+    # longer than max(env_timeout_min_s, env_timeout_factor x the slowest such call so far); a worker's first reset
+    # and first chunk get env_timeout_first_s (see wamkit.eval.scheduler.CallDeadlines)
+    env_timeout_min_s: float = 60.0
+    env_timeout_factor: float = 10.0
+    env_timeout_first_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.suite:

@@ -130,7 +130,9 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 video_episodes=frozenset(ep.index for ep in plan[:cfg.save_videos]
                                                          if not journal.done(ep.key)),
                                 seed=cfg.seed, max_episode_retries=cfg.max_episode_retries,
-                                cores=cores or os.cpu_count() or 1)
+                                cores=cores or os.cpu_count() or 1, env_timeout_min_s=cfg.env_timeout_min_s,
+                                env_timeout_factor=cfg.env_timeout_factor,
+                                env_timeout_first_s=cfg.env_timeout_first_s)
         run_id = uuid.uuid4().hex[:12]
         if journal.records:
             console.print(f"resuming: {len(journal.records)} of {len(plan)} episodes already done, "
@@ -187,6 +189,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                             inference_obs=inference.observations,
                             extra={"run_id": run_id, "scheduler": {
                                 "mode": cfg.mode, "num_envs": n_envs, "env_restarts": sched.restarts,
+                                "env_timeouts": sched.env_timeouts,
                                 "setup_s": round(clock["setup_s"], 3),
                                 "server_restarts": getattr(inference, "restarts", 0),
                                 "server_requests": list(getattr(inference, "served", [])),

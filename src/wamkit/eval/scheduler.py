@@ -10,8 +10,9 @@
              simulation and inference times (see AutoBatcher.plan).
 
 Common to all: each env takes the next (task, init state) as soon as its episode ends; every planned episode runs
-exactly once (a crashed env worker is restarted and its episode re-run from its init state); the policy's noise
-seed is a function of (episode, env step) only, so per-episode results do not depend on the schedule."""
+exactly once (a crashed env worker is restarted and its episode re-run from its init state; so is a stalled one, see
+CallDeadlines); the policy's noise seed is a function of (episode, env step) only, so per-episode results do not
+depend on the schedule."""
 
 from __future__ import annotations
 
@@ -64,6 +65,32 @@ class SchedulerOptions:
     seed: int = 0
     max_episode_retries: int = 3
     cores: int = 2
+    env_timeout_min_s: float = 60.0      # see CallDeadlines
+    env_timeout_factor: float = 10.0
+    env_timeout_first_s: float = 600.0
+
+
+class CallDeadlines:
+    """How long an env worker may take to answer one call before it counts as stalled (killed, restarted, its
+    episode re-run, as after a crash).
+
+    The deadline of a call is max(min_s, factor x the slowest call of its kind measured so far), kinds being reset,
+    execute and execute with per-step rendering. A worker's first call of each kind after it was (re)started, and
+    any call of a kind not measured yet, gets first_s instead: the first reset or chunk may load assets or compile
+    shaders; those calls are not measured either."""
+
+    def __init__(self, min_s: float, factor: float, first_s: float):
+        self.min_s, self.factor, self.first_s = float(min_s), float(factor), float(first_s)
+        self.slowest: dict[str, float] = {}
+
+    def limit(self, kind: str, first: bool) -> float:
+        seen = self.slowest.get(kind)
+        if first or seen is None:
+            return max(self.first_s, self.min_s)
+        return max(self.min_s, self.factor * seen)
+
+    def observe(self, kind: str, seconds: float) -> None:
+        self.slowest[kind] = max(self.slowest.get(kind, 0.0), float(seconds))
 
 
 def _crash_types():
@@ -73,6 +100,12 @@ def _crash_types():
         return (EnvWorkerCrashed,)
     except ImportError:  # pragma: no cover
         return ()
+
+
+def _timeout_error(index: int, msg: str) -> Exception:
+    from wamkit.envs.worker import EnvWorkerTimeout   # a crash type: the recovery paths handle it as a crash
+
+    return EnvWorkerTimeout(index, msg)
 
 
 class Scheduler:
@@ -87,6 +120,9 @@ class Scheduler:
         self.timeline = timeline
         self.crash_types = _crash_types()
         self.restarts = 0
+        self.env_timeouts = 0     # calls that missed their deadline (the worker was killed and restarted)
+        self.deadlines = CallDeadlines(opts.env_timeout_min_s, opts.env_timeout_factor, opts.env_timeout_first_s)
+        self._warm: set[tuple[int, str]] = set()   # (env, call kind) answered at least once since the env started
         self.simulating = 0
         self.active_envs = 0
         self.sim_samples: deque[tuple[float, int]] = deque(maxlen=200)   # (seconds, concurrent sims)
@@ -94,11 +130,36 @@ class Scheduler:
         self.batcher: AutoBatcher | None = None
 
     # ---- env-side primitives (with timeline spans) -------------------------------------------------------------
+    async def _call(self, i: int, kind: str, coro):
+        """Await one env call under its deadline; past it, kill the worker and raise EnvWorkerTimeout (a crash)."""
+        first = (i, kind) not in self._warm
+        limit = self.deadlines.limit(kind, first)
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(limit) as cm:
+                out = await coro
+        except TimeoutError:
+            if not cm.expired():
+                raise
+            self.env_timeouts += 1
+            log.warning("env worker %d did not answer %s within %.1f s (stalled); killing it", i, kind, limit)
+            kill = getattr(self.envs[i], "kill", None)
+            if kill is not None:
+                try:
+                    kill()
+                except Exception:  # noqa: BLE001 - restart() tears it down in any case
+                    log.exception("killing env worker %d failed", i)
+            raise _timeout_error(i, f"no answer to {kind} within {limit:.1f} s") from None
+        if not first:
+            self.deadlines.observe(kind, time.monotonic() - t0)
+        self._warm.add((i, kind))
+        return out
+
     async def _reset(self, i: int, ep: Episode) -> Observation:
         t0 = time.time()
         self.simulating += 1
         try:
-            return await self.envs[i].reset(ep.task_id, ep.trial)
+            return await self._call(i, "reset", self.envs[i].reset(ep.task_id, ep.trial))
         finally:
             self.simulating -= 1
             if self.timeline is not None:
@@ -109,10 +170,10 @@ class Scheduler:
         self.simulating += 1
         conc = self.simulating
         self.sim_started[i] = time.monotonic()
+        render = self.opts.render_every_step or ep.index in self.opts.video_episodes
         try:
-            return await self.envs[i].execute(
-                chunk, render_every_step=self.opts.render_every_step or ep.index in self.opts.video_episodes,
-                run_to_max_steps=self.opts.run_to_max_steps)
+            return await self._call(i, "execute+render" if render else "execute", self.envs[i].execute(
+                chunk, render_every_step=render, run_to_max_steps=self.opts.run_to_max_steps))
         finally:
             self.simulating -= 1
             self.sim_started.pop(i, None)
@@ -123,7 +184,8 @@ class Scheduler:
 
     async def _restart_env(self, i: int) -> None:
         self.restarts += 1
-        log.warning("env worker %d crashed; restarting it and re-running its episode", i)
+        log.warning("env worker %d crashed or stalled; restarting it and re-running its episode", i)
+        self._warm = {w for w in self._warm if w[0] != i}
         await asyncio.to_thread(self.envs[i].restart)
 
     def _next_episode(self) -> Episode | None:
@@ -132,11 +194,14 @@ class Scheduler:
     # ---- one episode, actions from `get_actions` ----------------------------------------------------------------
     async def _run_episode(self, i: int, ep: Episode, get_actions) -> EpisodeOutcome:
         attempts = 0
+        restart = False
         while True:
             attempts += 1
             t0 = time.time()
             frames: list[np.ndarray] = []
             try:
+                if restart:     # inside the try: a restart that fails (or stalls) is one more failed attempt
+                    await self._restart_env(i)
                 obs = await self._reset(i, ep)
                 if ep.index in self.opts.video_episodes:
                     frames.append(next(iter(obs.images.values())))
@@ -156,7 +221,7 @@ class Scheduler:
             except self.crash_types:
                 if attempts > self.opts.max_episode_retries:
                     raise EpisodeFailed(f"episode {ep.key} crashed its env worker {attempts} times") from None
-                await self._restart_env(i)
+                restart = True
 
     async def _env_loop(self, i: int, get_actions) -> None:
         self.active_envs += 1
@@ -209,12 +274,16 @@ class Scheduler:
             try:
                 res = await self._execute(i, ep, chunk)
             except self.crash_types:
-                st["attempts"] += 1
-                if st["attempts"] > self.opts.max_episode_retries + 1:
-                    raise EpisodeFailed(f"episode {ep.key} crashed its env worker repeatedly") from None
-                await self._restart_env(i)
-                st.update(obs=await self._reset(i, ep), steps=0, t0=time.time(), frames=[])
-                return
+                while True:
+                    st["attempts"] += 1
+                    if st["attempts"] > self.opts.max_episode_retries + 1:
+                        raise EpisodeFailed(f"episode {ep.key} crashed its env worker repeatedly") from None
+                    try:
+                        await self._restart_env(i)
+                        st.update(obs=await self._reset(i, ep), steps=0, t0=time.time(), frames=[])
+                        return
+                    except self.crash_types:
+                        continue
             st["steps"] += res.steps
             if ep.index in self.opts.video_episodes:
                 st["frames"].extend(res.frames)
