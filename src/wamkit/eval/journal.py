@@ -1,7 +1,10 @@
 """Append-only results journal (OUT/results.jsonl): one JSON line per finished episode, flushed and fsynced.
 
-Resume reads it back, keeps the first record per episode key (a torn last line from a killed process is ignored),
-and the scheduler runs only the missing episodes: nothing is lost or counted twice."""
+Resume reads it back, keeps the first record per episode key, and the scheduler runs only the missing episodes:
+nothing is lost or counted twice. A line that is not a complete, well-formed record (a torn last line from a killed
+process, bytes that are not UTF-8, JSON that is not an object, a missing or mistyped field, a key that disagrees with
+its suite/task_id/trial) is never counted as done: it is moved to OUT/results.jsonl.rejected, its line number
+reported in `bad_lines` (and logged), and its episode runs again."""
 
 from __future__ import annotations
 
@@ -10,32 +13,79 @@ import os
 from pathlib import Path
 from typing import Any
 
+# field -> accepted types of a finished episode's record (what resume, metrics and the report read)
+REQUIRED = {"key": (str,), "suite": (str,), "task_id": (int,), "trial": (int,), "success": (bool,), "steps": (int,)}
+
+
+def record_problem(rec: Any) -> str | None:
+    """Why `rec` is not a usable episode record, or None."""
+    if not isinstance(rec, dict):
+        return f"not a JSON object ({type(rec).__name__})"
+    for k, types in REQUIRED.items():
+        if k not in rec:
+            return f"missing field {k!r}"
+        v = rec[k]
+        if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
+            return f"field {k!r} has the wrong type ({type(v).__name__})"
+    if rec["steps"] < 0:
+        return "field 'steps' is negative"
+    if rec["key"] != f"{rec['suite']}/{rec['task_id']}/{rec['trial']}":
+        return f"key {rec['key']!r} does not match suite/task_id/trial"
+    return None
+
 
 class Journal:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.records: dict[str, dict[str, Any]] = {}
+        self.bad_lines: list[tuple[int, str]] = []    # (1-based line number, why) of lines skipped on load
         if self.path.exists():
             self._load()
         self._fh = None
 
     def _load(self) -> None:
         good: list[str] = []
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
+        bad: list[bytes] = []
+        with open(self.path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
                 try:
-                    rec = json.loads(line)
+                    rec = json.loads(raw.decode("utf-8"))
+                    problem = record_problem(rec)
+                except UnicodeDecodeError:
+                    problem = "not UTF-8"
                 except json.JSONDecodeError:
-                    continue  # torn write of a killed run
-                if not isinstance(rec, dict) or "key" not in rec:
+                    problem = "not complete JSON (torn write?)"
+                except (ValueError, RecursionError) as e:
+                    problem = f"unreadable JSON ({type(e).__name__})"
+                if problem is not None:
+                    self.bad_lines.append((n, problem))
+                    bad.append(raw if raw.endswith(b"\n") else raw + b"\n")
                     continue
                 if rec["key"] not in self.records:
                     self.records[rec["key"]] = rec
                     good.append(json.dumps(rec, sort_keys=True))
-        # rewrite without torn/duplicate lines so the file stays a clean JSONL
+        if bad:
+            with open(self.rejected_path, "ab") as f:
+                f.writelines(bad)
+        # rewrite without bad/duplicate lines so the file stays a clean JSONL
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(g + "\n" for g in good), encoding="utf-8")
         os.replace(tmp, self.path)
+
+    @property
+    def rejected_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".rejected")
+
+    def bad_lines_message(self) -> str:
+        """One line: which lines of the journal were skipped and why (their episodes run again)."""
+        if not self.bad_lines:
+            return ""
+        shown = ", ".join(f"{n} ({why})" for n, why in self.bad_lines[:10])
+        more = f" and {len(self.bad_lines) - 10} more" if len(self.bad_lines) > 10 else ""
+        return (f"{self.path}: skipped {len(self.bad_lines)} bad line(s): {shown}{more}; their episodes run again "
+                f"(the lines are kept in {self.rejected_path})")
 
     def done(self, key: str) -> bool:
         return key in self.records

@@ -134,6 +134,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 env_timeout_factor=cfg.env_timeout_factor,
                                 env_timeout_first_s=cfg.env_timeout_first_s)
         run_id = uuid.uuid4().hex[:12]
+        if journal.bad_lines:
+            console.print(f"warning: {journal.bad_lines_message()}", soft_wrap=True, markup=False, highlight=False)
         if journal.records:
             console.print(f"resuming: {len(journal.records)} of {len(plan)} episodes already done, "
                           f"{len(todo)} to run")
