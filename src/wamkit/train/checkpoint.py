@@ -14,7 +14,9 @@ Layout of one checkpoint (`OUT/checkpoints/step-000500/`):
 
 A checkpoint is written to `step-XXXXXX.tmp` by all ranks and renamed by rank 0 after a barrier, so a directory
 named `step-XXXXXX` is always complete; the newest `keep_last` are kept. Weights are read back with safetensors
-only (no pickle); `optim/` uses DCP's own format (its metadata is a pickle written by this trainer).
+only (no pickle); `optim/` uses DCP's own format, whose metadata (`optim/.metadata`) is a pickle: loading it can run
+code, so resume refuses a checkpoint whose files are not owned by the current user unless trust_checkpoint=True
+(`check_checkpoint_owner`).
 
 World-size changes on resume: model/optimizer/EMA are resharded by DCP. RNG states are restored per rank only when
 the world size is unchanged; otherwise every rank is reseeded from (seed, step, rank) (documented in
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
 import re
 import shutil
@@ -181,10 +184,31 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer, scheduler,
     return final
 
 
-def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, ema, rank: int, world_size: int,
-                    seed: int) -> Resumed:
-    """Collective: restore model, optimizer, scheduler, EMA and RNG in place; returns the step to continue after."""
+def check_checkpoint_owner(path: str | Path, trust: bool = False) -> None:
+    """Refuse (UserError) a checkpoint whose step dir, `optim/` dir or any file in `optim/` is not owned by the
+    current user: DCP reads the optimizer metadata with pickle, which runs code that whoever wrote it chose."""
+    if trust:
+        return
     path = Path(path)
+    me = os.geteuid()
+    optim = path / "optim"
+    for p in [path, optim, *(sorted(optim.rglob("*")) if optim.is_dir() else [])]:
+        try:
+            uid = p.lstat().st_uid
+        except FileNotFoundError:
+            continue
+        if uid != me:
+            raise UserError(f"checkpoint file {p} is owned by uid {uid}, not by the current user (uid {me}); resume "
+                            f"reads its optimizer state through pickle (torch DCP), which can run code: pass "
+                            f"trust_checkpoint=true only if you trust whoever wrote it")
+
+
+def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, ema, rank: int, world_size: int,
+                    seed: int, trust: bool = False) -> Resumed:
+    """Collective: restore model, optimizer, scheduler, EMA and RNG in place; returns the step to continue after.
+    The checkpoint must be owned by the current user unless `trust` (see check_checkpoint_owner)."""
+    path = Path(path)
+    check_checkpoint_owner(path, trust)
     state = json.loads((path / "trainer_state.json").read_text())
     msd, osd = get_state_dict(model, optimizer)
     dcp.load(msd, storage_reader=HuggingFaceStorageReader(str(path / "model")))

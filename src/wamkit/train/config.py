@@ -56,6 +56,8 @@ class TrainConfig:
     save_every: int = 500                   # checkpoint every N steps (and at the end); 0 = only at the end
     keep_last: int = 2                      # checkpoints kept (oldest deleted)
     resume: bool = False                    # continue from the newest checkpoint under out/checkpoints
+    trust_checkpoint: bool = False          # resume from a checkpoint another user owns (its optimizer state is
+                                            # read through pickle by torch DCP, which can run code)
     log_every: int = 10                     # TensorBoard + train_log.jsonl + console every N steps
     progress: bool = True                   # rich progress bar on rank 0
 

@@ -155,7 +155,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
         path = C.latest_checkpoint(ckpt_root)
         if path is not None:
             r = C.load_checkpoint(path, model=module, optimizer=optimizer, scheduler=scheduler, ema=ema, rank=rank,
-                                  world_size=world, seed=cfg.seed)
+                                  world_size=world, seed=cfg.seed, trust=cfg.trust_checkpoint)
             sstate = r.sampler_state
             if r.world_size_changed:
                 sstate, warn = translate_sampler_state(sstate, world, rank)
