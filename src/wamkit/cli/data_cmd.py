@@ -69,7 +69,7 @@ def inspect_cmd(root: str) -> int:
 def stats_cmd(root: str, overrides: list[str]) -> int:
     from rich.table import Table
 
-    from wamkit.core.config import parse_overrides
+    from wamkit.core.config import check_number, parse_overrides
     from wamkit.data.lerobot import LeRobotDataset
     from wamkit.data.transforms import ActionPipeline, Rot6dStep, compute_action_stats
 
@@ -78,6 +78,14 @@ def stats_cmd(root: str, overrides: list[str]) -> int:
     bad = [k for k in opts if k not in valid]
     if bad:
         raise UserError(f"unknown option {bad[0]!r}; valid: {', '.join(sorted(valid))}")
+    nums = {}
+    for key, default, lo in (("horizon", 16, 1), ("num_chunks", 10000, 1), ("seed", 0, 0)):
+        try:
+            nums[key] = int(str(opts.get(key, default)).strip())
+        except ValueError:
+            raise UserError(f"{key}: expected an integer, got {opts[key]!r}") from None
+        check_number(key, nums[key], lo)
+    horizon, num_chunks, seed = nums["horizon"], nums["num_chunks"], nums["seed"]
     ds = LeRobotDataset(root, cameras=[])
     con = _console()
     stats = ds.stats
@@ -89,12 +97,6 @@ def stats_cmd(root: str, overrides: list[str]) -> int:
                                                         ("min", "max", "mean", "std", "q01", "q99")))
     con.print(t)
     if "horizon" in opts or "representation" in opts:
-        try:
-            horizon = int(opts.get("horizon", 16))
-            num_chunks = int(opts.get("num_chunks", 10000))
-            seed = int(opts.get("seed", 0))
-        except ValueError as e:
-            raise UserError(f"bad number: {e}") from None
         rep = opts.get("representation", "rot6d10")
         if rep not in ("rot6d10", "raw"):
             raise UserError(f"unknown representation {rep!r}; valid choices: rot6d10, raw")

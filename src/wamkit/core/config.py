@@ -223,3 +223,20 @@ def parse_bool(value: Any, key: str = "value") -> bool:
     if s in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"{key}: expected true/false, got {value!r}")
+
+
+def check_number(key: str, value: Any, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+                 none_ok: bool = False) -> None:
+    """ConfigError naming `key` unless `value` is a finite number within [lo, hi] ((lo, hi] with lo_open); None is
+    accepted when none_ok. The one range check of the config dataclasses' validate()."""
+    import math
+
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (isinstance(value, float) and not math.isfinite(value)):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise ConfigError(f"{key} must be {'>' if lo_open else '>='} {lo:g}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{key} must be <= {hi:g}, got {value!r}")

@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from wamkit.core.config import check_number
 from wamkit.core.errors import ConfigError
+
+MIN_IMAGE, MAX_IMAGE = 8, 2048   # camera image side (pixels) an env may be asked to render
 
 
 @dataclass
@@ -74,17 +77,22 @@ class EvalConfig:
             self.suite = DEFAULT_SUITES.get(self.env, "")
 
     def validate(self) -> None:
-        if self.trials < 1:
-            raise ConfigError("trials must be >= 1")
-        if self.num_envs < 1:
-            raise ConfigError("num_envs must be >= 1")
+        for key, lo, hi in (("trials", 1, None), ("trial_start", 0, None), ("image_size", MIN_IMAGE, MAX_IMAGE),
+                            ("num_envs", 1, 4096), ("batch", 1, None), ("pipelines", 1, None), ("depth", 0, None),
+                            ("max_batch", 0, None), ("save_videos", 0, None), ("seed", 0, 2**63 - 1),
+                            ("max_episode_retries", 0, None), ("env_timeout_factor", 1, None)):
+            check_number(key, getattr(self, key), lo, hi)
+        check_number("horizon", self.horizon, 1, none_ok=True)
+        check_number("max_steps", self.max_steps, 1, none_ok=True)
+        for key in ("env_timeout_min_s", "env_timeout_first_s"):
+            check_number(key, getattr(self, key), 0, lo_open=True)
+        check_number("server.port", self.server.port, 0, 65535)
+        check_number("server.max_batch_size", self.server.max_batch_size, 1)
+        check_number("server.max_wait_ms", self.server.max_wait_ms, 0)
+        check_number("server.startup_timeout_s", self.server.startup_timeout_s, 0, lo_open=True)
         if self.mode == "pipelines":
-            if self.pipelines < 1 or self.batch < 1:
-                raise ConfigError("pipelines and batch must be >= 1")
             if self.num_envs < self.pipelines:
                 raise ConfigError(f"num_envs ({self.num_envs}) must be >= pipelines ({self.pipelines})")
-        if self.save_videos < 0:
-            raise ConfigError("save_videos must be >= 0")
         if self.server.replicas < 1:
             raise ConfigError(f"server.replicas must be >= 1, got {self.server.replicas}")
         if self.server.replicas > 1 and self.server.port:

@@ -16,9 +16,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from wamkit.core.config import split_args
-from wamkit.core.config import load_config
+from wamkit.core.config import check_number, load_config
 from wamkit.core.errors import UserError
-from wamkit.eval.config import DEFAULT_SUITES
+from wamkit.eval.config import DEFAULT_SUITES, MAX_IMAGE, MIN_IMAGE
 from wamkit.eval.plan import plan_for_tasks, step_seed
 
 
@@ -43,6 +43,12 @@ class RecordConfig:
     def __post_init__(self) -> None:
         if not self.suite:
             self.suite = DEFAULT_SUITES.get(self.env, "")
+
+    def validate(self) -> None:
+        for key, lo, hi in (("episodes", 1, None), ("trial_start", 0, None), ("image_size", MIN_IMAGE, MAX_IMAGE),
+                            ("seed", 0, 2**63 - 1)):
+            check_number(key, getattr(self, key), lo, hi)
+        check_number("max_steps", self.max_steps, 1, none_ok=True)
 
 
 def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:

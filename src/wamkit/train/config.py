@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from wamkit.core.config import check_number
 from wamkit.core.errors import ConfigError
 
 
@@ -62,24 +63,22 @@ class TrainConfig:
     progress: bool = True                   # rich progress bar on rank 0
 
     def validate(self) -> None:
-        def pos(name, minimum=1):
-            if getattr(self, name) < minimum:
-                raise ConfigError(f"{name} must be >= {minimum}, got {getattr(self, name)}")
-
-        for n in ("batch_size", "grad_accum", "steps", "log_every", "nproc"):
-            pos(n)
-        for n in ("warmup", "save_every", "keep_last", "num_workers", "stop_at"):
-            pos(n, 0)
-        if self.keep_last < 1:
-            raise ConfigError("keep_last must be >= 1")
-        if self.decay is not None and self.decay < 0:
-            raise ConfigError(f"decay must be >= 0 or none, got {self.decay}")
+        for n in ("batch_size", "grad_accum", "steps", "log_every", "nproc", "keep_last"):
+            check_number(n, getattr(self, n), 1)
+        for n in ("warmup", "save_every", "num_workers", "stop_at", "horizon", "grad_clip", "weight_decay"):
+            check_number(n, getattr(self, n), 0)
+        check_number("seed", self.seed, 0, 2**63 - 1)
+        check_number("decay", self.decay, 0, none_ok=True)
+        check_number("fps", self.fps, 0, lo_open=True, none_ok=True)
+        check_number("lr", self.lr, 0, lo_open=True)
+        check_number("eps", self.eps, 0, lo_open=True)
         if not 0.0 <= self.ema < 1.0:
             raise ConfigError(f"ema must be in [0, 1), got {self.ema}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be > 0, got {self.lr}")
-        if self.grad_clip < 0:
-            raise ConfigError(f"grad_clip must be >= 0, got {self.grad_clip}")
+        for k, b in enumerate(self.betas):
+            if not 0.0 <= b < 1.0:
+                raise ConfigError(f"betas[{k}] must be in [0, 1), got {b}")
+        if len(self.betas) != 2:
+            raise ConfigError(f"betas must be two numbers, got {list(self.betas)}")
         self.lr_multipliers = _flat_multipliers(self.lr_multipliers)
 
 

@@ -1,0 +1,60 @@
+"""Out-of-range numbers in the eval / train / data-record / data-stats configs give one line naming the key and exit
+code 2 (no traceback, nothing started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from wamkit.cli.main import main
+from wamkit.core.config import load_config
+from wamkit.core.errors import ConfigError
+from wamkit.eval.config import EvalConfig
+from wamkit.eval.record import RecordConfig
+from wamkit.train.config import TrainConfig
+
+
+def _one_line_exit_2(capsys, argv, key):
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and key in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv,key", [
+    (["eval", "env=metaworld", "image_size=-5"], "image_size"),
+    (["eval", "image_size=100000"], "image_size"),
+    (["eval", "trials=0"], "trials"),
+    (["eval", "horizon=-1"], "horizon"),
+    (["eval", "max_steps=0"], "max_steps"),
+    (["eval", "num_envs=-2"], "num_envs"),
+    (["eval", "server.port=70000"], "server.port"),
+    (["eval", "server.max_wait_ms=nan"], "server.max_wait_ms"),
+    (["eval", "env_timeout_min_s=0"], "env_timeout_min_s"),
+    (["eval", "seed=-1"], "seed"),
+    (["train", "lr=nan"], "lr"),
+    (["train", "lr=-1"], "lr"),
+    (["train", "fps=0"], "fps"),
+    (["train", "horizon=-3"], "horizon"),
+    (["train", "betas=0.9,1.5"], "betas"),
+    (["train", "eps=inf"], "eps"),
+    (["train", "weight_decay=-0.1"], "weight_decay"),
+    (["data", "record", "image_size=-5"], "image_size"),
+    (["data", "record", "episodes=0"], "episodes"),
+    (["data", "stats", "tests/fixtures/lerobot_v3_libero_tiny", "horizon=-5"], "horizon"),
+    (["data", "stats", "tests/fixtures/lerobot_v3_libero_tiny", "num_chunks=x"], "num_chunks"),
+])
+def test_out_of_range_numbers_exit_2_with_one_line(capsys, argv, key, tmp_path, monkeypatch):
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[1])
+    if argv[0] != "data" or argv[1] == "record":
+        argv = [*argv, f"out={tmp_path / 'out'}"]
+    _one_line_exit_2(capsys, argv, key)
+    assert not (tmp_path / "out").exists()
+
+
+def test_defaults_and_edges_still_load():
+    for cls in (EvalConfig, TrainConfig, RecordConfig):
+        load_config(cls, None, [])
+    load_config(EvalConfig, None, ["image_size=8", "server.port=65535", "horizon=none", "max_episode_retries=0"])
+    load_config(TrainConfig, None, ["fps=10", "decay=0", "grad_clip=0", "betas=0,0.999"])
+    with pytest.raises(ConfigError, match="image_size"):
+        load_config(RecordConfig, None, ["image_size=0"])
