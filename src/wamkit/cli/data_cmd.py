@@ -34,9 +34,11 @@ def inspect_cmd(root: str) -> int:
     from wamkit.data.lerobot import LeRobotDataset
 
     ds = LeRobotDataset(root)
+    n_videos = ds.verify_videos()   # every mp4 opens and decodes at the declared size, else exit 2 naming it
     con = _console()
     con.print(f"[bold]{ds.root}[/bold]  LeRobot {ds.info.get('codebase_version')}  robot={ds.info.get('robot_type')}")
-    con.print(f"episodes {ds.num_episodes}   frames {len(ds)}   fps {ds.fps}   tasks {len(ds.tasks)}")
+    con.print(f"episodes {ds.num_episodes}   frames {len(ds)}   fps {ds.fps}   tasks {len(ds.tasks)}   "
+              f"video files {n_videos} (each decoded)")
     t = Table(title="features")
     for c in ("name", "dtype", "shape", "details"):
         t.add_column(c)
@@ -60,7 +62,7 @@ def inspect_cmd(root: str) -> int:
     for ti, task in sorted(ds.tasks.items()):
         tt.add_row(str(ti), str(counts.get(task, 0)), task)
     con.print(tt)
-    lengths = [int(e["length"]) for e in ds.episodes]
+    lengths = [int(e["length"]) for e in ds.episodes if isinstance(e.get("length"), int)]
     if lengths:
         con.print(f"episode length: min {min(lengths)}  mean {sum(lengths) / len(lengths):.1f}  max {max(lengths)}")
     return 0

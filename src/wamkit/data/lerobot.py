@@ -18,7 +18,9 @@ only when going backwards or jumping more than ``max_forward_s`` ahead.
 from __future__ import annotations
 
 import json
+import math
 import os
+import string
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -39,10 +41,84 @@ DEFAULT_FEATURES = ("timestamp", "frame_index", "episode_index", "index", "task_
 CAMERA_PREFIX = "observation.images."
 
 
+TEMPLATE_FIELDS = ("chunk_index", "file_index", "episode_chunk", "episode_file", "video_key")
+
+
 def format_path(template: str, chunk_index: int, file_index: int, video_key: str | None = None) -> str:
     """Fill a v3 path template; accepts both `{chunk_index}/{file_index}` and `{episode_chunk}/{episode_file}`."""
     return template.format(chunk_index=int(chunk_index), file_index=int(file_index), episode_chunk=int(chunk_index),
                            episode_file=int(file_index), video_key=video_key)
+
+
+def template_problem(template: Any) -> str | None:
+    """Why a path template from info.json is unsafe or malformed, or None: only the v3 fields, no attribute or index
+    access (`{video_key.__class__}`), a relative path."""
+    if not isinstance(template, str) or not template:
+        return f"expected a path template string, got {template!r}"
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        return f"malformed template {template!r} ({e})"
+    bad = [f for f in fields if f not in TEMPLATE_FIELDS]
+    if bad:
+        return f"template field {{{bad[0]}}} is not one of {', '.join(TEMPLATE_FIELDS)}"
+    if os.path.isabs(template) or template.startswith(("/", "\\")):
+        return f"template {template!r} is an absolute path; it must stay inside the dataset directory"
+    return None
+
+
+def inside(root: Path, rel: str, what: str) -> Path:
+    """root / rel, refused (DatasetError) when rel is absolute or climbs out of root (`../`). Lexical: a symlink the
+    user placed inside the dataset is followed as usual."""
+    norm = os.path.normpath(rel)
+    if os.path.isabs(rel) or norm == ".." or norm.startswith(".." + os.sep) or os.path.isabs(norm):
+        raise DatasetError(f"{root}: {what} {rel!r} points outside the dataset directory; refused")
+    return root / norm
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_info(info: Any, path: Path) -> None:
+    """meta/info.json's fields that the reader relies on: one DatasetError naming the file and the field."""
+    def bad(field: str, problem: str) -> DatasetError:
+        return DatasetError(f"{path}: field {field!r}: {problem}")
+
+    if not isinstance(info, dict):
+        raise DatasetError(f"{path}: expected a JSON object, got {type(info).__name__}")
+    version = str(info.get("codebase_version", ""))
+    if not version.startswith("v3"):
+        raise bad("codebase_version", f"{version!r} is not a LeRobot v3 dataset")
+    fps = info.get("fps")
+    if fps is None:
+        raise bad("fps", "missing")
+    if not _is_number(fps) or fps <= 0:
+        raise bad("fps", f"expected a number > 0, got {fps!r}")
+    feats = info.get("features")
+    if feats is None:
+        raise bad("features", "missing")
+    if not isinstance(feats, dict) or not feats:
+        raise bad("features", f"expected a non-empty mapping of feature name -> spec, got {feats!r}"[:300])
+    for name, f in feats.items():
+        if not isinstance(f, dict) or not isinstance(f.get("dtype"), str):
+            raise bad(f"features.{name}", f"expected a mapping with a 'dtype' string, got {f!r}"[:300])
+        shape = f.get("shape")
+        if not isinstance(shape, list) or not shape or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+            raise bad(f"features.{name}.shape", f"expected a list of positive integers, got {shape!r}")
+        if f["dtype"] in ("video", "image") and (len(shape) != 3 or shape[2] not in (1, 3, 4)):
+            raise bad(f"features.{name}.shape", f"expected [height, width, channels] for a {f['dtype']}, got {shape}")
+    need = ["data_path"] + (["video_path"] if any(f["dtype"] == "video" for f in feats.values()) else [])
+    for key in need:
+        if key not in info:
+            raise bad(key, "missing")
+        problem = template_problem(info[key])
+        if problem:
+            raise bad(key, problem)
+    total = info.get("total_frames")
+    if total is not None and (not isinstance(total, int) or isinstance(total, bool) or total < 0):
+        raise bad("total_frames", f"expected an integer >= 0, got {total!r}")
 
 
 def read_json(path: Path) -> Any:
@@ -259,9 +335,7 @@ class LeRobotDataset:
         if not self.root.is_dir():
             raise MissingFileError(self.root, "dataset directory")
         self.info: dict = read_json(self.root / "meta" / "info.json")
-        version = str(self.info.get("codebase_version", ""))
-        if not version.startswith("v3"):
-            raise DatasetError(f"{self.root}: codebase_version {version!r} is not a LeRobot v3 dataset")
+        check_info(self.info, self.root / "meta" / "info.json")
         self.fps = float(self.info["fps"])
         if float(self.fps).is_integer():
             self.fps = int(self.fps)
@@ -308,8 +382,15 @@ class LeRobotDataset:
         rows: list[dict] = []
         for f in files:
             t = read_parquet(f, "episodes metadata file")
+            missing = [c for c in ("episode_index", "data/chunk_index", "data/file_index") if c not in t.column_names]
+            if missing:
+                raise DatasetError(f"{f}: column {missing[0]!r} missing")
             keep = [c for c in t.column_names if not c.startswith("stats/")]
-            rows.extend(t.select(keep).to_pylist())
+            for r in t.select(keep).to_pylist():
+                for c in ("episode_index", "data/chunk_index", "data/file_index"):
+                    if not isinstance(r[c], int) or r[c] < 0:
+                        raise DatasetError(f"{f}: column {c!r}: expected integers >= 0, got {r[c]!r}")
+                rows.append(r)
         rows.sort(key=lambda r: int(r["episode_index"]))
         return rows
 
@@ -335,7 +416,7 @@ class LeRobotDataset:
             key = (int(e["data/chunk_index"]), int(e["data/file_index"]))
             if key not in seen:
                 seen.append(key)
-        return [self.root / format_path(self.info["data_path"], c, f) for c, f in seen]
+        return [inside(self.root, format_path(self.info["data_path"], c, f), "data file") for c, f in seen]
 
     def _load_data(self):
         import pyarrow as pa
@@ -346,12 +427,27 @@ class LeRobotDataset:
         except pa.ArrowInvalid as e:
             raise DatasetError(f"{self.root}: data files have incompatible schemas: {e}") from None
         self._columns: dict[str, Any] = {}
+        info_path = self.root / "meta" / "info.json"
         for name in table.column_names:
             feat = self.features.get(name, {})
             if feat.get("dtype") in ("video",):
                 continue
             shape = feat.get("shape")
-            self._columns[name] = column_to_numpy(table.column(name), shape if shape and shape != [1] else None)
+            try:
+                col = column_to_numpy(table.column(name), shape if shape and shape != [1] else None)
+            except ValueError:   # rows of different lengths
+                raise DatasetError(f"{info_path}: field 'features.{name}.shape' declares {shape} but the rows of "
+                                   f"column {name!r} in the data files differ in length") from None
+            if shape and isinstance(col, np.ndarray) and feat.get("dtype") != "image":
+                got = [int(d) for d in col.shape[1:]] or [1]
+                if got != list(shape) and not (list(shape) == [1] and got == [1]):
+                    raise DatasetError(f"{info_path}: field 'features.{name}.shape' declares {shape} but the data "
+                                       f"files hold {got} per row")
+            self._columns[name] = col
+        absent = [k for k, f in self.features.items() if f["dtype"] != "video" and k not in self._columns]
+        if absent:
+            raise DatasetError(f"{info_path}: field 'features.{absent[0]}' is declared but the data files have no "
+                               f"such column")
         for need in ("episode_index", "frame_index", "timestamp", "index"):
             if need not in self._columns:
                 raise DatasetError(f"{self.root}: data files lack the {need!r} column")
@@ -376,7 +472,10 @@ class LeRobotDataset:
         f = episode.get(f"videos/{key}/file_index")
         if c is None or f is None:
             raise DatasetError(f"{self.root}: episode {episode['episode_index']} has no video location for {key!r}")
-        return self.root / format_path(self.info["video_path"], c, f, video_key=key)
+        if not isinstance(c, int) or not isinstance(f, int) or c < 0 or f < 0:
+            raise DatasetError(f"{self.root}: episode {episode['episode_index']}: videos/{key}/chunk_index and "
+                               f"file_index must be integers >= 0, got {c!r}, {f!r}")
+        return inside(self.root, format_path(self.info["video_path"], c, f, video_key=key), "video file")
 
     def _check_video_files(self):
         for key in self.video_keys:
@@ -387,6 +486,25 @@ class LeRobotDataset:
                     seen.add(p)
                     if not p.exists():
                         raise MissingFileError(p, f"video file for {key}")
+
+    def verify_videos(self) -> int:
+        """Open every video file of the selected cameras and decode its first frame: a garbage, empty or truncated
+        mp4, or frames of another size than the feature's shape, raise (CorruptFileError / DatasetError, naming the
+        file). Returns the number of files checked."""
+        checked = 0
+        for key in self.video_keys:
+            seen = set()
+            for e in self.episodes:
+                p = self._video_path(key, e)
+                if p in seen:
+                    continue
+                seen.add(p)
+                h, w = probe_video(p)
+                want = self.features[key]["shape"][:2]
+                if [h, w] != list(want):
+                    raise DatasetError(f"{p}: frames are {h}x{w} but features.{key}.shape declares {want[0]}x{want[1]}")
+                checked += 1
+        return checked
 
     # ------------------------------------------------------------------------------------------- access
     def __len__(self) -> int:
@@ -484,6 +602,23 @@ class LeRobotDataset:
                 f"cameras={self.cameras})")
 
 
+def probe_video(path: Path) -> tuple[int, int]:
+    """(height, width) of the first decoded frame of a video file; CorruptFileError if there is none."""
+    import av
+
+    if not Path(path).exists():
+        raise MissingFileError(path, "video file")
+    try:
+        with av.open(str(path)) as c:
+            if not c.streams.video:
+                raise CorruptFileError(path, "no video stream")
+            for frame in c.decode(c.streams.video[0]):
+                return int(frame.height), int(frame.width)
+    except (av.error.FFmpegError, OSError, ValueError) as e:
+        raise CorruptFileError(path, f"cannot decode video: {str(e).splitlines()[0][:200]}") from None
+    raise CorruptFileError(path, "no decodable video frame")
+
+
 def _decode_image_cell(cell: Any, root: Path) -> np.ndarray:
     """An `image` feature cell ({bytes, path} struct) -> uint8 (H, W, 3)."""
     import io
@@ -493,8 +628,7 @@ def _decode_image_cell(cell: Any, root: Path) -> np.ndarray:
     if isinstance(cell, dict):
         data = cell.get("bytes")
         if data is None and cell.get("path"):
-            p = Path(cell["path"])
-            p = p if p.is_absolute() else root / p
+            p = inside(root, str(cell["path"]), "image path")
             if not p.exists():
                 raise MissingFileError(p, "image file")
             data = p.read_bytes()

@@ -1,0 +1,130 @@
+"""Corrupted copies of the LeRobot fixture: every case is one line naming the file and the field, exit code 2 from
+the CLI (`wamkit data inspect`), never a traceback, never a silent wrong read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from wamkit.cli.main import main
+from wamkit.data.errors import DatasetError
+from wamkit.data.lerobot import LeRobotDataset
+
+FIXTURE = Path(__file__).parent / "fixtures" / "lerobot_v3_libero_tiny"
+VIDEO = Path("videos/observation.images.image/chunk-000/file-000.mp4")
+
+
+def _copy(tmp_path) -> Path:
+    root = tmp_path / "ds"
+    shutil.copytree(FIXTURE, root)
+    return root
+
+
+def _edit_info(root: Path, fn) -> Path:
+    p = root / "meta" / "info.json"
+    info = json.loads(p.read_text())
+    fn(info)
+    p.write_text(json.dumps(info))
+    return p
+
+
+def _inspect_fails(capsys, root: Path, *must_name: str) -> str:
+    capsys.readouterr()
+    assert main(["data", "inspect", str(root)]) == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for s in must_name:
+        assert s in err, (s, err)
+    return err
+
+
+def test_the_fixture_itself_inspects_fine(capsys):
+    assert main(["data", "inspect", str(FIXTURE)]) == 0
+    assert "video files 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda i: i.update(fps="ten"), "'fps'"),
+    (lambda i: i.update(fps=0), "'fps'"),
+    (lambda i: i.update(fps=-10), "'fps'"),
+    (lambda i: i.pop("fps"), "'fps'"),
+    (lambda i: i.pop("features"), "'features'"),
+    (lambda i: i.update(features=[1, 2]), "'features'"),
+    (lambda i: i["features"]["action"].update(shape="seven"), "'features.action.shape'"),
+    (lambda i: i["features"]["action"].pop("dtype"), "'features.action'"),
+    (lambda i: i.update(data_path=None), "'data_path'"),
+    (lambda i: i.update(total_frames="many"), "'total_frames'"),
+    (lambda i: i.update(video_path="videos/{video_key.__class__}/{chunk_index}/{file_index}.mp4"), "'video_path'"),
+    (lambda i: i.update(video_path="/etc/{video_key}-{chunk_index}-{file_index}.mp4"), "'video_path'"),
+    (lambda i: i.update(video_path="videos/{video_key}/chunk-{chunk_index:03d"), "'video_path'"),
+], ids=["fps-str", "fps-0", "fps-neg", "fps-missing", "features-missing", "features-list", "shape-str",
+        "dtype-missing", "data_path-null", "total_frames-str", "template-attr", "template-abs", "template-bad"])
+def test_bad_info_fields_name_the_file_and_field(tmp_path, capsys, edit, field):
+    root = _copy(tmp_path)
+    info = _edit_info(root, edit)
+    _inspect_fails(capsys, root, str(info), field)
+
+
+def test_info_that_is_not_an_object(tmp_path, capsys):
+    root = _copy(tmp_path)
+    (root / "meta" / "info.json").write_text("[1, 2, 3]")
+    _inspect_fails(capsys, root, "info.json")
+
+
+@pytest.mark.parametrize("declared", [[6], [8], [7, 2]])
+def test_declared_action_shape_that_disagrees_with_the_data_is_an_error(tmp_path, capsys, declared):
+    root = _copy(tmp_path)
+    info = _edit_info(root, lambda i: i["features"]["action"].update(shape=declared))
+    err = _inspect_fails(capsys, root, str(info), "'features.action.shape'", str(declared))
+    assert "[7]" in err    # what the data holds
+    with pytest.raises(DatasetError):
+        LeRobotDataset(root)   # the training path refuses it too
+
+
+def test_declared_feature_missing_from_the_data(tmp_path, capsys):
+    root = _copy(tmp_path)
+    info = _edit_info(root, lambda i: i["features"].update(extra={"dtype": "float32", "shape": [2], "names": None}))
+    _inspect_fails(capsys, root, str(info), "'features.extra'")
+
+
+@pytest.mark.parametrize("content", [b"", b"this is not an mp4 file at all" * 100, None],
+                         ids=["empty", "garbage", "truncated"])
+def test_data_inspect_exits_2_on_a_broken_mp4(tmp_path, capsys, content):
+    root = _copy(tmp_path)
+    mp4 = root / VIDEO
+    if content is None:      # the container header only: no decodable frame
+        content = mp4.read_bytes()[:200]
+    mp4.write_bytes(content)
+    _inspect_fails(capsys, root, str(mp4))
+
+
+def test_video_frames_of_another_size_than_declared(tmp_path, capsys):
+    root = _copy(tmp_path)
+    info = _edit_info(root, lambda i: i["features"]["observation.images.image"].update(shape=[32, 32, 3]))
+    _inspect_fails(capsys, root, "file-000.mp4", "32x32")
+    assert info.exists()
+
+
+@pytest.mark.parametrize("template", [
+    "../../../{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4",
+    "videos/../../outside/{video_key}-{chunk_index}-{file_index}.mp4",
+])
+def test_video_path_outside_the_dataset_is_refused(tmp_path, capsys, template):
+    root = _copy(tmp_path)
+    # a real video where the template points, so only the containment check can refuse it
+    target = (root / template.format(video_key="observation.images.image", chunk_index=0, file_index=0))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(root / VIDEO, target)
+    _edit_info(root, lambda i: i.update(video_path=template))
+    _inspect_fails(capsys, root, "outside the dataset")
+
+
+def test_data_path_outside_the_dataset_is_refused(tmp_path, capsys):
+    root = _copy(tmp_path)
+    shutil.copy(root / "data/chunk-000/file-000.parquet", tmp_path / "file-000.parquet")
+    _edit_info(root, lambda i: i.update(data_path="../file-{file_index:03d}.parquet"))
+    _inspect_fails(capsys, root, "outside the dataset")
