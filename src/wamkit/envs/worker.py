@@ -8,6 +8,9 @@ path) travel through the pipe.
 Many workers can be in flight at once from one event loop: `await reset/execute` registers the pipe and the process
 sentinel with `loop.add_reader` and never blocks the loop. A process that dies mid-call (killed, OOM, segfault in the
 simulator) raises EnvWorkerCrashed promptly, because its end of the pipe and its sentinel both become readable.
+A process that stops answering (stalled, SIGSTOP) is detected by the caller's deadline (the eval scheduler's
+CallDeadlines), which kill()s it and handles EnvWorkerTimeout, a kind of EnvWorkerCrashed, as a crash; an env that
+is not built within start_timeout raises EnvWorkerTimeout too.
 """
 
 from __future__ import annotations
