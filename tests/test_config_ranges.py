@@ -3,6 +3,8 @@ code 2 (no traceback, nothing started)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from wamkit.cli.main import main
@@ -44,7 +46,7 @@ def _one_line_exit_2(capsys, argv, key):
     (["data", "stats", "tests/fixtures/lerobot_v3_libero_tiny", "num_chunks=x"], "num_chunks"),
 ])
 def test_out_of_range_numbers_exit_2_with_one_line(capsys, argv, key, tmp_path, monkeypatch):
-    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[1])
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])   # the fixture path of the data stats cases
     if argv[0] != "data" or argv[1] == "record":
         argv = [*argv, f"out={tmp_path / 'out'}"]
     _one_line_exit_2(capsys, argv, key)
