@@ -128,3 +128,16 @@ def test_data_path_outside_the_dataset_is_refused(tmp_path, capsys):
     shutil.copy(root / "data/chunk-000/file-000.parquet", tmp_path / "file-000.parquet")
     _edit_info(root, lambda i: i.update(data_path="../file-{file_index:03d}.parquet"))
     _inspect_fails(capsys, root, "outside the dataset")
+
+
+def test_episode_without_a_video_start_time(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = _copy(tmp_path)
+    ep = root / "meta/episodes/chunk-000/file-000.parquet"
+    t = pq.read_table(ep)
+    col = "videos/observation.images.image/from_timestamp"
+    t = t.set_column(t.column_names.index(col), col, pa.array([None] * t.num_rows, pa.float64()))
+    pq.write_table(t, ep)
+    _inspect_fails(capsys, root, "from_timestamp", "meta/episodes")

@@ -481,6 +481,10 @@ class LeRobotDataset:
         for key in self.video_keys:
             seen = set()
             for e in self.episodes:
+                t0 = e.get(f"videos/{key}/from_timestamp")
+                if not _is_number(t0) or t0 < 0:
+                    raise DatasetError(f"{self.root}/meta/episodes: episode {e['episode_index']}: column "
+                                       f"'videos/{key}/from_timestamp' must be a number >= 0, got {t0!r}")
                 p = self._video_path(key, e)
                 if p not in seen:
                     seen.add(p)
