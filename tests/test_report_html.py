@@ -4,8 +4,10 @@ renders. Plus fast checks of the page and of report.md without a browser."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import shutil
 from pathlib import Path
 
@@ -41,34 +43,44 @@ def mw_out(tmp_path_factory):
     return out
 
 
-def _browser_check(out: Path) -> dict:
-    sync_api = pytest.importorskip("playwright.sync_api")
+@contextlib.contextmanager
+def report_page(out: Path, width: int = 1280, height: int = 900):
+    """(page, errors, fetched): OUT/report.html open in headless chromium; errors collects console errors and
+    uncaught exceptions, fetched every URL requested other than the page itself and data: URIs."""
+    from playwright.sync_api import sync_playwright
+
     exe = chromium_path()
     if exe is None:
-        pytest.fail("no chromium on this machine: `make setup` installs Debian's chromium (Makefile APT_PKGS)")
+        raise RuntimeError("no chromium on this machine: `make setup` installs Debian's chromium (Makefile APT_PKGS)")
     url = (out / "report.html").resolve().as_uri()
     errors, fetched = [], []
-    with sync_api.sync_playwright() as pw:
+    with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=exe, headless=True, args=["--no-sandbox"])
         try:
-            page = browser.new_page()
+            page = browser.new_page(viewport={"width": width, "height": height})
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("request", lambda r: fetched.append(r.url)
                     if not r.url.startswith(("data:", url)) else None)
             page.goto(url, wait_until="load")
-            rows = page.locator("#tasks tbody tr").count()
-            img = page.evaluate("() => { const i = document.getElementById('timeline');"
-                                " return i ? [i.complete, i.naturalWidth] : null; }")
-            videos = page.evaluate("""async () => Promise.all([...document.querySelectorAll('video')].map(async v => {
-                await v.play();
-                if (v.readyState < 2) await new Promise(r => v.addEventListener('loadeddata', r, {once: true}));
-                return {ready: v.readyState, width: v.videoWidth, error: v.error && v.error.code,
-                        success: v.closest('figure').dataset.success,
-                        label: v.closest('figure').querySelector('.badge').textContent};
-            }))""")
+            yield page, errors, fetched
         finally:
             browser.close()
+
+
+def _browser_check(out: Path) -> dict:
+    pytest.importorskip("playwright.sync_api")
+    with report_page(out) as (page, errors, fetched):
+        rows = page.locator("#tasks tbody tr").count()
+        img = page.evaluate("() => { const i = document.getElementById('timeline');"
+                            " return i ? [i.complete, i.naturalWidth] : null; }")
+        videos = page.evaluate("""async () => Promise.all([...document.querySelectorAll('video')].map(async v => {
+            await v.play();
+            if (v.readyState < 2) await new Promise(r => v.addEventListener('loadeddata', r, {once: true}));
+            return {ready: v.readyState, width: v.videoWidth, error: v.error && v.error.code,
+                    success: v.closest('figure').dataset.success,
+                    label: v.closest('figure').querySelector('.badge').textContent};
+        }))""")
     return {"errors": errors, "fetched": fetched, "rows": rows, "img": img, "videos": videos}
 
 
@@ -159,3 +171,19 @@ def test_videos_are_enlarged_to_be_judged(tmp_path):
         st = c.streams.video[0]
         assert (st.codec_context.name, st.codec_context.pix_fmt) == ("h264", "yuv420p")
         assert min(st.width, st.height) >= MIN_VIDEO_SIZE
+
+
+if __name__ == "__main__":
+    # the README picture: python tests/test_report_html.py OUT docs/img/report.png [full]
+    # a screenshot of OUT/report.html from the top through the timeline (the whole page with "full")
+    with report_page(Path(sys.argv[1])) as (page, errors, _):
+        page.evaluate("() => Promise.all([...document.querySelectorAll('video')].map(v => "
+                      "{ v.controls = false; v.currentTime = v.duration * 0.6; v.pause(); return new Promise(r => "
+                      "v.addEventListener('seeked', r, {once: true})); }))")
+        if len(sys.argv) > 3 and sys.argv[3] == "full":
+            page.screenshot(path=sys.argv[2], full_page=True)
+        else:
+            bottom = page.evaluate("() => { const b = document.getElementById('timeline').getBoundingClientRect();"
+                                   " return b.bottom + window.scrollY + 16; }")
+            page.screenshot(path=sys.argv[2], full_page=True, clip={"x": 0, "y": 0, "width": 1280, "height": bottom})
+        assert not errors, errors

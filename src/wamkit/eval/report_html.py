@@ -1,7 +1,7 @@
 """OUT/report.html: one self-contained page for an evaluation output directory.
 
-What it shows: the per-task success table and a bar chart, throughput and utilization, the timeline picture, the
-recorded episode videos labelled success / failure, the resolved config and the versions. Self-contained: styles
+What it shows: the per-task success table and a bar chart, the recorded episode videos labelled success / failure,
+the timeline picture, throughput and utilization, the resolved config and the versions. Self-contained: styles
 inline, the chart is inline SVG, the timeline PNG and the videos are data URIs, nothing is fetched from a network.
 Videos beyond EMBED_BUDGET_BYTES (all together) are linked relatively from OUT/videos/ instead, with a note, so the
 page still works next to its directory."""
@@ -23,7 +23,7 @@ main{max-width:1180px;margin:0 auto;padding:20px 24px 40px}
 h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 10px}
 .sub{color:#5b6472;font-size:13px}
 .cards{display:flex;flex-wrap:wrap;gap:10px;margin:16px 0}
-.card{background:#fff;border:1px solid #e1e4e8;border-radius:8px;padding:10px 14px;min-width:120px}
+.card{background:#fff;border:1px solid #e1e4e8;border-radius:8px;padding:10px 14px;min-width:96px}
 .card b{display:block;font-size:22px}.card span{color:#5b6472;font-size:12px}
 .row{display:flex;flex-wrap:wrap;gap:18px;align-items:flex-start}
 .row>*{flex:1 1 440px}
@@ -66,14 +66,14 @@ def load_records(out: Path) -> list[dict[str, Any]]:
 def _cards(s: dict[str, Any]) -> str:
     th, sch = s.get("throughput", {}), s.get("scheduler", {})
     cards = [(f"{s['success_rate']:.0%}", f"success ({s['successes']}/{s['episodes']})"),
-             (f"{th.get('episodes_per_hour', 0):.0f}", "episodes / hour"),
+             (f"{th.get('episodes_per_hour', 0):.0f}", "episodes / h"),
              (f"{th.get('env_steps_per_s', 0):.1f}", "env steps / s"),
              (f"{th.get('inference_obs_per_s', 0):.1f}", "inference obs / s")]
     if "env_busy" in sch:
-        cards += [(f"{sch['env_busy']:.0%}", "env busy (of env time)"),
-                  (f"{sch['inference_busy']:.0%}", "inference busy (of wall)"),
+        cards += [(f"{sch['env_busy']:.0%}", "env busy"),
+                  (f"{sch['inference_busy']:.0%}", "inference busy"),
                   (f"{sch.get('mean_batch', 0):.1f}", "mean batch")]
-    cards.append((f"{th.get('wall_s', 0):.1f} s", f"wall ({th.get('episodes_this_run', 0)} episodes this run)"))
+    cards.append((f"{th.get('wall_s', 0):.1f} s", f"wall, {th.get('episodes_this_run', 0)} episodes"))
     return '<div class="cards">' + "".join(f'<div class="card"><b>{_e(v)}</b><span>{_e(k)}</span></div>'
                                            for v, k in cards) + "</div>"
 
@@ -188,20 +188,20 @@ def render_html(out: str | Path) -> str:
 <link rel="icon" href="data:,"><style>{CSS}</style></head>
 <body><main>
 <h1>{_e(title)}</h1>
-<div class="sub">{_e(out.resolve())} &middot; {_e(when)} &middot; mode {_e(cfg.get('mode', '?'))}, inference
+<div class="sub">{_e(out)} &middot; {_e(when)} &middot; mode {_e(cfg.get('mode', '?'))}, inference
 {_e(cfg.get('inference', '?'))}, {_e(cfg.get('trials', '?'))} trials per task</div>
 {_cards(s)}
 <h2>Success per task</h2>
 <div class="row"><div>{_table(s)}</div><div>{_bar_chart(s)}</div></div>
+<h2>Episodes</h2>
+{_videos(out, load_records(out))}
+<h2>Timeline</h2>
+{timeline}
 <h2>Throughput and utilization</h2>
 <div class="row"><div>{_throughput(s)}</div><div class="sub">Throughput counts this run's episodes over
 its evaluation time (a server's start-up is setup, not counted). Env busy: time the env processes spent simulating
 or resetting, as a share of their time; inference busy: time the policy was computing, as a share of wall time.
 </div></div>
-<h2>Timeline</h2>
-{timeline}
-<h2>Episodes</h2>
-{_videos(out, load_records(out))}
 <h2>Configuration</h2>
 <pre id="config">{_e(json.dumps(cfg, indent=2))}</pre>
 <h2>Versions</h2>
