@@ -154,6 +154,27 @@ def test_report_page_without_browser(tmp_path):
     assert "timeline.png" not in md and "(report.html)" in md
 
 
+def test_report_with_a_timeline(tmp_path):
+    """timeline.json -> timeline.png, linked from report.md (with the utilization) and embedded in report.html."""
+    from wamkit.eval.report import write_report
+    from wamkit.eval.timeline import Timeline
+
+    out = _fake_out(tmp_path)
+    tl = Timeline(0.0)
+    for i in range(2000):                       # two env lanes half busy, one request lane
+        tl.add(f"env/{i % 2}", "sim", i * 0.01, i * 0.01 + 0.01)
+        tl.add("request", "request", i * 0.01, i * 0.01 + 0.005, n=2)
+    tl.save(out / "timeline.json")
+    write_report(out)
+    from PIL import Image
+
+    assert Image.open(out / "timeline.png").size[0] > 0
+    md = (out / "report.md").read_text()
+    assert "](timeline.png)" in md and "Utilization: env busy 50% of env time, inference busy 50%" in md
+    page = (out / "report.html").read_text()
+    assert 'id="timeline"' in page and "data:image/png;base64," in page
+
+
 def test_videos_are_enlarged_to_be_judged(tmp_path):
     import av
 
