@@ -82,7 +82,7 @@ def report_markdown(out: str | Path, summary: dict) -> str:
         parts.append(f"Utilization: {utilization_line(u)}.\n")
     if (Path(out) / "timeline.png").exists():
         parts.append("![timeline: one lane per env and inference side](timeline.png)\n")
-    parts.append("Everything on one page (table, chart, timeline, episode videos, config): [report.html](report.html)\n")
+    parts.append("All on one page (table, chart, episode videos, timeline, config): [report.html](report.html)\n")
     return "\n".join(parts)
 
 
