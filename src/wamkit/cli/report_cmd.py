@@ -1,4 +1,5 @@
-"""`wamkit report OUT`: the per-task table, throughput, and the timeline PNG of an evaluation."""
+"""`wamkit report OUT`: print the per-task table, throughput and utilization of an evaluation and (re)write its
+report files: OUT/timeline.png, OUT/report.md and OUT/report.html (one self-contained page with the videos)."""
 
 from __future__ import annotations
 

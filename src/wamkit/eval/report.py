@@ -1,4 +1,5 @@
-"""Human-readable views of an evaluation output directory: the per-task table and the timeline picture."""
+"""Human-readable views of an evaluation output directory: the per-task table, the timeline picture, report.md and
+report.html (see report_html)."""
 
 from __future__ import annotations
 
@@ -43,19 +44,68 @@ def table_markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def print_report(out: str | Path, console: Console | None = None) -> dict:
-    console = console or Console()
-    s = load_summary(out)
-    console.print(task_table(s))
-    console.print(throughput_line(s))
-    (Path(out) / "report.md").write_text(table_markdown(s) + "\n" + throughput_line(s) + "\n")
+def utilization(out: str | Path, summary: dict) -> dict | None:
+    """env_busy / inference_busy / mean_batch of a run: the summary's, else measured from OUT/timeline.json."""
+    sch = summary.get("scheduler", {})
+    if "env_busy" in sch:
+        return {"env_busy": sch["env_busy"], "inference_busy": sch["inference_busy"],
+                "mean_batch": sch.get("mean_batch", 0.0)}
     tl = Path(out) / "timeline.json"
     if tl.exists():
         from wamkit.eval.timeline import Timeline
 
-        timeline = Timeline.load(tl)
-        png = timeline.draw(Path(out) / "timeline.png")
-        u = timeline.utilization()
-        console.print(f"timeline: {png}  env busy {u['env_busy']:.0%} of env time, "
-                      f"inference busy {u['inference_busy']:.0%} of wall time")
+        return Timeline.load(tl).utilization()
+    return None
+
+
+def utilization_line(u: dict) -> str:
+    return (f"env busy {u['env_busy']:.0%} of env time, inference busy {u['inference_busy']:.0%} of wall time, "
+            f"mean batch {u.get('mean_batch', 0.0):.1f}")
+
+
+def draw_timeline(out: str | Path) -> Path | None:
+    """OUT/timeline.png from OUT/timeline.json (redrawn only when the JSON is newer); None without a timeline."""
+    tl, png = Path(out) / "timeline.json", Path(out) / "timeline.png"
+    if not tl.exists():
+        return None
+    if not png.exists() or png.stat().st_mtime < tl.stat().st_mtime:
+        from wamkit.eval.timeline import Timeline
+
+        Timeline.load(tl).draw(png)
+    return png
+
+
+def report_markdown(out: str | Path, summary: dict) -> str:
+    parts = [table_markdown(summary), throughput_line(summary) + "\n"]
+    u = utilization(out, summary)
+    if u is not None:
+        parts.append(f"Utilization: {utilization_line(u)}.\n")
+    if (Path(out) / "timeline.png").exists():
+        parts.append("![timeline: one lane per env and inference side](timeline.png)\n")
+    parts.append("All on one page (table, chart, episode videos, timeline, config): [report.html](report.html)\n")
+    return "\n".join(parts)
+
+
+def write_report(out: str | Path) -> dict:
+    """Write OUT/timeline.png, OUT/report.md and OUT/report.html; returns the summary."""
+    from wamkit.eval.report_html import write_html
+
+    s = load_summary(out)
+    draw_timeline(out)
+    (Path(out) / "report.md").write_text(report_markdown(out, s))
+    write_html(out)
+    return s
+
+
+def print_report(out: str | Path, console: Console | None = None) -> dict:
+    """Print the per-task table, throughput and utilization, and (re)write the report files."""
+    console = console or Console()
+    s = write_report(out)
+    console.print(task_table(s))
+    console.print(throughput_line(s))
+    u = utilization(out, s)
+    png = Path(out) / "timeline.png"
+    if u is not None:
+        console.print(f"timeline: {png if png.exists() else '-'}  {utilization_line(u)}")
+    console.print(f"report: {Path(out) / 'report.html'}")
     return s

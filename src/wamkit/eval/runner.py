@@ -22,6 +22,7 @@ from wamkit.eval.inference import InProcessInference, ServerInference
 from wamkit.eval.journal import Journal
 from wamkit.eval.metrics import summarize
 from wamkit.eval.plan import plan_for_tasks
+from wamkit.eval.report import write_report
 from wamkit.eval.scheduler import EpisodeOutcome, Scheduler, SchedulerOptions
 from wamkit.eval.timeline import Timeline
 from wamkit.policies.registry import make_policy, policy_class
@@ -201,6 +202,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "request_ms_mean": util.get("request_ms_mean", 0.0),
                                 "compute_ms_mean": util.get("compute_ms_mean", 0.0)}})
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_report(out)   # timeline.png, report.md, report.html
         return summary
     finally:
         if journal is not None:
