@@ -43,13 +43,20 @@ def test_image_layout_resize_and_reflection_pad():
         C.cosmos3_image({"image": agent})
 
 
-def test_prompt_in_training_format():
-    p = C.cosmos3_prompt("put the bowl on the plate")
+def test_prompt_and_framing():
+    # recipe (default): the camera layout goes to SGLang's caption framing (concat_view), the task alone as text
+    assert C.cosmos3_prompt("put the bowl on the plate") == "put the bowl on the plate"
+    assert C.cosmos3_parameters()["action_view_point"] == "concat_view"
+    # rlinf: ego_view framing, camera sentences appended to the task (what RLinf's adapter sends)
+    p = C.cosmos3_prompt("put the bowl on the plate", framing="rlinf")
     assert p == ("put the bowl on the plate. This video contains concatenated views from multiple camera "
                  "perspectives. The left half shows the third-person view; the right half shows the wrist-mounted "
                  "camera.")
-    assert C.cosmos3_prompt("open it.").startswith("open it. This video")
-    assert C.cosmos3_prompt("open it", num_cameras=1) == "open it"
+    assert C.cosmos3_prompt("open it.", framing="rlinf").startswith("open it. This video")
+    assert C.cosmos3_prompt("open it", num_cameras=1, framing="rlinf") == "open it"
+    assert C.cosmos3_parameters(framing="rlinf")["action_view_point"] == "ego_view"
+    with pytest.raises(UserError, match="recipe, rlinf"):
+        C.cosmos3_parameters(framing="wide")
 
 
 def test_request_builder():
@@ -62,7 +69,7 @@ def test_request_builder():
     assert p["action_mode"] == "policy" and p["domain_name"] == "libero" and p["raw_action_dim"] == 10
     assert p["action_horizon"] == 16 and p["num_frames"] == 17 and p["num_inference_steps"] == 30
     assert p["seed"] == 42 and (p["height"], p["width"]) == (192, 320) and p["fps"] == 20
-    assert body["input"]["prompt"].startswith("pick up the mug. This video contains")
+    assert body["input"]["prompt"] == "pick up the mug" and p["action_view_point"] == "concat_view"
     imgs = body["input"]["image"]
     assert len(imgs) == 2 and decode_image(imgs[0], "image").shape == (192, 320, 3)
     assert json.loads(json.dumps(C.build_cosmos3_request(obs, seed=1, binary=False)))["input"]["image"]["b64_json"]
@@ -174,20 +181,18 @@ def _obs3():
             for t in ("open the drawer", "open the drawer", "close it")]
 
 
-@pytest.mark.parametrize("client", ["own", "serve"])
+@pytest.mark.parametrize("client", ["own", "injected"])
 def test_predict_through_sglang_endpoint(fake_sglang, client):
-    """The policy's own client and wamkit.serve's SyncActionClient (injected, as the serving layer would) give the
-    same actions; observations with the same prompt and seed share a request."""
+    """The policy's transport (wamkit.protocol.client in SGLang mode) and an injected one give the same actions;
+    with seed=None every observation keeps its own seed, so only same prompt + same seed share a request."""
     stats = {"q01": Q01.tolist(), "q99": Q99.tolist()}
     kw = {}
-    if client == "serve":
-        from wamkit.policies.cosmos3 import io as C
+    if client == "injected":
         from wamkit.serve.client import SyncActionClient
 
         kw["client"] = SyncActionClient(fake_sglang, mode="sglang", camera="image",
-                                        parameters=C.cosmos3_parameters(30), raw_action_dim=C.RAW_ACTION_DIM,
-                                        group_by_seed=True)
-    pol = make_policy("cosmos3", url=fake_sglang, action_stats=stats, **kw)
+                                        parameters=C.cosmos3_parameters(30), raw_action_dim=C.RAW_ACTION_DIM)
+    pol = make_policy("cosmos3", url=fake_sglang, action_stats=stats, seed=None, **kw)
     obs = _obs3()
     a = pol.predict(obs, [5, 5, 9])
     assert a.shape == (3, 16, 7) and a.dtype == np.float32
@@ -197,6 +202,7 @@ def test_predict_through_sglang_endpoint(fake_sglang, client):
     sizes = sorted(s[2] for s in _FakeSGLang.seen)
     assert sizes == [1, 2]                                                   # same prompt + seed share a batch
     assert all(s[3]["domain_name"] == "libero" and s[3]["raw_action_dim"] == 10 for s in _FakeSGLang.seen)
+    assert all((s[3]["height"], s[3]["width"]) == (192, 320) for s in _FakeSGLang.seen)
     pol.close()
     with pytest.raises(UserError):
         make_policy("cosmos3").predict(obs, [0, 1, 2])                          # no url
@@ -204,15 +210,45 @@ def test_predict_through_sglang_endpoint(fake_sglang, client):
         make_policy("cosmos3", url="http://127.0.0.1:9").predict(obs, [0, 1, 2])  # no stats
 
 
-def test_own_client_splits_batches_and_retries_when_busy(fake_sglang):
-    """max_batch splits a (prompt, seed) group; a 503 with Retry-After is retried and nothing is lost or doubled."""
+def test_fixed_request_seed_batches_by_prompt(fake_sglang):
+    """The default: one seed (RLinf's 1140) for every request, so observations of one prompt share a request."""
+    pol = make_policy("cosmos3", url=fake_sglang, action_stats={"q01": Q01.tolist(), "q99": Q99.tolist()})
+    a = pol.predict(_obs3(), [5, 5, 9])
+    np.testing.assert_allclose(a[:, 0, 0], [11.4] * 3, atol=1e-4)               # seed 1140 / 100 for every row
+    assert sorted((s[2], s[1]) for s in _FakeSGLang.seen) == [(1, 1140), (2, 1140)]
+    pol.close()
+
+
+def test_normalization_options_refuse_double_denormalization(fake_sglang):
+    stats = {"q01": Q01.tolist(), "q99": Q99.tolist()}
+    with pytest.raises(UserError, match="applied twice"):
+        make_policy("cosmos3", url=fake_sglang, action_stats=stats, normalization="server")
+    with pytest.raises(UserError, match="client, server"):
+        make_policy("cosmos3", normalization="both")
+    # server-side stats: the answer is already in the 10-D training space; only rot6d and the gripper are converted
+    pol = make_policy("cosmos3", url=fake_sglang, normalization="server", seed=None)
+    a = pol.predict(_obs3()[:1], [50])
+    raw = _norm(np.array([0.5, 0, 0, 1, 0, 0, 0, 1, 0, 1.0]))          # what the fake sends, taken as raw here
+    np.testing.assert_allclose(a[0, 0, :3], raw[:3], atol=1e-5)
+    assert pol.remote_codec().server_normalizes
+    pol.close()
+
+
+def test_batch_limit_comes_from_the_server(fake_sglang):
+    """max_batch=None: the server's metadata (8 here); max_batch=1 splits every prompt group; 503 Retry-After is
+    retried and nothing is lost or doubled."""
     pol = make_policy("cosmos3", url=fake_sglang, action_stats={"q01": Q01.tolist(), "q99": Q99.tolist()},
-                      max_batch=1)
+                      max_batch=1, seed=None)
     _FakeSGLang.busy = 2                                   # the next two requests get 503 Retry-After: 0
     a = pol.predict(_obs3(), [5, 5, 9])
     np.testing.assert_allclose(a[:, 0, 0], [0.05, 0.05, 0.09], atol=1e-5)
     assert sorted(s[2] for s in _FakeSGLang.seen) == [1, 1, 1]   # answered requests only: three of one
     assert _FakeSGLang.busy == 0
+    pol.close()
+    _FakeSGLang.seen = []
+    pol = make_policy("cosmos3", url=fake_sglang, action_stats={"q01": Q01.tolist(), "q99": Q99.tolist()})
+    pol.predict(_obs3() * 4, list(range(12)))             # 8 obs of one prompt -> one request of 8 (server max 8)
+    assert sorted(s[2] for s in _FakeSGLang.seen) == [4, 8]
     pol.close()
 
 

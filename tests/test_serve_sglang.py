@@ -99,23 +99,47 @@ def test_decode_sglang_response_padded_and_shuffled():
     assert np.array_equal(decode_sglang_response(js, None), acts[:2, :, :7])
 
 
-def test_client_sglang_mode_groups_by_prompt_end_to_end():
+def test_client_sglang_mode_groups_by_prompt_and_seed_end_to_end():
     """sglang mode against a wamkit server (which accepts SGLang's request form): one image per observation, one
-    prompt and one seed per request; group_by_seed=True keeps per-observation seeds exact."""
+    prompt and one seed per request, so observations are grouped by (prompt, seed) and every one is computed with its
+    own seed; height/width are sent (SGLang's default would crop); a batch over the server's limit is split."""
     o = obs(6, tasks=["a", "b", "a"])
-    seeds = [10, 11, 12, 13, 14, 15]
-    with WamkitServerWorker("random", {"action_dim": 7, "horizon": 16}, max_batch_size=8) as w:
-        async def go(group_by_seed):
-            async with ActionClient(w.url, mode="sglang", group_by_seed=group_by_seed, camera="wrist_image",
+    with WamkitServerWorker("random", {"action_dim": 7, "horizon": 16}, max_batch_size=3) as w:
+        async def go(seeds):
+            async with ActionClient(w.url, mode="sglang", camera="wrist_image",
                                     parameters={"domain_name": "libero", "raw_action_dim": 5}) as c:
                 a = await c.predict(o, seeds)
                 return a, sorted(t["n"] for t in c.last_timings)
-        a, ns = asyncio.run(go(False))
-        assert a.shape == (6, 16, 5) and ns == [2, 4]   # prompts a (4 obs) and b (2 obs)
-        a2, ns2 = asyncio.run(go(True))
-        assert ns2 == [1] * 6
+        seeds = [10, 11, 12, 13, 14, 15]
+        a, ns = asyncio.run(go(seeds))
+        assert ns == [1] * 6
         ref = make_policy("random", action_dim=7, horizon=16).predict(o, seeds)[:, :, :5]
-        assert np.array_equal(a2, ref)
+        assert np.array_equal(a, ref)
+        a2, ns2 = asyncio.run(go([7] * 6))                  # one seed: prompts a (4 obs, split at 3) and b (2 obs)
+        assert ns2 == [1, 2, 3] and a2.shape == (6, 16, 5)
+        assert np.array_equal(a2, make_policy("random", action_dim=7, horizon=16).predict(o, [7] * 6)[:, :, :5])
+    body = build_sglang_request(o[:2], 3, sglang_parameters(domain_name="libero", raw_action_dim=7),
+                                camera="wrist_image")
+    assert (body["parameters"]["height"], body["parameters"]["width"]) == (12, 12)
+
+
+def test_check_sglang_request_refuses_what_sglang_refuses():
+    from wamkit.protocol import check_sglang_request
+
+    p = sglang_parameters(domain_name="libero", raw_action_dim=10)
+    body = build_sglang_request(obs(3), 5, p)
+    check_sglang_request(body, max_batch_size=3)
+    with pytest.raises(ValueError, match="batching-max-size=2"):
+        check_sglang_request(body, max_batch_size=2)
+    for field, value, msg in (("seed", -1, "non-negative"), ("seed", [1, 2], "non-negative"),
+                              ("action_horizon", 10, "multiple of 4"), ("num_frames", 16, "action_horizon \\+ 1"),
+                              ("action_mode", "inverse_dynamics", "policy")):
+        bad = {**body, "parameters": {**body["parameters"], field: value}}
+        with pytest.raises(ValueError, match=msg):
+            check_sglang_request(bad)
+    bad = {**body, "input": {**body["input"], "prompt": ["a", "b"]}}
+    with pytest.raises(ValueError, match="2 prompts for 3 images"):
+        check_sglang_request(bad)
 
 
 def _sglang_and_gpu() -> tuple[bool, str]:

@@ -14,16 +14,28 @@ from wamkit.core.errors import ConfigError
 MIN_IMAGE, MAX_IMAGE = 8, 2048   # camera image side (pixels) an env may be asked to render
 
 
+PROTOCOLS = ("auto", "wamkit", "sglang")
+LAUNCHERS = ("wamkit", "sglang")
+
+
 @dataclass
 class ServerOptions:
-    """The local action server started when inference=server."""
+    """The action server(s) of inference=server: started here (`launch`) or given (`url`)."""
 
     port: int = 0                 # 0 = pick a free port
     max_batch_size: int = 64
     max_wait_ms: float = 2.0
     token: str | None = None
     url: str | None = None        # use already running server(s) (wamkit serve or SGLang; comma-separated for several)
-    protocol: str = "wamkit"      # wire form: wamkit (HTTP, wamkit's extensions) | sglang (HTTP, SGLang's request form)
+    protocol: str = "auto"        # wire form: wamkit (HTTP + wamkit's extensions) | sglang (HTTP, SGLang's request
+                                  # form) | auto (sglang for policies served by SGLang, e.g. cosmos3; else wamkit)
+    launch: str = "wamkit"        # what is started when no url is given: wamkit (`wamkit serve`) | sglang (`sglang
+                                  # serve`, one per GPU of `gpus`; options in `sglang`)
+    policy: str | None = None     # the policy `wamkit serve` runs (None: the evaluated policy; for cosmos3 on a CPU:
+                                  # cosmos3-standin, SGLang's request form answered by any wamkit policy)
+    policy_args: dict[str, Any] = field(default_factory=dict)  # that policy's arguments (with `policy`)
+    sglang: dict[str, Any] = field(default_factory=dict)  # launch=sglang: model_path (required), batching_max_size,
+                                  # batching_delay_ms, attention_backend, action_stats_path, extra_args, sglang_bin
     startup_timeout_s: float = 300.0
     replicas: int = 1             # local servers to start (e.g. one per GPU); requests go to the least loaded one
     gpus: list[int] | None = None  # replica i sees only GPU gpus[i % len(gpus)] (CUDA_VISIBLE_DEVICES); None: all
@@ -93,6 +105,10 @@ class EvalConfig:
         if self.mode == "pipelines":
             if self.num_envs < self.pipelines:
                 raise ConfigError(f"num_envs ({self.num_envs}) must be >= pipelines ({self.pipelines})")
+        if self.server.protocol not in PROTOCOLS:
+            raise ConfigError(f"server.protocol={self.server.protocol!r}; valid choices: {', '.join(PROTOCOLS)}")
+        if self.server.launch not in LAUNCHERS:
+            raise ConfigError(f"server.launch={self.server.launch!r}; valid choices: {', '.join(LAUNCHERS)}")
         if self.server.replicas < 1:
             raise ConfigError(f"server.replicas must be >= 1, got {self.server.replicas}")
         if self.server.replicas > 1 and self.server.port:

@@ -16,6 +16,7 @@ import numpy as np
 from wamkit.core.errors import UserError
 from wamkit.core.types import Observation
 from wamkit.eval.timeline import Timeline
+from wamkit.policies.base import RemoteCodec
 
 class Inference(abc.ABC):
     max_batch: int = 64
@@ -77,18 +78,24 @@ class InProcessInference(Inference):
 
 
 class ServerInference(Inference):
-    """Action server(s) over HTTP: local `wamkit serve` processes started here (`server.replicas`, e.g. one per GPU
-    with `server.gpus`; each restarted by its client when it stops answering, the request then retried), or existing
-    URLs (`server.url=`, comma-separated; wamkit serve or SGLang). With several servers each request goes to the one
-    with the fewest observations in flight."""
+    """Action server(s) over HTTP: local servers started here (`server.launch`: `wamkit serve` processes, or `sglang
+    serve` for models SGLang serves; `server.replicas`, e.g. one per GPU with `server.gpus`; each restarted by its
+    client when it stops answering, the request then retried), or existing URLs (`server.url=`, comma-separated;
+    wamkit serve or SGLang). With several servers each request goes to the one with the fewest observations in
+    flight.
+
+    A policy with a RemoteCodec (cosmos3: the model runs in SGLang) keeps its pre- and post-processing here, in the
+    evaluation process: observations are encoded off the event loop, sent with the codec's parameters and seeds in
+    SGLang's request form, and the answers decoded to env actions, so several requests are in flight at once."""
 
     name = "server"
 
     def __init__(self, *, policy: str, policy_args: dict, options, timeline: Timeline | None = None,
-                 worker_factory=None, workers: Sequence | None = None):
+                 worker_factory=None, workers: Sequence | None = None, codec: RemoteCodec | None = None):
         super().__init__(timeline)
         self.policy_name, self.policy_args, self.options = policy, dict(policy_args), options
-        self.worker_factory = worker_factory     # None: a local `wamkit serve` subprocess
+        self.codec = codec
+        self.worker_factory = worker_factory     # None: a local `wamkit serve` (or `sglang serve`) subprocess
         # workers: servers started by the caller (e.g. one set for every row of `bench eval`): used instead of
         # starting our own, restarted when they stop answering, left running at close
         self.attached = list(workers or [])
@@ -98,6 +105,8 @@ class ServerInference(Inference):
         self.in_flight: list[int] = []           # observations in flight per server
         self.served: list[int] = []              # requests answered per server
         self._next = 0
+        self.protocol = resolve_protocol(options, codec)
+        check_normalization(options, codec)
 
     @property
     def worker(self):
@@ -120,8 +129,9 @@ class ServerInference(Inference):
                                    for w in self.workers))
             targets = [(w.url, w) for w in self.workers]
         elif self.options.url is None:
-            self.workers = await asyncio.to_thread(start_server_workers, self.policy_name, self.policy_args,
-                                                   self.options, self.worker_factory)
+            policy, args = server_policy(self.policy_name, self.policy_args, self.options, self.codec)
+            self.workers = await asyncio.to_thread(start_server_workers, policy, args, self.options,
+                                                   self.worker_factory)
             targets = [(w.url, w) for w in self.workers]
         else:
             targets = [(u.strip(), None) for u in str(self.options.url).split(",") if u.strip()]
@@ -134,12 +144,17 @@ class ServerInference(Inference):
     def _make_client(self, url: str, worker):
         """The transport to one server, by `server.protocol`: an object with the async ActionClient interface
         (predict(observations, seeds) -> (N, H, D) float32, server_max_batch(), aclose())."""
-        from wamkit.serve.client import ActionClient
+        from wamkit.protocol.client import ActionClient
 
-        protocol = getattr(self.options, "protocol", "wamkit")
-        if protocol == "wamkit":
-            return ActionClient(url, token=self.options.token, on_timing=self._on_timing, worker=worker)
-        raise UserError(f"server.protocol={protocol!r} is not supported; valid choices: wamkit")
+        kw = dict(token=self.options.token, on_timing=self._on_timing, worker=worker)
+        if self.protocol == "wamkit":
+            return ActionClient(url, **kw)
+        if self.protocol == "sglang":
+            if self.codec is not None:
+                return ActionClient(url, mode="sglang", camera=self.codec.camera, parameters=self.codec.parameters(),
+                                    raw_action_dim=self.codec.raw_action_dim, **kw)
+            return ActionClient(url, mode="sglang", **kw)
+        raise UserError(f"server.protocol={self.protocol!r} is not supported; valid choices: wamkit, sglang")
 
     def _on_timing(self, rec: dict) -> None:
         t = rec.get("server") or {}
@@ -155,7 +170,12 @@ class ServerInference(Inference):
         n = len(observations)
         self.in_flight[i] += n
         try:
-            out = await self.clients[i].predict(list(observations), list(seeds))
+            if self.codec is None:
+                out = await self.clients[i].predict(list(observations), list(seeds))
+            else:   # pre/post-processing (image layout, prompt, denormalization...) off the event loop
+                sent = await asyncio.to_thread(self.codec.encode, list(observations))
+                values = await self.clients[i].predict(sent, self.codec.seeds(seeds))
+                out = await asyncio.to_thread(self.codec.decode, values)
         finally:
             self.in_flight[i] -= n
         self.served[i] += 1
@@ -167,29 +187,87 @@ class ServerInference(Inference):
         await asyncio.gather(*(asyncio.to_thread(w.stop) for w in self.workers if w not in self.attached))
 
 
-def start_server_workers(policy: str, policy_args: dict, options, worker_factory=None) -> list:
-    """Start the `options.replicas` local servers of `options` (ServerOptions: port, batching, token, serve_args;
-    server i sees GPU gpus[i % len] only) and wait until all are healthy: all start first, so their model builds
-    and warm-ups overlap. If one fails, those already started are stopped and the error raised."""
-    from wamkit.serve.workers import WamkitServerWorker
+def resolve_protocol(options, codec: RemoteCodec | None) -> str:
+    """`server.protocol`, with auto resolved: the codec's wire form for a policy served elsewhere, else wamkit."""
+    protocol = getattr(options, "protocol", "auto") or "auto"
+    if protocol == "auto":
+        return codec.protocol if codec is not None else "wamkit"
+    if codec is not None and protocol != codec.protocol:
+        raise UserError(f"server.protocol={protocol}, but this policy is served in {codec.protocol}'s request form "
+                        f"(its model runs in {codec.protocol}): use server.protocol={codec.protocol} or auto")
+    return protocol
 
+
+def check_normalization(options, codec: RemoteCodec | None) -> None:
+    """An SGLang server started with action stats denormalizes itself and its answers do not say so: the adapter
+    must agree (normalization=server), else the actions would be denormalized twice (or not at all)."""
+    if codec is None or options.url is not None or getattr(options, "launch", "wamkit") != "sglang":
+        return
+    stats = (getattr(options, "sglang", None) or {}).get("action_stats_path")
+    if stats and not codec.server_normalizes:
+        raise UserError("server.sglang.action_stats_path makes SGLang denormalize the actions, and this policy "
+                        "denormalizes them too: set policy_args.normalization=server (and drop policy_args."
+                        "action_stats), or drop server.sglang.action_stats_path")
+    if codec.server_normalizes and not stats:
+        raise UserError("policy_args.normalization=server, but the SGLang server started here gets no action stats: "
+                        "set server.sglang.action_stats_path (or normalization=client with action_stats)")
+
+
+def server_policy(policy: str, policy_args: dict, options, codec: RemoteCodec | None) -> tuple[str, dict]:
+    """The policy (and its arguments) of the servers started here. A policy with a RemoteCodec runs in SGLang
+    (launch=sglang), or in `wamkit serve` only as the stand-in named by server.policy (e.g. cosmos3-standin, which
+    gets the adapter's action_stats unless given its own)."""
+    if options.launch == "sglang":
+        return policy, dict(policy_args)
+    if options.policy:
+        args = dict(options.policy_args)
+        if codec is not None and "action_stats" in policy_args:
+            args.setdefault("action_stats", policy_args["action_stats"])
+        return options.policy, args
+    if codec is not None:
+        raise UserError(f"policy {policy!r} runs in {codec.protocol}, not in `wamkit serve`: give server.url=..., "
+                        f"or server.launch=sglang (with server.sglang.model_path), or a stand-in for `wamkit serve` "
+                        f"with server.policy=cosmos3-standin")
+    return policy, dict(policy_args)
+
+
+def start_server_workers(policy: str, policy_args: dict, options, worker_factory=None) -> list:
+    """Start the `options.replicas` local servers of `options` (ServerOptions: launch, port, batching, token,
+    serve_args / sglang; server i sees GPU gpus[i % len] only) and wait until all are healthy: all start first, so
+    their model builds and warm-ups overlap. If one fails, those already started are stopped and the error raised."""
+    from wamkit.serve.workers import SGLangServerWorker, WamkitServerWorker
+
+    launch = getattr(options, "launch", "wamkit")
     workers = []
     try:
         for i in range(max(1, int(getattr(options, "replicas", 1) or 1))):
-            kw = dict(policy=policy, policy_args=dict(policy_args), port=options.port,
-                      max_batch_size=options.max_batch_size, max_wait_ms=options.max_wait_ms, token=options.token)
-            extra = getattr(options, "serve_args", None)
-            if extra:
-                kw["extra_args"] = dict(extra)
             gpus = getattr(options, "gpus", None)
-            if gpus:
-                kw["env"] = {"CUDA_VISIBLE_DEVICES": str(gpus[i % len(gpus)])}
-            w = (worker_factory or WamkitServerWorker)(**kw)
-            w.default_start_timeout = options.startup_timeout_s
+            env = {"CUDA_VISIBLE_DEVICES": str(gpus[i % len(gpus)])} if gpus else None
+            if launch == "sglang":
+                kw = dict(getattr(options, "sglang", None) or {})
+                if not kw.get("model_path"):
+                    raise UserError("server.launch=sglang needs server.sglang.model_path (a diffusers-format model "
+                                    "directory SGLang can serve)")
+                kw.setdefault("batching_max_size", options.max_batch_size)
+                kw.setdefault("batching_delay_ms", options.max_wait_ms)
+                w = (worker_factory or SGLangServerWorker)(port=options.port, env=env, **kw)
+                timeout = max(options.startup_timeout_s, SGLangServerWorker.default_start_timeout)
+            else:
+                kw = dict(policy=policy, policy_args=dict(policy_args), port=options.port,
+                          max_batch_size=options.max_batch_size, max_wait_ms=options.max_wait_ms,
+                          token=options.token)
+                extra = getattr(options, "serve_args", None)
+                if extra:
+                    kw["extra_args"] = dict(extra)
+                if env:
+                    kw["env"] = env
+                w = (worker_factory or WamkitServerWorker)(**kw)
+                timeout = options.startup_timeout_s
+            w.default_start_timeout = timeout
             w.start()
             workers.append(w)
         for w in workers:
-            w.wait_healthy(options.startup_timeout_s)
+            w.wait_healthy(w.default_start_timeout)
     except BaseException:
         for w in workers:
             w.stop()

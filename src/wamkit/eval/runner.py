@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -44,6 +45,15 @@ def policy_kwargs(cfg: EvalConfig, action_dim: int) -> dict[str, Any]:
     if cfg.horizon is not None:
         kw["horizon"] = cfg.horizon
     return kw
+
+
+def _served_elsewhere(name: str) -> bool:
+    """True for a registered policy whose model runs in another server (it overrides Policy.remote_codec)."""
+    from wamkit.policies.base import Policy
+
+    if (Path(name) / "wamkit_policy.json").exists():
+        return False
+    return policy_class(name).remote_codec is not Policy.remote_codec
 
 
 def _check_names(cfg: EvalConfig) -> None:
@@ -114,17 +124,30 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         spec, tasks = workers[0].spec, workers[0].tasks
         plan = plan_for_tasks(cfg.suite, tasks, cfg.tasks, cfg.trials, cfg.trial_start, f"{cfg.env}/{cfg.suite}")
         pkw = policy_kwargs(cfg, spec.action_dim)
-        if cfg.inference == "inprocess":
+        policy, codec = None, None
+        if cfg.inference == "inprocess" or _served_elsewhere(cfg.policy):
             policy = make_policy(cfg.policy, **pkw)
+            codec = policy.remote_codec()
+        options = cfg.server
+        if codec is not None and cfg.inference == "inprocess":
+            # a model that runs in another server (cosmos3 in SGLang) is always reached through the asynchronous
+            # server path, so several requests are in flight; its url= is the server
+            url = options.url or getattr(policy, "url", None)
+            if not url:
+                raise UserError(f"policy {cfg.policy!r} runs in {codec.protocol}: give policy_args.url=... (or "
+                                f"server.url=...), or inference=server to start servers")
+            options = dataclasses.replace(options, url=url)
         out, journal = _prepare_out(cfg)
         todo = [ep for ep in plan if not journal.done(ep.key)]
         timeline = Timeline()
-        if cfg.inference == "inprocess":
+        if cfg.inference == "inprocess" and codec is None:
             inference = InProcessInference(policy, timeline)
         else:
-            inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=cfg.server, timeline=timeline,
-                                        worker_factory=server_worker_factory, workers=server_workers)
-        group = cfg.group_by_task if cfg.group_by_task is not None else False
+            inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=options, timeline=timeline,
+                                        worker_factory=server_worker_factory, workers=server_workers, codec=codec)
+        # SGLang batches one prompt per request: requests of one task each unless told otherwise
+        sglang = getattr(inference, "protocol", "") == "sglang"
+        group = cfg.group_by_task if cfg.group_by_task is not None else sglang
         opts = SchedulerOptions(mode=cfg.mode, batch=cfg.batch, pipelines=cfg.pipelines, depth=cfg.depth,
                                 max_batch=cfg.max_batch, group_by_task=group, run_to_max_steps=cfg.run_to_max_steps,
                                 render_every_step=cfg.render_every_step,

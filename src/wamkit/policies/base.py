@@ -7,6 +7,9 @@ Contract
   which other observations share the batch. Schedulers rely on this for schedule-invariant results.
 - `sft_loss(batch)` returns (scalar loss tensor, dict of float metrics) for trainable policies.
 - `spec` says what the policy consumes and produces; it travels with exported checkpoints.
+- `remote_codec()`: a policy whose model runs behind another server (Cosmos3 behind SGLang) returns a RemoteCodec:
+  the caller (the evaluation's server inference) runs encode -> its asynchronous transport -> decode, so the pre- and
+  post-processing run in the evaluation process and several requests can be in flight. Others return None.
 """
 
 from __future__ import annotations
@@ -55,6 +58,31 @@ class PolicySpec:
                    trainable=d.get("trainable", False), extra=dict(d.get("extra", {})))
 
 
+class RemoteCodec(abc.ABC):
+    """Pre/post-processing of a policy served by another server, around a transport the caller owns."""
+
+    protocol: str = "sglang"           # the wire form the server speaks (wamkit.protocol.client mode)
+    camera: str = "image"              # the one camera key of the encoded observations
+    raw_action_dim: int = 0            # channels of the model's output kept from each response
+    server_normalizes: bool = False    # the server returns denormalized actions (it was started with action stats)
+
+    @abc.abstractmethod
+    def parameters(self) -> dict[str, Any]:
+        """Request parameters (without the seed)."""
+
+    @abc.abstractmethod
+    def encode(self, observations: Sequence[Observation]) -> list[Observation]:
+        """Env observations -> what is sent (e.g. one side-by-side image and the prompt)."""
+
+    def seeds(self, seeds: Sequence[int]) -> list[int]:
+        """The seed each observation is sent with (default: its own)."""
+        return [int(s) for s in seeds]
+
+    @abc.abstractmethod
+    def decode(self, values: np.ndarray) -> np.ndarray:
+        """(N, H, >= raw_action_dim) server output -> (N, H, action_dim) float32 env actions."""
+
+
 class Policy(abc.ABC):
     spec: PolicySpec
 
@@ -70,6 +98,10 @@ class Policy(abc.ABC):
     def max_batch_size(self) -> int:
         """Largest batch predict() should get at once (servers and schedulers respect it)."""
         return 64
+
+    def remote_codec(self) -> RemoteCodec | None:
+        """How to reach this policy's model on another server (see RemoteCodec); None: predict() is all there is."""
+        return None
 
     def warmup(self, max_batch: int | None = None) -> dict[str, float]:
         """One-off work before the first real call (e.g. capturing CUDA graphs for every batch size up to

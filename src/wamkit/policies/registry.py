@@ -14,6 +14,7 @@ _REGISTRY: dict[str, str] = {
     "metaworld-expert": "wamkit.policies.metaworld_expert:MetaWorldExpertPolicy",
     "wam-ref": "wamkit.policies.wam_ref.policy:WamRefPolicy",
     "cosmos3": "wamkit.policies.cosmos3.policy:Cosmos3Policy",
+    "cosmos3-standin": "wamkit.policies.cosmos3.standin:Cosmos3StandIn",
     "fixed-cost": "wamkit.policies.simple:FixedCostPolicy",
 }
 

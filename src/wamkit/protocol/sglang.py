@@ -11,6 +11,13 @@ msgpack bodies carry images as SGLang's array marker ``{"__ndarray__": true, "da
 msgpack hook turns into numpy arrays without any PNG work; JSON bodies carry ``{"b64_json": <PNG>}``.
 The response values may be padded past raw_action_dim and may come back in any order: decode_sglang_response keeps the
 first raw_action_dim channels and sorts by input_index.
+
+SGLang's defaults for fields a request leaves out (checked against sglang 0.5.23's Cosmos3 action entrypoint) are not
+what a LIBERO client wants: 480x832 (a smaller image is resized and cropped), seed 42, 35 steps, fps 5,
+`action_view_point` "ego_view". build_sglang_request therefore always sends `height`/`width` (the image's own size
+unless the caller set them), and check_sglang_request refuses, before anything is sent, every request SGLang's
+entrypoint would answer with 400 (batch over `--batching-max-size`, a seed that is not one non-negative integer,
+horizon/frames rules, prompt count, non-uint8 images).
 """
 
 from __future__ import annotations
@@ -72,11 +79,47 @@ def build_sglang_request(observations: Sequence[Observation], seed: int, paramet
     params = dict(parameters)
     params["seed"] = int(seed)
     params.setdefault("num_frames", int(params.get("action_horizon", 16)) + 1)
+    h, w = observations[0].images[camera].shape[:2]
+    params.setdefault("height", int(h))      # else SGLang resizes and crops the image to its 480x832 default
+    params.setdefault("width", int(w))
     return {"request_id": request_id or f"req_{uuid.uuid4().hex[:16]}",
             "input": {"prompt": prompts[0] if len(set(prompts)) == 1 else prompts,
                       "image": imgs[0] if n == 1 else imgs},
             "parameters": params,
             "runtime": {"response_format": "envelope", "output_format": "numpy" if binary else "list"}}
+
+
+def check_sglang_request(body: dict[str, Any], max_batch_size: int | None = None) -> None:
+    """Refuse (ValueError naming the field) what SGLang's action entrypoint would refuse with 400, before sending."""
+    inp, params = body.get("input") or {}, body.get("parameters") or {}
+    imgs = inp.get("image", inp.get("input_reference"))
+    n = len(imgs) if isinstance(imgs, list) else 1
+    if imgs is None:
+        raise ValueError("input.image: SGLang's policy mode needs one image per observation")
+    if max_batch_size is not None and n > int(max_batch_size):
+        raise ValueError(f"input.image: {n} observations exceed the server's --batching-max-size={max_batch_size}")
+    for i, im in enumerate(imgs if isinstance(imgs, list) else [imgs]):
+        if isinstance(im, dict) and "__ndarray__" in im and np.dtype(im.get("dtype")) != np.uint8:
+            raise ValueError(f"input.image[{i}]: SGLang needs uint8 images, got {im.get('dtype')}")
+    prompt = inp.get("prompt", inp.get("task"))
+    if isinstance(prompt, list) and len(prompt) not in (1, n):
+        raise ValueError(f"input.prompt: {len(prompt)} prompts for {n} images (one, or one per image)")
+    if not isinstance(prompt, (str, list)):
+        raise ValueError("input.prompt: a string or a list of strings")
+    seed = params.get("seed", 42)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"parameters.seed: SGLang takes one non-negative integer per request, got {seed!r}")
+    h, nf = params.get("action_horizon"), params.get("num_frames")
+    if h is not None and (int(h) <= 0 or int(h) % 4):
+        raise ValueError(f"parameters.action_horizon: must be a positive multiple of 4, got {h}")
+    if h is not None and nf is not None and int(nf) != int(h) + 1:
+        raise ValueError(f"parameters.num_frames: must be action_horizon + 1 = {int(h) + 1}, got {nf}")
+    if not params.get("domain_name") and params.get("domain_id") is None:
+        raise ValueError("parameters.domain_name: SGLang needs domain_name or domain_id")
+    if params.get("domain_id") is not None and not params.get("domain_name") and params.get("raw_action_dim") is None:
+        raise ValueError("parameters.raw_action_dim: needed when only domain_id is given")
+    if params.get("action_mode", "policy") != "policy":
+        raise ValueError("parameters.action_mode: wamkit sends policy mode only")
 
 
 def decode_sglang_response(body: dict[str, Any], raw_action_dim: int | None, expect_n: int | None = None

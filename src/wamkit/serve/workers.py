@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import abc
+import json
 import os
 import signal
 import socket
@@ -236,19 +237,28 @@ class SGLangServerWorker(ServerWorker):
     def __init__(self, model_path: str, port: int = 0, batching_max_size: int = 16, batching_delay_ms: float = 5.0,
                  attention_backend: str = "fa", extra_args: Sequence[str] | None = None, host: str = "127.0.0.1",
                  sglang_bin: str = "sglang", log_path: str | Path | None = None, env: dict[str, str] | None = None,
-                 stop_timeout: float = 30.0):
+                 stop_timeout: float = 30.0, action_stats_path: str | None = None):
         super().__init__(port=port, host=host, log_path=log_path, env=env, stop_timeout=stop_timeout)
         self.model_path = str(model_path)
         self.batching_max_size, self.batching_delay_ms = int(batching_max_size), batching_delay_ms
         self.attention_backend, self.extra_args, self.sglang_bin = attention_backend, list(extra_args or []), sglang_bin
+        # SGLang reads action stats from its pipeline config (a server-side file; no per-request field): a partial
+        # pipeline-config JSON holding only action_stats_path updates that one field. With it, SGLang returns
+        # denormalized actions (the client must then not denormalize again).
+        self.action_stats_path = None if action_stats_path is None else str(action_stats_path)
+        self.pipeline_config_path: Path | None = None
+        if self.action_stats_path is not None:
+            self.pipeline_config_path = self.log_path.with_suffix(".pipeline.json")
+            self.pipeline_config_path.write_text(json.dumps({"action_stats_path": self.action_stats_path}))
 
     def command(self) -> list[str]:
         d = self.batching_delay_ms
         d = int(d) if float(d).is_integer() else d
+        stats = [] if self.pipeline_config_path is None else ["--pipeline-config-path", str(self.pipeline_config_path)]
         return [self.sglang_bin, "serve", "--model-path", self.model_path, "--model-type", "diffusion",
                 "--host", self.host, "--port", str(self.port), "--attention-backend", self.attention_backend,
                 "--batching-mode", "dynamic", "--batching-max-size", str(self.batching_max_size),
-                "--batching-delay-ms", str(d), *self.extra_args]
+                "--batching-delay-ms", str(d), *stats, *self.extra_args]
 
     def has_action_api(self, timeout: float = 5.0) -> bool:
         """Released SGLang versions may lack the action endpoint: probe GET /v1/actions/metadata."""

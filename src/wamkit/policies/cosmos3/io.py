@@ -1,15 +1,21 @@
 """Cosmos3 LIBERO conventions on the wire: the request side (image layout, prompt) and the response side (decoding).
 
-One place for them (pinned by tests/test_policy_cosmos3.py against hand-computed examples and scipy):
+One place for them (pinned by tests/test_policy_cosmos3.py against hand-computed examples and scipy, and by
+tests/test_sglang_compat.py against SGLang's own action entrypoint):
 - image: agentview (`image`) and wrist (`wrist_image`) side by side (agentview left), 256x256 each -> 256x512,
   resized to 160x320 (PIL bicubic), then reflection-padded at the bottom to 192x320 (rows 160..191 mirror rows
   158..127: numpy/"reflect" mode, the edge row is not repeated);
-- prompt: the task text in the training format: ends with a period, then two sentences that describe the
-  concatenated views (the SFT recipe's caption for two-camera LIBERO videos);
+- prompt and framing (`framing`): SGLang wraps the prompt in its own JSON action caption whose
+  `cinematography.framing` sentence comes from the request's `action_view_point`. "recipe" (default, NVIDIA's LIBERO
+  SFT recipe: the camera layout in the framing, the task alone as the description) sends
+  action_view_point="concat_view" and the task text; "rlinf" (what RLinf's Cosmos3 SGLang adapter sends) sends
+  action_view_point="ego_view" and the task followed by two sentences describing the concatenated views;
 - parameters: policy mode, domain "libero" (domain id 5), raw_action_dim 10, action_horizon 16, num_frames 17,
-  30 denoising steps, guidance 1.0, fps 20 (NVIDIA's LIBERO_LeRobot_v3 is 20 fps), 192x320;
-- response: the first 10 channels, quantile denormalization ((n + 1) / 2 * (q99 - q01) + q01), rot6d -> axis-angle
-  (SVD projection, wamkit.data.transforms), gripper [0, 1] (1 = open) -> env (-1 open, +1 close): 1 - 2g.
+  30 denoising steps, guidance 1.0, fps 20 (NVIDIA's LIBERO_LeRobot_v3 is 20 fps), height 192 / width 320 (SGLang's
+  default 480x832 would resize and crop the image), action_view_point per framing;
+- response: the first 10 channels, quantile denormalization ((n + 1) / 2 * (q99 - q01) + q01) unless the server
+  already did it (`normalization="server"`: SGLang started with action stats), rot6d -> axis-angle (SVD projection,
+  wamkit.data.transforms), gripper [0, 1] (1 = open) -> env (-1 open, +1 close): 1 - 2g.
 """
 
 from __future__ import annotations
@@ -33,21 +39,31 @@ LIBERO_DOMAIN = "libero"
 LIBERO_DOMAIN_ID = 5
 VIEWS_CAPTION = (" This video contains concatenated views from multiple camera perspectives."
                  " The left half shows the third-person view; the right half shows the wrist-mounted camera.")
+# framing -> (action_view_point sent to SGLang, camera sentences appended to the task text)
+FRAMINGS = {"recipe": ("concat_view", False), "rlinf": ("ego_view", True)}
+DEFAULT_FRAMING = "recipe"
+
+
+def check_framing(framing: str) -> str:
+    if framing not in FRAMINGS:
+        raise UserError(f"cosmos3 framing={framing!r}: valid choices are {', '.join(FRAMINGS)}")
+    return framing
 
 
 def cosmos3_parameters(num_inference_steps: int = 30, action_horizon: int = ACTION_HORIZON, fps: int = 20,
-                       domain_name: str = LIBERO_DOMAIN, raw_action_dim: int = RAW_ACTION_DIM) -> dict[str, Any]:
+                       domain_name: str = LIBERO_DOMAIN, raw_action_dim: int = RAW_ACTION_DIM,
+                       framing: str = DEFAULT_FRAMING) -> dict[str, Any]:
     """The `parameters` of an SGLang action request for Cosmos3 LIBERO (seed is added per request)."""
     return {"action_mode": "policy", "domain_name": domain_name, "raw_action_dim": int(raw_action_dim),
             "action_horizon": int(action_horizon), "num_frames": int(action_horizon) + 1,
             "num_inference_steps": int(num_inference_steps), "guidance_scale": 1.0, "fps": int(fps),
-            "height": PADDED[0], "width": PADDED[1]}
+            "height": PADDED[0], "width": PADDED[1], "action_view_point": FRAMINGS[check_framing(framing)][0]}
 
 
-def cosmos3_prompt(task: str, num_cameras: int = 2) -> str:
-    """Task text in the training format."""
+def cosmos3_prompt(task: str, num_cameras: int = 2, framing: str = DEFAULT_FRAMING) -> str:
+    """The prompt text sent for `task` (SGLang builds its JSON caption around it)."""
     p = task.strip()
-    if num_cameras < 2:
+    if num_cameras < 2 or not FRAMINGS[check_framing(framing)][1]:
         return p
     if not p.endswith("."):
         p += "."
@@ -78,20 +94,22 @@ def cosmos3_image(images: dict[str, np.ndarray], cameras: Sequence[str] = COSMOS
     return np.pad(small, ((0, pad_h), (0, max(pad_w, 0)), (0, 0)), mode="reflect")
 
 
-def cosmos3_observation(obs: Observation, cameras: Sequence[str] = COSMOS3_CAMERAS) -> Observation:
+def cosmos3_observation(obs: Observation, cameras: Sequence[str] = COSMOS3_CAMERAS,
+                        framing: str = DEFAULT_FRAMING) -> Observation:
     """An Observation as SGLang's Cosmos3 endpoint wants it: one image (`image`), the prompt as task, no state."""
     return Observation(images={"image": cosmos3_image(obs.images, cameras)}, state=None,
-                       task=cosmos3_prompt(obs.task, len(cameras)))
+                       task=cosmos3_prompt(obs.task, len(cameras), framing))
 
 
 def build_cosmos3_request(observations: Sequence[Observation], seed: int, num_inference_steps: int = 30,
-                          binary: bool = False, request_id: str | None = None) -> dict[str, Any]:
+                          binary: bool = False, request_id: str | None = None,
+                          framing: str = DEFAULT_FRAMING) -> dict[str, Any]:
     """A complete `POST /v1/actions/generations` body (via wamkit.protocol's SGLang codec)."""
     from wamkit.protocol.sglang import build_sglang_request
 
-    return build_sglang_request([cosmos3_observation(o) for o in observations], seed,
-                                cosmos3_parameters(num_inference_steps), camera="image", binary=binary,
-                                request_id=request_id)
+    return build_sglang_request([cosmos3_observation(o, framing=framing) for o in observations], seed,
+                                cosmos3_parameters(num_inference_steps, framing=framing), camera="image",
+                                binary=binary, request_id=request_id)
 
 
 def load_action_stats(stats: Any) -> tuple[np.ndarray, np.ndarray]:

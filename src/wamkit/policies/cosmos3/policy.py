@@ -1,18 +1,24 @@
 """`cosmos3`: NVIDIA Cosmos3 as a wamkit policy.
 
 Two independent halves:
-- Serving/evaluation (`url=`): `predict` sends the observations to an SGLang action server running Cosmos3
-  (`sglang serve --model-type diffusion ...`) through the policy's own `SGLangHttpClient` (or any client passed
-  as `client=`, e.g. wamkit.serve's SyncActionClient in SGLang mode: the policies layer does not import the
-  serving layer), with our request builder (side-by-side 192x320 image, training-format prompt, LIBERO
-  parameters) and our response decoder (wamkit.policies.cosmos3.io). One seed per request in SGLang, so
-  observations are grouped by seed (a result depends only on (observation, seed)).
+- Serving/evaluation: the model runs in an SGLang action server (`sglang serve --model-type diffusion ...`). The
+  policy's RemoteCodec (`remote_codec()`) holds what runs in the evaluation process: the request builder (side-by-side
+  192x320 image, prompt and framing, LIBERO parameters, the request seed) and the response decoder (quantile
+  denormalization unless the server does it, rot6d -> axis-angle, gripper); wamkit.protocol.client carries the
+  requests (one transport for the adapter and for `wamkit eval`: SGLang's metadata read, its batch limit and rules
+  checked before sending). `wamkit eval ... inference=server` sends several requests at once over N servers;
+  `predict()` (with `url=`) is the same path, blocking, for scripts.
 - Training (`framework=True`): the model is built by NVIDIA's cosmos-framework with its own config system
   (`make_config` + `override(experiment=...)` + `instantiate`), its own parallelism turned off (FSDP2 from wamkit's
   trainer is the only sharding), weights warm-started with its own loaders, parameters outside `keys_to_select`
   frozen, 0-d parameters promoted to shape [1] (FSDP2 cannot shard scalars); `sft_loss` runs its `training_step`.
   cosmos-framework cannot be installed on the CPU dev machine: this path raises a UserError naming the module
   there, and is written against the framework API as RLinf's integration uses it (untested here).
+
+Normalization: SGLang returns normalized actions unless it was started with action stats (then it denormalizes
+itself, and the response does not say so). `normalization="client"` (default) needs `action_stats` and
+denormalizes here; `normalization="server"` takes none. Passing stats with "server" is refused (they would be applied
+twice), and so is starting an SGLang server with stats for a "client" policy (wamkit.eval.inference).
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ import contextlib
 import importlib
 import os
 import re
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -29,7 +34,7 @@ import numpy as np
 
 from wamkit.core.errors import UserError
 from wamkit.core.types import Observation
-from wamkit.policies.base import ActionSpec, InputSpec, Policy, PolicySpec
+from wamkit.policies.base import ActionSpec, InputSpec, Policy, PolicySpec, RemoteCodec
 from wamkit.policies.cosmos3 import io as C
 
 # Trained by NVIDIA's LIBERO SFT recipe: the generation tower ("moe_gen") plus the adapters around it.
@@ -149,14 +154,48 @@ def build_framework_model(framework_module: str = "cosmos_framework", experiment
     return model, model.net
 
 
+NORMALIZATIONS = ("client", "server")
+DEFAULT_REQUEST_SEED = 1140          # one seed for every request, as RLinf's evaluation sends (full batches)
+
+
+class Cosmos3Codec(RemoteCodec):
+    """Cosmos3 LIBERO on SGLang: what runs in the evaluation process around the transport."""
+
+    protocol, camera, raw_action_dim = "sglang", "image", C.RAW_ACTION_DIM
+
+    def __init__(self, num_inference_steps: int, framing: str, seed: int | None, pipeline,
+                 server_normalizes: bool = False):
+        self.num_inference_steps, self.framing, self.seed = int(num_inference_steps), framing, seed
+        self.pipeline, self.server_normalizes = pipeline, bool(server_normalizes)
+
+    def parameters(self) -> dict[str, Any]:
+        return C.cosmos3_parameters(self.num_inference_steps, framing=self.framing)
+
+    def encode(self, observations: Sequence[Observation]) -> list[Observation]:
+        return [C.cosmos3_observation(o, framing=self.framing) for o in observations]
+
+    def seeds(self, seeds: Sequence[int]) -> list[int]:
+        return [int(s) for s in seeds] if self.seed is None else [int(self.seed)] * len(seeds)
+
+    def decode(self, values: np.ndarray) -> np.ndarray:
+        return C.decode_cosmos3_actions(values, self.pipeline)
+
+
 class Cosmos3Policy(Policy):
-    """Cosmos3 (LIBERO): `predict` via an SGLang endpoint (`url=`), training via cosmos-framework
-    (`framework=True`). See the module docstring."""
+    """Cosmos3 (LIBERO): served by SGLang (`url=` for predict(); `wamkit eval inference=server` reaches it through
+    remote_codec()), training via cosmos-framework (`framework=True`). See the module docstring.
+
+    Serving options: `framing` recipe|rlinf (see wamkit.policies.cosmos3.io), `seed` the one seed of every request
+    (None: each observation's own seed from the scheduler, exact but batches only share a seed by chance),
+    `normalization` client|server, `action_stats` (q01/q99 of the 10-D training actions, a dict or a stats JSON),
+    `max_batch` (None: the server's metadata)."""
 
     def __init__(self, url: str | None = None, action_stats: Any = None, action_pipeline=None,
                  action_dim: int = 7, horizon: int = C.ACTION_HORIZON, num_inference_steps: int = 30,
                  clip_normalized: bool = False, token: str | None = None, timeout_s: float = 300.0,
-                 max_batch: int | None = None, framework: bool = False, framework_module: str = "cosmos_framework",
+                 max_batch: int | None = None, framing: str = C.DEFAULT_FRAMING,
+                 seed: int | None = DEFAULT_REQUEST_SEED, normalization: str = "client", framework: bool = False,
+                 framework_module: str = "cosmos_framework",
                  experiment: str = DEFAULT_EXPERIMENT, model_path: str | None = None,
                  keys_to_select: Sequence[str] = DEFAULT_KEYS_TO_SELECT, keys_to_skip_loading: Sequence[str] = (),
                  ema: bool = False, vae_path: str | None = None, device: str = "cpu", client: Any = None, **_):
@@ -164,9 +203,19 @@ class Cosmos3Policy(Policy):
             raise UserError(f"cosmos3 (LIBERO) produces 7-D env actions, got action_dim={action_dim}")
         if horizon != C.ACTION_HORIZON:
             raise UserError(f"cosmos3 (LIBERO) was trained with horizon {C.ACTION_HORIZON}, got {horizon}")
+        if normalization not in NORMALIZATIONS:
+            raise UserError(f"cosmos3 normalization={normalization!r}: valid choices are {', '.join(NORMALIZATIONS)}")
+        if normalization == "server" and (action_stats is not None or action_pipeline is not None):
+            raise UserError("cosmos3 normalization=server means the SGLang server denormalizes (it was started with "
+                            "action stats): drop action_stats here, or they would be applied twice")
+        if seed is not None and (isinstance(seed, bool) or int(seed) < 0):
+            raise UserError(f"cosmos3 seed must be a non-negative integer or null, got {seed!r}")
         self.url, self.token, self.timeout_s, self.max_batch = url, token, float(timeout_s), max_batch
         self.num_inference_steps = int(num_inference_steps)
         self.clip_normalized = bool(clip_normalized)
+        self.framing = C.check_framing(framing)
+        self.seed = None if seed is None else int(seed)
+        self.normalization = normalization
         self.action_stats = action_stats
         if action_pipeline is not None:
             from wamkit.policies.wam_ref.policy import as_action_pipeline
@@ -190,19 +239,32 @@ class Cosmos3Policy(Policy):
             action=ActionSpec(dim=7, horizon=C.ACTION_HORIZON, representation="rot6d10"),
             deterministic=True, trainable=framework,
             extra={"domain": C.LIBERO_DOMAIN, "domain_id": C.LIBERO_DOMAIN_ID, "raw_action_dim": C.RAW_ACTION_DIM,
-                   "num_inference_steps": self.num_inference_steps, "url": url})
+                   "num_inference_steps": self.num_inference_steps, "url": url, "framing": self.framing,
+                   "seed": self.seed, "normalization": self.normalization})
 
     # ------------------------------------------------------------------ serving (SGLang)
+    def remote_codec(self) -> Cosmos3Codec:
+        has_quantile = any(type(s).__name__ == "QuantileNormalizeStep" for s in self.action_pipeline.steps)
+        if self.normalization == "client" and not has_quantile:
+            raise UserError("cosmos3 returns normalized actions in policy mode: pass action_stats= (q01/q99 of the "
+                            "10-D training actions, or the stats JSON) so they can be denormalized, or "
+                            "normalization=server if the SGLang server was started with action stats")
+        return Cosmos3Codec(self.num_inference_steps, self.framing, self.seed, self.action_pipeline,
+                            server_normalizes=self.normalization == "server")
+
     def sglang_parameters(self) -> dict[str, Any]:
-        return C.cosmos3_parameters(self.num_inference_steps)
+        return C.cosmos3_parameters(self.num_inference_steps, framing=self.framing)
 
     def _sync_client(self):
         if self.url is None:
             raise UserError("cosmos3 predict needs url= (an SGLang action server running Cosmos3); in-process "
                             "Cosmos3 inference is cosmos-framework's and not wrapped here")
         if self._client is None:
-            self._client = SGLangHttpClient(self.url, self.token, self.timeout_s, self.sglang_parameters(),
-                                            max_batch=self.max_batch_size())
+            from wamkit.protocol.client import SyncActionClient
+
+            self._client = SyncActionClient(self.url, token=self.token, timeout_s=self.timeout_s, mode="sglang",
+                                            camera="image", parameters=self.sglang_parameters(),
+                                            raw_action_dim=C.RAW_ACTION_DIM, max_batch=self.max_batch)
         return self._client
 
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
@@ -210,12 +272,15 @@ class Cosmos3Policy(Policy):
             raise UserError(f"predict got {len(observations)} observations and {len(seeds)} seeds")
         if len(observations) == 0:
             return np.zeros((0, C.ACTION_HORIZON, 7), np.float32)
-        if not any(type(s).__name__ == "QuantileNormalizeStep" for s in self.action_pipeline.steps):
-            raise UserError("cosmos3 returns normalized actions in policy mode: pass action_stats= (q01/q99 of "
-                            "the 10-D training actions, or the stats JSON) so they can be denormalized")
-        sent = [C.cosmos3_observation(o) for o in observations]
-        normalized = self._sync_client().predict(sent, [int(s) for s in seeds])
-        return C.decode_cosmos3_actions(normalized, self.action_pipeline)
+        codec = self.remote_codec()
+        client = self._sync_client()
+        try:
+            values = client.predict(codec.encode(observations), codec.seeds(seeds))
+        except Exception as e:  # the transport's errors name the server and field; keep them one line
+            if type(e).__name__ == "ActionClientError":
+                raise UserError(f"cosmos3 via SGLang: {e}") from None
+            raise
+        return codec.decode(values)
 
     def max_batch_size(self) -> int:
         return int(self.max_batch or 64)
@@ -269,66 +334,7 @@ class Cosmos3Policy(Policy):
         return loss, metrics
 
     def export_config(self) -> dict[str, Any]:
-        return {"url": self.url, "num_inference_steps": self.num_inference_steps,
-                "clip_normalized": self.clip_normalized, "framework_module": self.framework_module,
-                "experiment": self.experiment, "keys_to_select": list(self.keys_to_select)}
-
-
-class SGLangHttpClient:
-    """The policy's own client for the SGLang action contract (`POST /v1/actions/generations`, JSON): one request per
-    (prompt, seed) group of at most `max_batch` observations, since SGLang batches one prompt and one seed per
-    request. 503 (busy) and connection errors are retried `retries` times (Retry-After, else exponential backoff);
-    other errors raise a UserError with the server's message. wamkit.serve's ActionClient is richer (async,
-    msgpack, worker restarts); pass it as `Cosmos3Policy(client=...)` where the serving layer is at hand."""
-
-    def __init__(self, url: str, token: str | None, timeout_s: float, parameters: dict[str, Any],
-                 max_batch: int = 64, retries: int = 3, backoff_s: float = 0.5):
-        import httpx
-
-        self.parameters = dict(parameters)
-        self.max_batch, self.retries, self.backoff_s = max(1, int(max_batch)), int(retries), float(backoff_s)
-        headers = {"authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers)
-
-    def _post(self, body: dict[str, Any]):
-        import httpx
-
-        for attempt in range(self.retries + 1):
-            try:
-                r = self._http.post("/v1/actions/generations", json=body)
-            except httpx.TransportError as e:
-                if attempt == self.retries:
-                    raise UserError(f"SGLang {self._http.base_url} unreachable: {type(e).__name__}: {e}") from None
-            else:
-                if r.status_code != 503 or attempt == self.retries:
-                    return r
-                after = r.headers.get("retry-after")
-                if after and after.replace(".", "", 1).isdigit():
-                    time.sleep(float(after))
-                    continue
-            time.sleep(self.backoff_s * 2 ** attempt)
-        raise AssertionError("unreachable")
-
-    def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
-        from wamkit.protocol.sglang import build_sglang_request, decode_sglang_response
-
-        out: np.ndarray | None = None
-        groups: dict[tuple, list[int]] = {}
-        for i, (o, s) in enumerate(zip(observations, seeds)):
-            groups.setdefault((o.task, int(s)), []).append(i)
-        chunks = [(seed, idx[k:k + self.max_batch]) for (_, seed), idx in groups.items()
-                  for k in range(0, len(idx), self.max_batch)]
-        for seed, idx in chunks:
-            body = build_sglang_request([observations[i] for i in idx], seed, self.parameters,
-                                        camera="image", binary=False)
-            r = self._post(body)
-            if r.status_code >= 400:
-                raise UserError(f"SGLang {r.request.url} -> {r.status_code}: {r.text[:300]}")
-            acts = decode_sglang_response(r.json(), C.RAW_ACTION_DIM, expect_n=len(idx))
-            if out is None:
-                out = np.empty((len(observations),) + acts.shape[1:], np.float32)
-            out[idx] = acts
-        return out
-
-    def close(self) -> None:
-        self._http.close()
+        return {"url": self.url, "num_inference_steps": self.num_inference_steps, "framing": self.framing,
+                "seed": self.seed, "normalization": self.normalization, "clip_normalized": self.clip_normalized,
+                "framework_module": self.framework_module, "experiment": self.experiment,
+                "keys_to_select": list(self.keys_to_select)}
