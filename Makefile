@@ -13,7 +13,15 @@ export LP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup apt demo test test-fast bench clean
+# SGLang's real action router for the compatibility tests (tests/test_sglang_compat.py): the sglang wheel and the
+# pure-Python modules its package imports, without its GPU stack, in a side venv layered over .venv (built once).
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.wamkit-sglang
+SGLANG_PKGS := sglang==0.5.23 fastapi==0.165.0 orjson==3.13.0 pybase64==1.5.1 msgspec==0.23.0 pyzmq==27.3.0 \
+  psutil==7.2.2 einops==0.8.2 dill==0.4.1 sentencepiece==0.2.3 compressed-tensors==0.20.1 gguf==0.19.0 \
+  diffusers==0.42.1 addict==2.4.0 imageio-ffmpeg==0.8.1 cache-dit==1.5.3 openai==3.57.0 partial-json-parser==0.2.1.1.post7
+
+.PHONY: setup sglang-env apt demo test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -35,17 +43,26 @@ $(STAMP): pyproject.toml
 	@mkdir -p .cache/mesa .cache/mpl
 	@touch $(STAMP)
 
+sglang-env: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): $(STAMP)
+	@[ -x $(SGLANG_VENV)/bin/python ] || $(PY) -m venv $(SGLANG_VENV)
+	@echo "import site; site.addsitedir('$$($(BIN)/python -c 'import site; print(site.getsitepackages()[0])')')" \
+	  > "$$($(SGLANG_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/wamkit-venv.pth"
+	$(SGLANG_VENV)/bin/pip install -q --no-deps $(SGLANG_PKGS)
+	@touch $(SGLANG_STAMP)
+
 demo: setup
 	$(BIN)/python -m wamkit.cli.main demo out=runs/demo
 
-test: setup
+test: setup sglang-env
 	$(BIN)/python -m pytest -q -rs tests
 
-test-fast: setup
+test-fast: setup sglang-env
 	$(BIN)/python -m pytest -q -rs -m "not slow" tests
 
 bench: setup
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) $(SGLANG_VENV) .cache runs

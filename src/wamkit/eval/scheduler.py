@@ -17,6 +17,7 @@ depend on the schedule."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import statistics
@@ -49,6 +50,12 @@ class EpisodeOutcome:
     env_index: int
     attempts: int
     frames: list[np.ndarray] = field(default_factory=list)
+    actions_digest: str = ""  # hash of every action chunk the episode executed: equal digests, equal trajectories
+
+
+def chunk_digest() -> "hashlib._Hash":
+    """Running digest of an episode's executed chunks (float32 bytes), for schedule-invariance checks."""
+    return hashlib.blake2b(digest_size=8)
 
 
 @dataclass
@@ -206,17 +213,19 @@ class Scheduler:
                 if ep.index in self.opts.video_episodes:
                     frames.append(next(iter(obs.images.values())))
                 env_steps = 0
+                digest = chunk_digest()
                 while True:
                     # seed from the env step at which the observation was taken: schedule-independent
                     seed = step_seed(self.opts.seed, ep, env_steps)
                     chunk = await get_actions(i, ep, obs, seed)
+                    digest.update(np.ascontiguousarray(chunk, np.float32).tobytes())
                     res = await self._execute(i, ep, chunk)
                     env_steps += res.steps
                     if ep.index in self.opts.video_episodes:   # the baseline renders every step: keep no frames
                         frames.extend(res.frames)
                     if res.done:
                         return EpisodeOutcome(ep, bool(res.success), int(res.episode_steps), env_steps,
-                                              time.time() - t0, i, attempts, frames)
+                                              time.time() - t0, i, attempts, frames, digest.hexdigest())
                     obs = res.obs
             except self.crash_types:
                 if attempts > self.opts.max_episode_retries:
@@ -260,7 +269,7 @@ class Scheduler:
             while (ep := self._next_episode()) is not None:
                 try:
                     return {"ep": ep, "obs": await self._reset(i, ep), "steps": 0, "t0": time.time(),
-                            "frames": [], "attempts": 1}
+                            "frames": [], "attempts": 1, "digest": chunk_digest()}
                 except self.crash_types:
                     await self._restart_env(i)
                     self.queue.appendleft(ep)
@@ -271,6 +280,7 @@ class Scheduler:
         async def step(i: int, chunk: np.ndarray):
             st = state[i]
             ep = st["ep"]
+            st["digest"].update(np.ascontiguousarray(chunk, np.float32).tobytes())
             try:
                 res = await self._execute(i, ep, chunk)
             except self.crash_types:
@@ -280,7 +290,8 @@ class Scheduler:
                         raise EpisodeFailed(f"episode {ep.key} crashed its env worker repeatedly") from None
                     try:
                         await self._restart_env(i)
-                        st.update(obs=await self._reset(i, ep), steps=0, t0=time.time(), frames=[])
+                        st.update(obs=await self._reset(i, ep), steps=0, t0=time.time(), frames=[],
+                                  digest=chunk_digest())
                         return
                     except self.crash_types:
                         continue
@@ -289,7 +300,8 @@ class Scheduler:
                 st["frames"].extend(res.frames)
             if res.done:
                 self.on_done(EpisodeOutcome(ep, bool(res.success), int(res.episode_steps), st["steps"],
-                                            time.time() - st["t0"], i, st["attempts"], st["frames"]))
+                                            time.time() - st["t0"], i, st["attempts"], st["frames"],
+                                            st["digest"].hexdigest()))
                 state[i] = await start(i)
             else:
                 st["obs"] = res.obs
