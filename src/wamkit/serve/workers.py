@@ -10,12 +10,18 @@
   interpreter exit. A wamkit server additionally watches our pid (parent_pid=) and exits if we die.
 - port=0 picks a free loopback port once; restart() keeps it, so the url stays valid.
 - Output goes to a log file (`log_path`); wait_healthy() quotes its tail when the server dies or times out.
+- Identity: a wamkit server gets a fresh random instance id per start (env WAMKIT_INSTANCE_ID, not argv) and its
+  /health echoes it. healthy() counts only an answer carrying it; wait_healthy() raises ServerIdentityError (a
+  UserError: one line, exit 2) at once when a healthy answer carries another id or none: the port is held by another
+  server, which must never be scored in place of ours. A server that exits with code 2 (its own user error, e.g. the
+  port is in use) raises ServerConfigError (also a UserError) quoting its last log line.
 """
 
 from __future__ import annotations
 
 import abc
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -28,9 +34,20 @@ from typing import Any, Sequence
 
 import httpx
 
+from wamkit.core.errors import UserError
+from wamkit.serve.config import INSTANCE_ENV
+
 
 class ServerStartError(RuntimeError):
     """The server process exited or did not become healthy in time."""
+
+
+class ServerIdentityError(ServerStartError, UserError):
+    """The port answers, but not as the server this worker started (another or no instance id)."""
+
+
+class ServerConfigError(ServerStartError, UserError):
+    """The server process refused its configuration (exit code 2: a port in use, a bad key)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -76,6 +93,7 @@ class ServerWorker(abc.ABC):
 
     health_path = "/health"
     default_start_timeout = 60.0
+    instance_id: str | None = None   # set per start by servers that echo it in /health; None: no identity check
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", log_path: str | Path | None = None,
                  env: dict[str, str] | None = None, stop_timeout: float = 10.0):
@@ -125,14 +143,27 @@ class ServerWorker(abc.ABC):
         self.starts += 1
         return self
 
+    def _probe(self, timeout: float) -> tuple[bool, bool]:
+        """(answered 200, the answer is from our server): GET health_path, check its instance_id."""
+        try:
+            r = httpx.get(self.url + self.health_path, timeout=timeout)
+        except httpx.HTTPError:
+            return False, False
+        if r.status_code != 200:
+            return False, False
+        if self.instance_id is None:
+            return True, True
+        try:
+            ours = r.json().get("instance_id") == self.instance_id
+        except (ValueError, AttributeError):
+            ours = False
+        return True, ours
+
     def healthy(self, timeout: float = 2.0) -> bool:
         if not self.running():
             return False
-        try:
-            r = httpx.get(self.url + self.health_path, timeout=timeout)
-            return r.status_code == 200
-        except httpx.HTTPError:
-            return False
+        ok, ours = self._probe(timeout)
+        return ok and ours
 
     def wait_healthy(self, timeout: float | None = None, poll_s: float = 0.2) -> "ServerWorker":
         timeout = self.default_start_timeout if timeout is None else timeout
@@ -141,10 +172,19 @@ class ServerWorker(abc.ABC):
             if self.proc is None:
                 raise ServerStartError("server was not started")
             rc = self.proc.poll()
+            if rc == 2 and self.instance_id is not None:   # a wamkit CLI user error: its one line says why
+                last = (self.log_tail(1) or "").strip() or f"exit code 2 (log {self.log_path})"
+                raise ServerConfigError(f"the server on port {self.port} did not start: {last}")
             if rc is not None:
                 raise ServerStartError(f"server exited with code {rc} before becoming healthy; log {self.log_path}:\n"
                                        f"{self.log_tail()}")
-            if self.healthy(timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
+            ok, ours = self._probe(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+            if ok and not ours:
+                raise ServerIdentityError(
+                    f"port {self.port} on {self.host} is held by another server (its {self.health_path} does not "
+                    f"carry the instance id of the server started here); choose another port, or port 0 for a free "
+                    f"one")
+            if ok and self.running():
                 return self
             if time.monotonic() >= deadline:
                 raise ServerStartError(f"server not healthy after {timeout:.0f}s at {self.url}; log {self.log_path}:\n"
@@ -214,11 +254,18 @@ class WamkitServerWorker(ServerWorker):
         self.token, self.extra_args = token, extra_args
         self.python = python or sys.executable
 
+    def start(self) -> "WamkitServerWorker":
+        if not self.running():
+            self.instance_id = secrets.token_hex(16)   # fresh per process: a stale answer can never pass
+        super().start()
+        return self
+
     def child_env(self) -> dict[str, str]:
         env = super().child_env()
         env.pop("WAMKIT_TOKEN", None)
         if self.token:
             env["WAMKIT_TOKEN"] = self.token
+        env[INSTANCE_ENV] = self.instance_id or ""
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
