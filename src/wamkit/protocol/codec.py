@@ -121,7 +121,9 @@ def decode_body(body: bytes, content_type: str | None, max_depth: int = DecodeLi
             obj = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=_refuse_ext)
         except ProtocolError:
             raise
-        except Exception as e:  # msgpack raises several types (ExtraData, FormatError, StackError, ValueError...)
+        except msgpack.StackError:
+            raise ProtocolError("", f"body is nested deeper than {max_depth} levels") from None
+        except Exception as e:  # msgpack raises several types (ExtraData, FormatError, ValueError...)
             raise ProtocolError("", f"body is not valid msgpack ({type(e).__name__}: {str(e)[:200]})") from None
     else:
         ct = (content_type or "").lower()

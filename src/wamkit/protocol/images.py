@@ -121,6 +121,8 @@ def _from_encoded(data: Any, path: str, budget: ImageBudget) -> np.ndarray:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise ProtocolError(path, "invalid base64") from None
+    if not (raw.startswith(b"\x89PNG\r\n\x1a\n") or raw.startswith(b"\xff\xd8\xff")):
+        raise ProtocolError(path, "not a PNG or JPEG image (other formats are refused: send PNG, JPEG or raw uint8)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # DecompressionBombWarning: our own caps below are tighter
