@@ -46,7 +46,8 @@ def raw_json(img: np.ndarray) -> dict:
 def valid_body(seed: int = 0, binary: bool = True, n: int = 1) -> dict:
     """A valid request for a policy reading camera `image` and no state (e.g. `random`)."""
     enc = raw if binary else raw_json
-    return {"request_id": f"ok-{seed}", "input": {"task": "pick", "image": [enc(image(SIDE, seed + i)) for i in range(n)]},
+    return {"request_id": f"ok-{seed}",
+            "input": {"task": "pick", "image": [enc(image(SIDE, seed + i)) for i in range(n)]},
             "parameters": {"seed": [seed + i for i in range(n)]}}
 
 

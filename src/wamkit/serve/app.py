@@ -51,8 +51,8 @@ class _HTTPError(Exception):
 
 
 def _error(status: int, message: str, path: str = "", headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = {401: "authentication_error", 408: "request_timeout", 413: "request_too_large", 415: "unsupported_media_type",
-            503: "server_busy", 500: "server_error"}.get(status, "invalid_request_error")
+    kind = {401: "authentication_error", 408: "request_timeout", 413: "request_too_large",
+            415: "unsupported_media_type", 503: "server_busy", 500: "server_error"}.get(status, "invalid_request_error")
     return JSONResponse({"error": {"message": message, "type": kind, "path": path, "code": status},
                          "detail": message}, status_code=status, headers=headers)
 
