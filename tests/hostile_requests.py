@@ -223,6 +223,13 @@ def cases() -> list[Case]:
         False, (400,), "input.image")
     add("ndarray_marker_neg", _with(True, image={"__ndarray__": True, "data": b"\0" * 768, "dtype": "|u1",
                                                  "shape": [-16, -16, 3]}), True, (400,), "input.image")
+    add("param_list_too_long", {**valid_body(binary=True), "parameters": {"seed": 1,
+                                                                         "condition_frame_indexes": [0] * 5000}},
+        True, (400,), "parameters.condition_frame_indexes")
+    add("param_nested_dict", {**valid_body(binary=True), "parameters": {"seed": 1, "use_guardrails": {"a": [1]}}},
+        True, (400,), "parameters.use_guardrails")
+    add("too_many_observations", _with(True, image=[raw(image(1))] * 5000), True, (413,), "input.image")
+    add("too_many_states", _with(True, state=[[0.0]] * 5000), True, (400,), "input.state")
     return out
 
 

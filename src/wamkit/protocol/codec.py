@@ -102,12 +102,22 @@ def check_tree(obj: Any, max_depth: int = DecodeLimits.max_depth) -> None:
                 else:
                     _check_leaf(v, parts + (k,))
         elif type(node) is list:
+            inner_ok = depth + 1 <= max_depth
             for i, v in enumerate(node):
                 t = type(v)
-                if t is dict or t is list:
+                if t is list:
+                    if inner_ok:   # fast path for flat number lists (a pixel [r, g, b], a state vector)
+                        for x in v:
+                            tx = type(x)
+                            if not ((tx is int and INT_MIN <= x <= INT_MAX) or (tx is float and x - x == 0.0)):
+                                break   # a container or a bad leaf: the full walk below finds and names it
+                        else:
+                            continue
+                    stack.append((v, parts + (i,), depth + 1))
+                elif t is dict:
                     stack.append((v, parts + (i,), depth + 1))
                 elif t is int and INT_MIN <= v <= INT_MAX:
-                    continue   # the common leaf of nested pixel lists: no path built
+                    continue
                 else:
                     _check_leaf(v, parts + (i,))
         else:

@@ -19,6 +19,14 @@ class DecodeLimits:
     max_image_pixels: int = 4096 * 4096          # per image, checked on the declared size before any decoding
     max_decoded_bytes: int = 256 * 1024 * 1024   # all images of one request, decoded to uint8 (H, W, 3)
     max_text_chars: int = 16384                  # each task/prompt string and the request_id
+    max_observations: int = 1024                 # observations in one request (the server: its max_queue)
+    max_param_items: int = 1024                  # items of a list-valued parameter (condition_frame_indexes)
+
+
+def check_count(n: int, limits: DecodeLimits, path: str) -> None:
+    """Refuse more observations than limits.max_observations before any of them is decoded (413)."""
+    if n > limits.max_observations:
+        raise ProtocolError(path, f"{n} observations in one request; at most {limits.max_observations}", status=413)
 
 
 class ImageBudget:

@@ -40,7 +40,7 @@ import numpy as np
 from wamkit.core.types import Observation
 from wamkit.protocol.errors import ProtocolError
 from wamkit.protocol.images import decode_image, encode_image
-from wamkit.protocol.limits import MAX_DIM, DecodeLimits, ImageBudget
+from wamkit.protocol.limits import MAX_DIM, DecodeLimits, ImageBudget, check_count
 
 DEFAULT_CAMERA = "image"  # camera key of SGLang's single `image` field (LeRobot LIBERO: agentview)
 OBJECT = "action.generation"
@@ -135,11 +135,14 @@ def _decode_image_list(value: Any, path: str, budget: ImageBudget) -> list[np.nd
     if isinstance(value, list) and not _is_nested_pixel_list(value):
         if not value:
             raise ProtocolError(path, "empty image list")
+        check_count(len(value), budget.limits, path)
         out = []
         for i, v in enumerate(value):
             out.append(decode_image(v, f"{path}[{i}]", budget=budget))
         return out
     arr = decode_image(value, path, allow_batch=True, budget=budget)
+    if arr.ndim == 4:
+        check_count(arr.shape[0], budget.limits, path)
     return list(arr) if arr.ndim == 4 else [arr]
 
 
@@ -219,6 +222,8 @@ def _decode_states(value: Any, n: int, path: str) -> list[np.ndarray]:
                                                  for v in value):
         vecs = [_decode_float_array(value, path)]
     elif isinstance(value, list):
+        if len(value) != n:
+            raise ProtocolError(path, f"has {len(value)} states for {n} observations")
         vecs = [_decode_float_array(v, f"{path}[{i}]") for i, v in enumerate(value)]
     else:
         arr = _decode_float_array(value, path)
@@ -235,7 +240,7 @@ _MAX_PARAM_INT = 2 ** 31 - 1
 _MAX_SEED = 2 ** 63 - 1
 
 
-def _validate_parameters(params: dict, n: int) -> tuple[dict[str, Any], list[int]]:
+def _validate_parameters(params: dict, n: int, limits: DecodeLimits) -> tuple[dict[str, Any], list[int]]:
     _refuse_unknown(params, PARAMETER_NAMES, "parameters")
     out: dict[str, Any] = {}
     for k, v in params.items():
@@ -258,7 +263,16 @@ def _validate_parameters(params: dict, n: int) -> tuple[dict[str, Any], list[int
             v = float(v)
         elif k in _STR_PARAMS:
             if not isinstance(v, str):
-                raise ProtocolError(p, f"expected a string, got {v!r}")
+                raise ProtocolError(p, f"expected a string, got {str(v)[:40]}")
+            if len(v) > limits.max_text_chars:
+                raise ProtocolError(p, f"longer than {limits.max_text_chars} characters")
+        elif isinstance(v, (dict, list)):   # _ANY_PARAMS: a scalar or a flat list of scalars, kept small
+            if isinstance(v, dict) or len(v) > limits.max_param_items or \
+                    any(isinstance(x, (dict, list, bytes)) for x in v):
+                raise ProtocolError(p, f"expected a scalar or a flat list of at most {limits.max_param_items} "
+                                       f"scalars")
+        elif isinstance(v, (str, bytes)) and len(v) > limits.max_text_chars:
+            raise ProtocolError(p, f"longer than {limits.max_text_chars} characters")
         out[k] = v
     mode = out.get("action_mode", "policy")
     if mode != "policy":
@@ -332,6 +346,7 @@ def parse_request(body: dict[str, Any], limits: DecodeLimits | None = None) -> A
             raise ProtocolError("input.images", "expected {camera: image} or a list of them")
         if not imgs:
             raise ProtocolError("input.images", "empty list")
+        check_count(len(imgs), limits, "input.images")
         frames = []
         for i, cams in enumerate(imgs):
             p = path_of(i)
@@ -373,7 +388,7 @@ def parse_request(body: dict[str, Any], limits: DecodeLimits | None = None) -> A
     if inp.get("state") is not None:
         states = _decode_states(inp["state"], n, "input.state")
 
-    params, seeds = _validate_parameters(_expect_mapping(body.get("parameters") or {}, "parameters"), n)
+    params, seeds = _validate_parameters(_expect_mapping(body.get("parameters") or {}, "parameters"), n, limits)
 
     rt = _expect_mapping(body.get("runtime") or {}, "runtime")
     _refuse_unknown(rt, RUNTIME_NAMES, "runtime")

@@ -83,7 +83,8 @@ class ServeConfig:
 
     def decode_limits(self) -> DecodeLimits:
         return DecodeLimits(max_depth=self.max_depth, max_image_pixels=self.max_image_pixels,
-                            max_decoded_bytes=int(self.max_decoded_mb * 2 ** 20), max_text_chars=self.max_text_chars)
+                            max_decoded_bytes=int(self.max_decoded_mb * 2 ** 20), max_text_chars=self.max_text_chars,
+                            max_observations=self.max_queue)
 
     def resolved_token(self) -> str | None:
         tok = self.token if self.token else os.environ.get("WAMKIT_TOKEN")
