@@ -150,6 +150,16 @@ def test_health_without_instance_id_is_not_ours(foreign):
         w.proc.wait()
 
 
+def test_a_free_port_taken_before_the_server_binds_it_is_picked_again():
+    w = WamkitServerWorker("zero", {"action_dim": 4, "horizon": 2})      # port=0: picked by the worker
+    taken = w.port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", taken))
+        s.listen()                           # somebody else got there first
+        with w:
+            assert w.port != taken and w.healthy() and w.starts == 2
+
+
 @pytest.mark.slow
 @pytest.mark.metaworld
 def test_eval_against_a_foreign_server_on_its_port_fails_and_scores_nothing(foreign, tmp_path):
@@ -241,7 +251,7 @@ def test_slowloris_idle_and_stalled_body_sockets_do_not_block_health(tmp_path):
                 s.close()
 
 
-def test_stalled_body_gets_408_and_idle_keep_alive_is_closed():
+def test_stalled_body_gets_408_idle_keep_alive_is_closed_and_big_headers_refused():
     with WamkitServerWorker("zero", {"action_dim": 4, "horizon": 2},
                             extra_args={"body_timeout_s": 1, "keep_alive_timeout_s": 1, "header_timeout_s": 30}) as w:
         with socket.create_connection(("127.0.0.1", w.port), timeout=30) as s:
@@ -258,3 +268,10 @@ def test_stalled_body_gets_408_and_idle_keep_alive_is_closed():
                 data += chunk
             assert data.startswith(b"HTTP/1.1 200")   # recv returned b"": the server closed the idle connection
         assert httpx.get(w.url + "/metrics").json()["counts"].get("body_timeouts") == 1
+        with socket.create_connection(("127.0.0.1", w.port), timeout=30) as s:   # headers growing past 16 KB
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 17 * 1024)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 400")
+        assert httpx.get(w.url + "/health").status_code == 200

@@ -55,7 +55,7 @@ class ServeConfig:
     keep_alive_timeout_s: float = 5.0       # idle keep-alive connections are closed after this
     max_connections: int = 512              # open connections; beyond it the oldest one still sending headers is
                                             # dropped (never more than the process's file limit allows)
-    max_header_kb: int = 16                 # request line + headers (431/400 beyond)
+    max_header_kb: int = 16                 # request line + headers still incomplete in h11's buffer (400 beyond)
 
     def validate(self) -> None:
         if not (0 <= self.port < 65536):

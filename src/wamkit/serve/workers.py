@@ -8,7 +8,8 @@
 - Each server runs in its own process group (start_new_session) so stop() also reaches its children.
 - Every started process is registered with weakref.finalize: it is stopped when the worker is garbage-collected and at
   interpreter exit. A wamkit server additionally watches our pid (parent_pid=) and exits if we die.
-- port=0 picks a free loopback port once; restart() keeps it, so the url stays valid.
+- port=0 picks a free loopback port; if another process takes it before our server binds it, wait_healthy() picks
+  another and starts again (only before the server was first healthy); restart() keeps it, so the url stays valid.
 - Output goes to a log file (`log_path`); wait_healthy() quotes its tail when the server dies or times out.
 - Identity: a wamkit server gets a fresh random instance id per start (env WAMKIT_INSTANCE_ID, not argv) and its
   /health echoes it. healthy() counts only an answer carrying it; wait_healthy() raises ServerIdentityError (a
@@ -99,6 +100,9 @@ class ServerWorker(abc.ABC):
                  env: dict[str, str] | None = None, stop_timeout: float = 10.0):
         self.host = host
         self.port = int(port) or free_port(host)
+        self.auto_port = not int(port)   # picked here: may be re-picked if taken before the server binds it
+        self._port_repicks = 0
+        self._was_healthy = False
         self.env = dict(env or {})
         self.stop_timeout = float(stop_timeout)
         if log_path is None:
@@ -174,22 +178,38 @@ class ServerWorker(abc.ABC):
             rc = self.proc.poll()
             if rc == 2 and self.instance_id is not None:   # a wamkit CLI user error: its one line says why
                 last = (self.log_tail(1) or "").strip() or f"exit code 2 (log {self.log_path})"
+                if "already in use" in last and self._repick_port():
+                    continue
                 raise ServerConfigError(f"the server on port {self.port} did not start: {last}")
             if rc is not None:
                 raise ServerStartError(f"server exited with code {rc} before becoming healthy; log {self.log_path}:\n"
                                        f"{self.log_tail()}")
             ok, ours = self._probe(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
             if ok and not ours:
+                if self._repick_port():
+                    continue
                 raise ServerIdentityError(
                     f"port {self.port} on {self.host} is held by another server (its {self.health_path} does not "
                     f"carry the instance id of the server started here); choose another port, or port 0 for a free "
                     f"one")
             if ok and self.running():
+                self._was_healthy = True
                 return self
             if time.monotonic() >= deadline:
                 raise ServerStartError(f"server not healthy after {timeout:.0f}s at {self.url}; log {self.log_path}:\n"
                                        f"{self.log_tail()}")
             time.sleep(poll_s)
+
+    def _repick_port(self) -> bool:
+        """A port this worker picked itself was taken by someone else before our server bound it: stop ours, pick a
+        new free port, start again (a few times at most). False for a port the caller chose: that is their error."""
+        if not self.auto_port or self._was_healthy or self._port_repicks >= 3:
+            return False
+        self._port_repicks += 1
+        self.stop()
+        self.port = free_port(self.host)
+        self.start()
+        return True
 
     def stop(self) -> None:
         """SIGTERM to the process group (in-flight work finishes), wait, then SIGKILL."""
