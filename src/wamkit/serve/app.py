@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -142,6 +142,8 @@ class ActionServer:
                         raise _HTTPError(413, f"body exceeds the cap of {self.max_body} bytes (max_body_mb="
                                               f"{self.cfg.max_body_mb})", headers={"Connection": "close"})
                     chunks.append(chunk)
+        except ClientDisconnect:
+            raise _HTTPError(400, "client disconnected before sending the whole body") from None
         except TimeoutError:
             self.metrics.count("body_timeouts")
             raise _HTTPError(408, f"body not received within body_timeout_s={self.cfg.body_timeout_s}",

@@ -11,7 +11,9 @@ idle clients (uvicorn alone closes idle keep-alive connections only).
     one when every open socket is busy with a request), so a flood of idle sockets can neither exhaust file
     descriptors nor lock out /health.
   The body deadline (body_timeout_s, 408) lives in the app, which reads the body.
-- uvicorn_config(): the uvicorn.Config of a ServeConfig (keep-alive timeout, header size cap, the protocol above).
+- connection_limits(): the connection cap and listen backlog that fit the open-file limit.
+- uvicorn_config(): the uvicorn.Config of a ServeConfig (keep-alive timeout, header size cap, backlog, the protocol
+  above).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from wamkit.serve.config import ServeConfig
 
 log = logging.getLogger("wamkit.serve")
 _FD_RESERVE = 64   # file descriptors kept for everything that is not a client socket (logs, libraries, the policy)
+_BACKLOG = 2048    # uvicorn's default listen backlog
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -49,10 +52,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def connection_cap(wanted: int) -> int:
-    """max_connections, raised into the process's file limit when allowed, else clamped below it."""
+def connection_limits(wanted: int) -> tuple[int, int]:
+    """(max connections, listen backlog) that fit the process's open-file limit, raising the soft limit when allowed.
+    asyncio accepts up to `backlog` sockets per wake-up before any of them is seen (and maybe dropped) by the protocol,
+    so open connections + backlog + a reserve must fit in the limit, or accept() fails with EMFILE and the server stops
+    accepting for a second (/health included)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = wanted + _FD_RESERVE
+    need = wanted + _BACKLOG + _FD_RESERVE
     if soft != resource.RLIM_INFINITY and soft < need:
         target = need if hard == resource.RLIM_INFINITY else min(need, hard)
         try:
@@ -60,12 +66,14 @@ def connection_cap(wanted: int) -> int:
             soft = target
         except (ValueError, OSError):
             pass
-    if soft == resource.RLIM_INFINITY:
-        return wanted
-    cap = max(1, min(wanted, soft - _FD_RESERVE))
-    if cap < wanted:
-        log.warning("max_connections=%d clamped to %d by the open-file limit (%d)", wanted, cap, soft)
-    return cap
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return wanted, _BACKLOG
+    spare = max(2, soft - _FD_RESERVE)
+    backlog = max(1, min(_BACKLOG, spare // 4))
+    cap = max(1, min(wanted, spare - backlog))
+    log.warning("max_connections=%d clamped to %d (listen backlog %d) by the open-file limit (%d)", wanted, cap,
+                backlog, soft)
+    return cap, backlog
 
 
 def guarded_protocol(header_timeout_s: float, max_connections: int, counters: Any = None) -> type:
@@ -135,8 +143,9 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, counters: An
 def uvicorn_config(app: Any, cfg: ServeConfig, counters: Any = None):
     import uvicorn
 
-    proto = guarded_protocol(cfg.header_timeout_s, connection_cap(cfg.max_connections), counters)
+    cap, backlog = connection_limits(cfg.max_connections)
+    proto = guarded_protocol(cfg.header_timeout_s, cap, counters)
     return uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                          timeout_graceful_shutdown=cfg.graceful_timeout_s, lifespan="on", http=proto,
+                          timeout_graceful_shutdown=cfg.graceful_timeout_s, lifespan="on", http=proto, backlog=backlog,
                           timeout_keep_alive=cfg.keep_alive_timeout_s,
                           h11_max_incomplete_event_size=cfg.max_header_kb * 1024)
