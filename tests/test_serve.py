@@ -67,7 +67,7 @@ def post(server, body: bytes, ctype: str, headers=None) -> httpx.Response:
 
 
 def test_health_metadata_metrics(server):
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}   # no token needed
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "instance_id": server.instance_id}  # no token
     md = httpx.get(server.url + "/v1/actions/metadata", headers=auth()).json()
     assert md["object"] == "action.metadata" and md["capabilities"]["max_batch_size"] == 8
     assert md["output"]["action_horizon"] == 8 and md["output"]["action_dim"] == 7 and md["policy"]["name"] == \

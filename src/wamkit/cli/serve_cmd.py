@@ -1,7 +1,8 @@
 """`wamkit serve [config.yaml] policy=NAME port=P max_batch_size=N max_wait_ms=MS token=... policy_args.k=v ...`
 
 Runs the action server (wamkit.serve.app) on uvicorn. SIGTERM / Ctrl-C: stop accepting, finish in-flight work, exit.
-The token may also come from the environment variable WAMKIT_TOKEN."""
+The token may also come from the environment variable WAMKIT_TOKEN. A host other than loopback needs a token (or
+allow_insecure=true); a port in use is one line and exit code 2. Limits and timeouts: docs/serving.md."""
 
 from __future__ import annotations
 
@@ -57,20 +58,19 @@ def main(argv: list[str]) -> int:
         return 0
     path, overrides = split_args(argv)
     cfg = load_config(ServeConfig, path, overrides)
-    import uvicorn
-
     from wamkit.serve.app import create_app
+    from wamkit.serve.http import bind_socket, uvicorn_config
 
+    sock = bind_socket(cfg.host, cfg.port)   # before the policy is built: a taken port fails at once
+    port = sock.getsockname()[1]
     app = create_app(cfg)
     srv = app.state.server
-    ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                          timeout_graceful_shutdown=cfg.graceful_timeout_s, lifespan="on")
-    server = _server_class()(ucfg)
+    server = _server_class()(uvicorn_config(app, cfg, srv.metrics))
     server.action_server = srv
     if cfg.parent_pid > 0:
         threading.Thread(target=_watch_parent, args=(cfg.parent_pid, server), daemon=True).start()
     auth = "token required" if srv.token else "no auth"
     print(f"wamkit serve: policy={cfg.policy} max_batch_size={srv.max_batch_size} max_wait_ms={cfg.max_wait_ms} "
-          f"on http://{cfg.host}:{cfg.port} ({auth})", file=sys.stderr, flush=True)
-    server.run()
+          f"on http://{cfg.host}:{port} ({auth})", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
     return 0

@@ -1,15 +1,20 @@
-"""Body codecs: JSON and msgpack (content-type ``application/msgpack``). Never unpickles; msgpack ext types are
-refused; the top level must be a mapping."""
+"""Body codecs: JSON and msgpack (content-type ``application/msgpack``). Never unpickles; the top level must be a
+mapping. Every decoded body is then checked in one pass (check_tree, no recursion) so later code only ever sees plain
+data: nesting <= max_depth, str keys (msgpack bytes keys are decoded as UTF-8), integers in -2**63..2**64-1, finite
+floats (JSON NaN/Infinity and overflowing literals refused), strings that are valid Unicode (no lone surrogates), and
+no msgpack extension types (timestamps included). Each refusal is a 400 naming the field path."""
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from wamkit.protocol.errors import ProtocolError
+from wamkit.protocol.limits import INT_MAX, INT_MIN, DecodeLimits
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
@@ -31,15 +36,105 @@ def _np_default(obj: Any) -> Any:
     raise TypeError(f"cannot serialize {type(obj).__name__}")
 
 
-def decode_body(body: bytes, content_type: str | None) -> dict[str, Any]:
-    """Request/response bytes -> dict. msgpack when the content type says so, JSON otherwise."""
+def field_path(parts: tuple) -> str:
+    """("input", "image", 3, "shape") -> "input.image[3].shape"."""
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        else:
+            out += ("." if out else "") + str(p)
+    return out
+
+
+def _key_text(k: Any, parts: tuple) -> str:
+    if isinstance(k, str):
+        return k
+    if isinstance(k, (bytes, bytearray)):
+        try:
+            return bytes(k).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError(field_path(parts), "a mapping key is not valid UTF-8") from None
+    raise ProtocolError(field_path(parts), f"mapping keys must be strings, got {type(k).__name__}")
+
+
+def _check_leaf(v: Any, parts: tuple) -> None:
+    t = type(v)
+    if t is str:
+        if not v.isascii():
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ProtocolError(field_path(parts), "string is not valid Unicode (lone surrogate)") from None
+    elif t is int:
+        if not INT_MIN <= v <= INT_MAX:
+            raise ProtocolError(field_path(parts), "integer out of range (-2**63..2**64-1)")
+    elif t is float:
+        if not math.isfinite(v):
+            raise ProtocolError(field_path(parts), f"numbers must be finite, got {v}")
+    elif t is bytes or t is bool or v is None:
+        pass
+    elif isinstance(v, (msgpack.Timestamp, msgpack.ExtType)):
+        code = -1 if isinstance(v, msgpack.Timestamp) else v.code
+        raise ProtocolError(field_path(parts), f"msgpack extension type {code} is not accepted")
+    else:
+        raise ProtocolError(field_path(parts), f"unsupported value of type {t.__name__}")
+
+
+def check_tree(obj: Any, max_depth: int = DecodeLimits.max_depth) -> None:
+    """One iterative pass over a decoded body (see the module doc). Rewrites bytes keys as str in place."""
+    stack: list[tuple[Any, tuple, int]] = [(obj, (), 1)]
+    while stack:
+        node, parts, depth = stack.pop()
+        if depth > max_depth:
+            raise ProtocolError(field_path(parts), f"nested deeper than {max_depth} levels")
+        if type(node) is dict:
+            if not all(type(k) is str for k in node):
+                items = [(_key_text(k, parts), v) for k, v in node.items()]
+                if len({k for k, _ in items}) != len(items):
+                    raise ProtocolError(field_path(parts), "duplicate mapping keys (str and bytes spellings)")
+                node.clear()
+                node.update(items)
+            for k, v in node.items():
+                t = type(v)
+                if t is dict or t is list:
+                    stack.append((v, parts + (k,), depth + 1))
+                else:
+                    _check_leaf(v, parts + (k,))
+        elif type(node) is list:
+            inner_ok = depth + 1 <= max_depth
+            for i, v in enumerate(node):
+                t = type(v)
+                if t is list:
+                    if inner_ok:   # fast path for flat number lists (a pixel [r, g, b], a state vector)
+                        for x in v:
+                            tx = type(x)
+                            if not ((tx is int and INT_MIN <= x <= INT_MAX) or (tx is float and x - x == 0.0)):
+                                break   # a container or a bad leaf: the full walk below finds and names it
+                        else:
+                            continue
+                    stack.append((v, parts + (i,), depth + 1))
+                elif t is dict:
+                    stack.append((v, parts + (i,), depth + 1))
+                elif t is int and INT_MIN <= v <= INT_MAX:
+                    continue
+                else:
+                    _check_leaf(v, parts + (i,))
+        else:
+            _check_leaf(node, parts)
+
+
+def decode_body(body: bytes, content_type: str | None, max_depth: int = DecodeLimits.max_depth) -> dict[str, Any]:
+    """Request/response bytes -> dict. msgpack when the content type says so, JSON otherwise; then check_tree."""
     if is_msgpack(content_type):
         try:
-            obj = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_refuse_ext)
+            obj = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=_refuse_ext)
         except ProtocolError:
             raise
-        except Exception as e:  # msgpack raises several types (ExtraData, FormatError, StackError, ValueError...)
-            raise ProtocolError("", f"body is not valid msgpack ({type(e).__name__}: {e})") from None
+        except msgpack.StackError:
+            raise ProtocolError("", f"body is nested deeper than {max_depth} levels") from None
+        except Exception as e:  # msgpack raises several types (ExtraData, FormatError, ValueError...)
+            raise ProtocolError("", f"body is not valid msgpack ({type(e).__name__}: {str(e)[:200]})") from None
     else:
         ct = (content_type or "").lower()
         if ct and "json" not in ct:
@@ -47,10 +142,13 @@ def decode_body(body: bytes, content_type: str | None) -> dict[str, Any]:
                                     f"{MSGPACK}", status=415)
         try:
             obj = json.loads(body)
+        except RecursionError:
+            raise ProtocolError("", f"body is nested deeper than {max_depth} levels") from None
         except (ValueError, UnicodeDecodeError) as e:
-            raise ProtocolError("", f"body is not valid JSON ({e})") from None
+            raise ProtocolError("", f"body is not valid JSON ({str(e)[:200]})") from None
     if not isinstance(obj, dict):
         raise ProtocolError("", f"body must be a mapping, got {type(obj).__name__}")
+    check_tree(obj, max_depth)
     return obj
 
 

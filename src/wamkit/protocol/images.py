@@ -10,6 +10,10 @@ Accepted forms (decode_image), fastest first:
 - data URI  ``"data:image/png;base64,...."``
 - lists     nested uint8 lists ``[[[r, g, b], ...], ...]`` (``image.tolist()``).
 File paths and URLs are refused: the server never reads files or fetches anything on a client's behalf.
+
+Limits (wamkit.protocol.limits): every image's side <= MAX_SIDE and pixels <= max_image_pixels, checked on the declared
+shape or (PNG/JPEG) on the header before any pixel is decoded; the request's decoded bytes are counted against
+max_decoded_bytes (ImageBudget). Encoded images must be PNG or JPEG.
 """
 
 from __future__ import annotations
@@ -17,13 +21,17 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
+import warnings
 from typing import Any
 
 import numpy as np
 
 from wamkit.protocol.errors import ProtocolError
+from wamkit.protocol.limits import MAX_SIDE, DecodeLimits, ImageBudget
 
-MAX_SIDE = 8192
+ENCODED_FORMATS = ("PNG", "JPEG")           # the only encoded image formats decoded (PIL is asked for no other)
+_PNG_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA")   # 8-bit modes: at most 4 bytes a pixel before RGB
 ENCODINGS = ("raw", "ndarray", "values", "png", "data_uri", "list")
 
 
@@ -41,16 +49,17 @@ def _check_dtype(dtype: Any, path: str) -> None:
         raise ProtocolError(path + ".dtype", f"expected a dtype string, got {type(dtype).__name__}")
     try:
         dt = np.dtype(dtype)
-    except TypeError:
-        raise ProtocolError(path + ".dtype", f"unknown dtype {dtype!r}") from None
+    except (TypeError, ValueError, SyntaxError):
+        raise ProtocolError(path + ".dtype", f"unknown dtype {dtype[:40]!r}") from None
     if dt != np.uint8:
         raise ProtocolError(path + ".dtype", f"images must be uint8, got {dtype!r}")
 
 
-def _check_shape(shape: Any, path: str, allow_batch: bool) -> tuple[int, ...]:
-    if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and not isinstance(s, bool)
-                                                       for s in shape):
-        raise ProtocolError(path + ".shape", f"expected a list of ints, got {shape!r}")
+def _check_shape(shape: Any, path: str, allow_batch: bool, budget: ImageBudget) -> tuple[int, ...]:
+    """A declared image shape -> tuple; refuses bad ranks, sides outside 1..MAX_SIDE and images over the pixel cap."""
+    if not isinstance(shape, (list, tuple)) or len(shape) > 4 or \
+            not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
+        raise ProtocolError(path + ".shape", f"expected a list of ints, got {str(shape)[:80]}")
     shape = tuple(shape)
     ok3 = len(shape) == 3 and shape[2] == 3
     ok4 = allow_batch and len(shape) == 4 and shape[3] == 3
@@ -59,40 +68,47 @@ def _check_shape(shape: Any, path: str, allow_batch: bool) -> tuple[int, ...]:
         raise ProtocolError(path + ".shape", f"expected {want}, got {list(shape)}")
     if any(s <= 0 for s in shape) or shape[-2] > MAX_SIDE or shape[-3] > MAX_SIDE:
         raise ProtocolError(path + ".shape", f"image sides must be in 1..{MAX_SIDE}, got {list(shape)}")
+    budget.check_pixels(shape[-3], shape[-2], path + ".shape")
     return shape
 
 
-def _from_buffer(buf: Any, shape: tuple[int, ...], path: str, field: str) -> np.ndarray:
+def _from_buffer(buf: Any, shape: tuple[int, ...], path: str, field: str, budget: ImageBudget) -> np.ndarray:
+    n = math.prod(shape)  # python ints: no overflow, whatever the declared batch size
+    budget.take(n, path)
     if isinstance(buf, str):  # JSON transport of the raw form: base64 text
+        if len(buf) > 4 * (n // 3 + 1) + 4:
+            raise ProtocolError(f"{path}.{field}", f"base64 text too long for shape {list(shape)}")
         try:
             buf = base64.b64decode(buf, validate=True)
         except (binascii.Error, ValueError):
             raise ProtocolError(f"{path}.{field}", "expected raw bytes or base64 text") from None
     if not isinstance(buf, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"{path}.{field}", f"expected raw bytes, got {type(buf).__name__}")
-    n = int(np.prod(shape))
     if len(buf) != n:
         raise ProtocolError(f"{path}.{field}", f"has {len(buf)} bytes but shape {list(shape)} needs {n}")
     return np.frombuffer(buf, np.uint8).reshape(shape)
 
 
-def _from_lists(values: Any, path: str, allow_batch: bool) -> np.ndarray:
+def _from_lists(values: Any, path: str, allow_batch: bool, budget: ImageBudget) -> np.ndarray:
     try:
         arr = np.asarray(values)
-    except (ValueError, TypeError):
-        raise ProtocolError(path, "nested image lists are ragged") from None
+    except (ValueError, TypeError, OverflowError):
+        raise ProtocolError(path, "nested image lists are ragged or hold non-integers") from None
     if arr.dtype.kind not in "iu":
         raise ProtocolError(path, f"nested image lists must hold integers in 0..255, got {arr.dtype}")
     if arr.size and (arr.min() < 0 or arr.max() > 255):
         raise ProtocolError(path, "pixel values must be in 0..255")
-    _check_shape(list(arr.shape), path, allow_batch)
+    _check_shape(list(arr.shape), path, allow_batch, budget)
+    budget.take(arr.size, path)
     return arr.astype(np.uint8)
 
 
-def _from_encoded(data: Any, path: str) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
+def _from_encoded(data: Any, path: str, budget: ImageBudget) -> np.ndarray:
+    """base64/bytes PNG or JPEG -> (H, W, 3). The header is read first (PIL opens lazily): format, mode and declared
+    size are checked, and the decoded bytes taken from the budget, before a single pixel is decoded."""
+    from PIL import Image
 
-    if isinstance(data, bytes):
+    if isinstance(data, (bytes, bytearray)):
         raw = data
     else:
         if not isinstance(data, str):
@@ -105,32 +121,55 @@ def _from_encoded(data: Any, path: str) -> np.ndarray:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise ProtocolError(path, "invalid base64") from None
+    if not (raw.startswith(b"\x89PNG\r\n\x1a\n") or raw.startswith(b"\xff\xd8\xff")):
+        raise ProtocolError(path, "not a PNG or JPEG image (other formats are refused: send PNG, JPEG or raw uint8)")
     try:
-        with Image.open(io.BytesIO(raw)) as im:
-            if im.width > MAX_SIDE or im.height > MAX_SIDE:
-                raise ProtocolError(path, f"image sides must be <= {MAX_SIDE}")
-            return np.asarray(im.convert("RGB"))
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise ProtocolError(path, f"cannot decode image: {e}") from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # DecompressionBombWarning: our own caps below are tighter
+            with Image.open(io.BytesIO(raw), formats=ENCODED_FORMATS) as im:
+                if im.format not in ENCODED_FORMATS:
+                    raise ProtocolError(path, f"image format {im.format} is not accepted; send PNG or JPEG")
+                w, h = im.size
+                if not (0 < w <= MAX_SIDE and 0 < h <= MAX_SIDE):
+                    raise ProtocolError(path, f"image sides must be in 1..{MAX_SIDE}, header declares {w}x{h}",
+                                        status=413)
+                budget.check_pixels(h, w, path)
+                if im.format == "PNG" and im.mode not in _PNG_MODES:
+                    raise ProtocolError(path, f"PNG mode {im.mode} is not accepted; send 8-bit gray/RGB/RGBA")
+                budget.take(h * w * 3, path)
+                im.load()
+                arr = np.asarray(im.convert("RGB"))
+    except ProtocolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - hostile bytes make PIL raise many types; all mean "not a valid image"
+        if type(e).__name__ == "DecompressionBombError":
+            raise ProtocolError(path, f"image too large to decode: {e}", status=413) from None
+        raise ProtocolError(path, f"not a decodable PNG/JPEG image ({type(e).__name__}: {str(e)[:120]})") from None
+    if arr.shape != (h, w, 3):
+        raise ProtocolError(path, f"decoded to shape {list(arr.shape)}, header declared {w}x{h}")
+    return arr
 
 
-def decode_image(value: Any, path: str, allow_batch: bool = False) -> np.ndarray:
-    """One image payload -> uint8 (H, W, 3) (or (N, H, W, 3) when allow_batch and a batch was sent)."""
+def decode_image(value: Any, path: str, allow_batch: bool = False, budget: ImageBudget | None = None) -> np.ndarray:
+    """One image payload -> uint8 (H, W, 3) (or (N, H, W, 3) when allow_batch and a batch was sent). `budget`: the
+    request's decoded-bytes budget (default: a fresh one with the default DecodeLimits)."""
+    budget = budget if budget is not None else ImageBudget(DecodeLimits())
     if isinstance(value, np.ndarray):
         if value.dtype != np.uint8:
             raise ProtocolError(path + ".dtype", f"images must be uint8, got {value.dtype}")
-        _check_shape(list(value.shape), path, allow_batch)
+        _check_shape(list(value.shape), path, allow_batch, budget)
+        budget.take(value.size, path)
         return value
     if isinstance(value, dict):
         if _get(value, "__ndarray__") is not None:
             _check_dtype(_get(value, "dtype"), path)
-            shape = _check_shape(_as_list(_get(value, "shape")), path, allow_batch)
-            return _from_buffer(_get(value, "data"), shape, path, "data")
+            shape = _check_shape(_as_list(_get(value, "shape")), path, allow_batch, budget)
+            return _from_buffer(_get(value, "data"), shape, path, "data", budget)
         if "bytes" in value:
             _expect_keys(value, {"bytes", "dtype", "shape"}, path)
             _check_dtype(value.get("dtype", "uint8"), path)
-            shape = _check_shape(value.get("shape"), path, allow_batch)
-            return _from_buffer(value["bytes"], shape, path, "bytes")
+            shape = _check_shape(value.get("shape"), path, allow_batch, budget)
+            return _from_buffer(value["bytes"], shape, path, "bytes", budget)
         if "values" in value or "data" in value:
             key = "values" if "values" in value else "data"
             _expect_keys(value, {key, "dtype", "shape"}, path)
@@ -138,26 +177,26 @@ def decode_image(value: Any, path: str, allow_batch: bool = False) -> np.ndarray
                 _check_dtype(value["dtype"], path)
             vals = value[key]
             if "shape" in value:
-                shape = _check_shape(value["shape"], path, allow_batch)
+                shape = _check_shape(value["shape"], path, allow_batch, budget)
                 if isinstance(vals, (bytes, bytearray)):
-                    return _from_buffer(vals, shape, path, key)
-                arr = _from_lists(vals, f"{path}.{key}", allow_batch=True)
-                if arr.size != int(np.prod(shape)):
+                    return _from_buffer(vals, shape, path, key, budget)
+                arr = _from_lists(vals, f"{path}.{key}", True, budget)
+                if arr.size != math.prod(shape):
                     raise ProtocolError(path + ".shape", f"{list(shape)} does not match {arr.size} values")
                 return arr.reshape(shape)
-            return _from_lists(vals, f"{path}.{key}", allow_batch)
+            return _from_lists(vals, f"{path}.{key}", allow_batch, budget)
         if "b64_json" in value or "base64" in value:
             key = "b64_json" if "b64_json" in value else "base64"
             _expect_keys(value, {key}, path)
-            return _from_encoded(value[key], f"{path}.{key}")
+            return _from_encoded(value[key], f"{path}.{key}", budget)
         raise ProtocolError(path, "unknown image form; expected one of {dtype, shape, bytes}, {values, dtype, shape}, "
                                   "{b64_json}, a data URI or nested uint8 lists")
     if isinstance(value, str):
         if value.startswith("data:"):
-            return _from_encoded(value, path)
+            return _from_encoded(value, path, budget)
         raise ProtocolError(path, "image strings must be data URIs; file paths and URLs are not read by this server")
     if isinstance(value, list):
-        return _from_lists(value, path, allow_batch)
+        return _from_lists(value, path, allow_batch, budget)
     raise ProtocolError(path, f"expected an image, got {type(value).__name__}")
 
 

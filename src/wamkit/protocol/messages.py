@@ -27,7 +27,9 @@ batch grouping key, and otherwise ignored.
 from __future__ import annotations
 
 import base64
+import binascii
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ import numpy as np
 from wamkit.core.types import Observation
 from wamkit.protocol.errors import ProtocolError
 from wamkit.protocol.images import decode_image, encode_image
+from wamkit.protocol.limits import MAX_DIM, DecodeLimits, ImageBudget, check_count
 
 DEFAULT_CAMERA = "image"  # camera key of SGLang's single `image` field (LeRobot LIBERO: agentview)
 OBJECT = "action.generation"
@@ -127,60 +130,90 @@ def _is_nested_pixel_list(x: Any) -> bool:
         return False
 
 
-def _decode_image_list(value: Any, path: str) -> list[np.ndarray]:
+def _decode_image_list(value: Any, path: str, budget: ImageBudget) -> list[np.ndarray]:
     """`image`: one image (maybe an [N,H,W,3] batch) or a list of images -> list of (H, W, 3)."""
     if isinstance(value, list) and not _is_nested_pixel_list(value):
         if not value:
             raise ProtocolError(path, "empty image list")
+        check_count(len(value), budget.limits, path)
         out = []
         for i, v in enumerate(value):
-            out.append(decode_image(v, f"{path}[{i}]"))
+            out.append(decode_image(v, f"{path}[{i}]", budget=budget))
         return out
-    arr = decode_image(value, path, allow_batch=True)
+    arr = decode_image(value, path, allow_batch=True, budget=budget)
+    if arr.ndim == 4:
+        check_count(arr.shape[0], budget.limits, path)
     return list(arr) if arr.ndim == 4 else [arr]
 
 
+def _array_shape(shape: Any, path: str) -> list[int]:
+    """A declared array shape: a list of at most 4 ints, each in 0..MAX_DIM."""
+    if not isinstance(shape, (list, tuple)) or len(shape) > 4 or not all(_is_int(s) for s in shape):
+        raise ProtocolError(path + ".shape", f"expected a list of at most 4 ints, got {str(shape)[:80]}")
+    for s in shape:
+        if not 0 <= s <= MAX_DIM:
+            raise ProtocolError(path + ".shape", f"dimensions must be in 0..{MAX_DIM}, got {list(shape)}")
+    return [int(s) for s in shape]
+
+
+def _finite_f32(arr: np.ndarray, path: str) -> np.ndarray:
+    """Cast to float32 and refuse NaN/inf, including finite float64 values that overflow float32 (1e300)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = arr.astype(np.float32)
+    if not np.all(np.isfinite(out)):
+        raise ProtocolError(path, "values must be finite float32 numbers (no NaN/inf, |x| < 3.4e38)")
+    return out
+
+
 def _decode_float_array(value: Any, path: str) -> np.ndarray:
-    """A float vector/matrix: list of numbers, {values,dtype,shape}, {dtype,shape,bytes} or the ndarray marker."""
+    """A float vector/matrix: list of numbers, {values,dtype,shape}, {dtype,shape,bytes} or the ndarray marker.
+    Always finite float32."""
     if isinstance(value, dict):
         def g(k):
             return value[k] if k in value else value.get(k.encode())
         raw = g("bytes") if g("bytes") is not None else (g("data") if g("__ndarray__") is not None else None)
         dtype = g("dtype")
         if isinstance(dtype, bytes):
-            dtype = dtype.decode()
+            dtype = dtype.decode("ascii", "replace")
+        if dtype is not None and not isinstance(dtype, str):
+            raise ProtocolError(path + ".dtype", f"expected a dtype string, got {type(dtype).__name__}")
         try:
             dt = np.dtype(dtype or "float32")
-        except TypeError:
-            raise ProtocolError(path + ".dtype", f"unknown dtype {dtype!r}") from None
-        if dt.kind not in "fiu":
-            raise ProtocolError(path + ".dtype", f"expected a numeric dtype, got {dtype!r}")
+        except (TypeError, ValueError, SyntaxError):
+            raise ProtocolError(path + ".dtype", f"unknown dtype {dtype[:40]!r}") from None
+        if dt.kind not in "fiu" or dt.itemsize > 8:
+            raise ProtocolError(path + ".dtype", f"expected a numeric dtype of at most 8 bytes, got {dtype!r}")
         shape = g("shape")
         if raw is not None:
-            if not isinstance(shape, (list, tuple)) or not all(_is_int(s) for s in shape):
-                raise ProtocolError(path + ".shape", f"expected a list of ints, got {shape!r}")
+            shape = _array_shape(shape, path)
+            n = math.prod(shape) * dt.itemsize   # python ints: no int64 overflow
             if isinstance(raw, str):
-                raw = base64.b64decode(raw)
-            if not isinstance(raw, (bytes, bytearray)) or len(raw) != int(np.prod(shape)) * dt.itemsize:
-                raise ProtocolError(path, f"byte length does not match shape {list(shape)} and dtype {dt}")
+                if len(raw) > 4 * (n // 3 + 1) + 4:
+                    raise ProtocolError(path, f"base64 text too long for shape {shape} and dtype {dt}")
+                try:
+                    raw = base64.b64decode(raw, validate=True)
+                except (binascii.Error, ValueError):
+                    raise ProtocolError(path, "expected raw bytes or base64 text") from None
+            if not isinstance(raw, (bytes, bytearray)) or len(raw) != n:
+                raise ProtocolError(path, f"byte length does not match shape {shape} and dtype {dt}")
             arr = np.frombuffer(raw, dt).reshape(shape)
         elif "values" in value:
             arr = _decode_float_array(value["values"], path + ".values")
             if shape is not None:
-                try:
-                    arr = arr.reshape(shape)
-                except (ValueError, TypeError):
-                    raise ProtocolError(path + ".shape", f"{shape!r} does not match {arr.size} values") from None
+                shape = _array_shape(shape, path)
+                if math.prod(shape) != arr.size:
+                    raise ProtocolError(path + ".shape", f"{shape} does not match {arr.size} values")
+                arr = arr.reshape(shape)
         else:
             raise ProtocolError(path, "expected {values, dtype, shape} or {dtype, shape, bytes}")
-        return arr.astype(np.float32)
+        return _finite_f32(arr, path)
     try:
-        arr = np.asarray(value, dtype=np.float64)
-    except (ValueError, TypeError):
-        raise ProtocolError(path, "expected numbers") from None
-    if not np.all(np.isfinite(arr)):
-        raise ProtocolError(path, "values must be finite")
-    return arr.astype(np.float32)
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
+        raise ProtocolError(path, "expected numbers (a flat or rectangular list)") from None
+    if arr.dtype.kind not in "fiu" or arr.ndim > 4:
+        raise ProtocolError(path, "expected numbers (a flat or rectangular list)")
+    return _finite_f32(arr, path)
 
 
 def _decode_states(value: Any, n: int, path: str) -> list[np.ndarray]:
@@ -189,6 +222,8 @@ def _decode_states(value: Any, n: int, path: str) -> list[np.ndarray]:
                                                  for v in value):
         vecs = [_decode_float_array(value, path)]
     elif isinstance(value, list):
+        if len(value) != n:
+            raise ProtocolError(path, f"has {len(value)} states for {n} observations")
         vecs = [_decode_float_array(v, f"{path}[{i}]") for i, v in enumerate(value)]
     else:
         arr = _decode_float_array(value, path)
@@ -201,7 +236,11 @@ def _decode_states(value: Any, n: int, path: str) -> list[np.ndarray]:
     return [np.ascontiguousarray(v) for v in vecs]
 
 
-def _validate_parameters(params: dict, n: int) -> tuple[dict[str, Any], list[int]]:
+_MAX_PARAM_INT = 2 ** 31 - 1
+_MAX_SEED = 2 ** 63 - 1
+
+
+def _validate_parameters(params: dict, n: int, limits: DecodeLimits) -> tuple[dict[str, Any], list[int]]:
     _refuse_unknown(params, PARAMETER_NAMES, "parameters")
     out: dict[str, Any] = {}
     for k, v in params.items():
@@ -216,13 +255,24 @@ def _validate_parameters(params: dict, n: int) -> tuple[dict[str, Any], list[int
             v = int(v)
             if k != "domain_id" and v <= 0:
                 raise ProtocolError(p, f"must be positive, got {v}")
+            if abs(v) > _MAX_PARAM_INT:
+                raise ProtocolError(p, f"must be at most {_MAX_PARAM_INT} in magnitude, got {v}")
         elif k in _FLOAT_PARAMS:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ProtocolError(p, f"expected a number, got {v!r}")
             v = float(v)
         elif k in _STR_PARAMS:
             if not isinstance(v, str):
-                raise ProtocolError(p, f"expected a string, got {v!r}")
+                raise ProtocolError(p, f"expected a string, got {str(v)[:40]}")
+            if len(v) > limits.max_text_chars:
+                raise ProtocolError(p, f"longer than {limits.max_text_chars} characters")
+        elif isinstance(v, (dict, list)):   # _ANY_PARAMS: a scalar or a flat list of scalars, kept small
+            if isinstance(v, dict) or len(v) > limits.max_param_items or \
+                    any(isinstance(x, (dict, list, bytes)) for x in v):
+                raise ProtocolError(p, f"expected a scalar or a flat list of at most {limits.max_param_items} "
+                                       f"scalars")
+        elif isinstance(v, (str, bytes)) and len(v) > limits.max_text_chars:
+            raise ProtocolError(p, f"longer than {limits.max_text_chars} characters")
         out[k] = v
     mode = out.get("action_mode", "policy")
     if mode != "policy":
@@ -237,27 +287,37 @@ def _validate_parameters(params: dict, n: int) -> tuple[dict[str, Any], list[int
     if seed is None:
         seed = 0
     if _is_int(seed):
+        if not 0 <= seed <= _MAX_SEED:
+            raise ProtocolError("parameters.seed", f"must be in 0..2**63-1, got {seed}")
         seeds = [int(seed)] * n
     elif isinstance(seed, list):
         if len(seed) != n:
             raise ProtocolError("parameters.seed", f"has {len(seed)} seeds for {n} observations")
         for i, s in enumerate(seed):
             if not _is_int(s):
-                raise ProtocolError(f"parameters.seed[{i}]", f"expected an integer, got {s!r}")
+                raise ProtocolError(f"parameters.seed[{i}]", f"expected an integer, got {str(s)[:40]}")
+            if not 0 <= s <= _MAX_SEED:
+                raise ProtocolError(f"parameters.seed[{i}]", f"must be in 0..2**63-1, got {s}")
         seeds = [int(s) for s in seed]
     else:
-        raise ProtocolError("parameters.seed", f"expected an integer or a list of integers, got {seed!r}")
+        raise ProtocolError("parameters.seed", f"expected an integer or a list of integers, got {str(seed)[:40]}")
     return out, seeds
 
 
 # ------------------------------------------------------------------------------------------- request decode
-def parse_request(body: dict[str, Any]) -> ActionRequest:
-    """A decoded request body -> ActionRequest (Observations + seeds + parameters). Raises ProtocolError."""
+def parse_request(body: dict[str, Any], limits: DecodeLimits | None = None) -> ActionRequest:
+    """A decoded request body (decode_body's output) -> ActionRequest (Observations + seeds + parameters).
+    `limits`: image pixel/decoded-byte caps and text lengths (default DecodeLimits()). Raises ProtocolError."""
+    limits = limits or DecodeLimits()
+    budget = ImageBudget(limits)
     _expect_mapping(body, "")
     _refuse_unknown(body, TOP_NAMES, "")
-    rid = body.get("request_id", body.get("id"))
-    if rid is not None and not isinstance(rid, (str, int)):
-        raise ProtocolError("request_id", f"expected a string, got {type(rid).__name__}")
+    rid_key = "request_id" if "request_id" in body else "id"
+    rid = body.get(rid_key)
+    if rid is not None and (not isinstance(rid, (str, int)) or isinstance(rid, bool)):
+        raise ProtocolError(rid_key, f"expected a string, got {type(rid).__name__}")
+    if isinstance(rid, str) and len(rid) > limits.max_text_chars:
+        raise ProtocolError(rid_key, f"longer than {limits.max_text_chars} characters")
     rid = str(rid) if rid is not None else f"act_{uuid.uuid4().hex}"
     if "input" not in body:
         raise ProtocolError("input", "missing required field")
@@ -275,7 +335,7 @@ def parse_request(body: dict[str, Any]) -> ActionRequest:
         raise ProtocolError("input.images", f"send either input.{single[0]} or input.images, not both")
     if single:
         key = single[0]
-        frames = [{DEFAULT_CAMERA: a} for a in _decode_image_list(inp[key], f"input.{key}")]
+        frames = [{DEFAULT_CAMERA: a} for a in _decode_image_list(inp[key], f"input.{key}", budget)]
     elif "images" in inp:
         imgs = inp["images"]
         if isinstance(imgs, dict):
@@ -286,6 +346,7 @@ def parse_request(body: dict[str, Any]) -> ActionRequest:
             raise ProtocolError("input.images", "expected {camera: image} or a list of them")
         if not imgs:
             raise ProtocolError("input.images", "empty list")
+        check_count(len(imgs), limits, "input.images")
         frames = []
         for i, cams in enumerate(imgs):
             p = path_of(i)
@@ -296,7 +357,7 @@ def parse_request(body: dict[str, Any]) -> ActionRequest:
             for cam, v in cams.items():
                 if not isinstance(cam, str) or not cam:
                     raise ProtocolError(p, f"camera names must be non-empty strings, got {cam!r}")
-                fr[cam] = decode_image(v, f"{p}.{cam}")
+                fr[cam] = decode_image(v, f"{p}.{cam}", budget=budget)
             frames.append(fr)
     else:
         raise ProtocolError("input.image", "missing required field (or input.images / input.input_reference)")
@@ -311,8 +372,11 @@ def parse_request(body: dict[str, Any]) -> ActionRequest:
         tk = tkeys[0]
         t, is_list = _list_or_one(inp[tk])
         for i, s in enumerate(t):
+            where = f"input.{tk}[{i}]" if is_list else f"input.{tk}"
             if not isinstance(s, str):
-                raise ProtocolError(f"input.{tk}[{i}]" if is_list else f"input.{tk}", "expected a string")
+                raise ProtocolError(where, "expected a string")
+            if len(s) > limits.max_text_chars:
+                raise ProtocolError(where, f"longer than {limits.max_text_chars} characters")
         if len(t) == 1:
             tasks = t * n
         elif len(t) == n:
@@ -324,7 +388,7 @@ def parse_request(body: dict[str, Any]) -> ActionRequest:
     if inp.get("state") is not None:
         states = _decode_states(inp["state"], n, "input.state")
 
-    params, seeds = _validate_parameters(_expect_mapping(body.get("parameters") or {}, "parameters"), n)
+    params, seeds = _validate_parameters(_expect_mapping(body.get("parameters") or {}, "parameters"), n, limits)
 
     rt = _expect_mapping(body.get("runtime") or {}, "runtime")
     _refuse_unknown(rt, RUNTIME_NAMES, "runtime")

@@ -5,4 +5,5 @@ The app itself lives in wamkit.serve.app (create_app)."""
 from wamkit.serve.client import ActionClient, ActionClientError, SyncActionClient  # noqa: F401
 from wamkit.serve.config import ServeConfig  # noqa: F401
 from wamkit.serve.workers import (  # noqa: F401
-    ServerStartError, ServerWorker, SGLangServerWorker, WamkitServerWorker, free_port)
+    ServerConfigError, ServerIdentityError, ServerStartError, ServerWorker, SGLangServerWorker, WamkitServerWorker,
+    free_port)

@@ -1,15 +1,18 @@
 """The action server: Starlette app over a policy and a dynamic batcher (run on uvicorn by `wamkit serve`).
 
 Routes
-- ``GET  /health``                    200 {"status": "ok"} (503 while shutting down); never needs the token.
+- ``GET  /health``                    200 {"status": "ok", "instance_id": ...} (503 while shutting down); never needs
+                                      the token. instance_id: env WAMKIT_INSTANCE_ID of this process (null if unset):
+                                      a server worker checks it to prove the answer comes from the server it started.
 - ``GET  /v1/actions/metadata``       policy spec, max batch size, action dim/horizon (SGLang's metadata layout).
 - ``POST /v1/actions/generations``    SGLang's action API (+ wamkit extensions), JSON or msgpack.
 - ``GET  /metrics``                   JSON: counts, batch-size histogram, queue/compute p50/p99.
 
 Errors answer ``{"error": {"message", "type", "path", "code"}, "detail": message}``: 400 malformed (the message names
-the field path), 401 bad/missing token, 413 body too large, 415 content type, 422 valid but unsupported here,
-500 the policy failed, 503 queue full or shutting down (with Retry-After).
-Requests are never unpickled: JSON or msgpack without extension types only.
+the field path), 401 bad/missing token, 408 body not received within body_timeout_s, 413 body or decoded images too
+large, 415 content type, 422 valid but unsupported here, 500 the policy failed, 503 queue full or shutting down (with
+Retry-After). Decoding a request never answers 5xx: an unexpected error while decoding is a 400 (and counted in
+/metrics as decode_unexpected). Requests are never unpickled: JSON or msgpack without extension types only.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -34,7 +37,7 @@ from wamkit.policies.base import Policy
 from wamkit.protocol import ProtocolError, build_response, decode_body, encode_body, is_msgpack, parse_request
 from wamkit.protocol.messages import ActionRequest
 from wamkit.serve.batcher import Batcher, QueueFull
-from wamkit.serve.config import ServeConfig
+from wamkit.serve.config import INSTANCE_ENV, ServeConfig
 from wamkit.serve.metrics import ServerMetrics
 
 log = logging.getLogger("wamkit.serve")
@@ -48,8 +51,8 @@ class _HTTPError(Exception):
 
 
 def _error(status: int, message: str, path: str = "", headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = {401: "authentication_error", 413: "request_too_large", 415: "unsupported_media_type",
-            503: "server_busy", 500: "server_error"}.get(status, "invalid_request_error")
+    kind = {401: "authentication_error", 408: "request_timeout", 413: "request_too_large",
+            415: "unsupported_media_type", 503: "server_busy", 500: "server_error"}.get(status, "invalid_request_error")
     return JSONResponse({"error": {"message": message, "type": kind, "path": path, "code": status},
                          "detail": message}, status_code=status, headers=headers)
 
@@ -64,6 +67,8 @@ class ActionServer:
         pmax = int(policy.max_batch_size())
         self.max_batch_size = min(cfg.max_batch_size, pmax) if cfg.max_batch_size > 0 else pmax
         self.max_body = int(cfg.max_body_mb * 1024 * 1024)
+        self.limits = cfg.decode_limits()
+        self.instance_id = os.environ.get(INSTANCE_ENV) or None
         self.token = cfg.resolved_token()
         self.model = cfg.model_name or self.spec.name
         self.metrics = ServerMetrics()
@@ -122,18 +127,27 @@ class ActionServer:
         cl = request.headers.get("content-length")
         if cl is not None:
             try:
-                if int(cl) > self.max_body:
-                    raise _HTTPError(413, f"body of {int(cl)} bytes exceeds the cap of {self.max_body} bytes "
-                                          f"(max_body_mb={self.cfg.max_body_mb})")
+                n = int(cl)
             except ValueError:
                 raise _HTTPError(400, "invalid content-length") from None
+            if n > self.max_body:
+                raise _HTTPError(413, f"body of {n} bytes exceeds the cap of {self.max_body} bytes "
+                                      f"(max_body_mb={self.cfg.max_body_mb})", headers={"Connection": "close"})
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body:
-                raise _HTTPError(413, f"body exceeds the cap of {self.max_body} bytes (max_body_mb="
-                                      f"{self.cfg.max_body_mb})")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.cfg.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body:
+                        raise _HTTPError(413, f"body exceeds the cap of {self.max_body} bytes (max_body_mb="
+                                              f"{self.cfg.max_body_mb})", headers={"Connection": "close"})
+                    chunks.append(chunk)
+        except ClientDisconnect:
+            raise _HTTPError(400, "client disconnected before sending the whole body") from None
+        except TimeoutError:
+            self.metrics.count("body_timeouts")
+            raise _HTTPError(408, f"body not received within body_timeout_s={self.cfg.body_timeout_s}",
+                             headers={"Connection": "close"}) from None
         return b"".join(chunks)
 
     def _check_against_policy(self, req: ActionRequest) -> None:
@@ -162,13 +176,20 @@ class ActionServer:
                                         status=422)
 
     def _decode(self, body: bytes, content_type: str) -> ActionRequest:
-        return parse_request(decode_body(body, content_type))
+        try:
+            return parse_request(decode_body(body, content_type, self.limits.max_depth), self.limits)
+        except ProtocolError:
+            raise
+        except Exception as e:  # noqa: BLE001 - bad input must never be a 5xx; counted so tests can catch the gap
+            self.metrics.count("decode_unexpected")
+            log.warning("unexpected error decoding a request: %s: %s", type(e).__name__, e)
+            raise ProtocolError("", f"malformed request ({type(e).__name__})") from None
 
     # ------------------------------------------------------------------ routes
     async def health(self, request: Request) -> Response:
         if self.batcher.closing:
-            return JSONResponse({"status": "shutting_down"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "shutting_down", "instance_id": self.instance_id}, status_code=503)
+        return JSONResponse({"status": "ok", "instance_id": self.instance_id})
 
     def metadata_dict(self) -> dict[str, Any]:
         s = self.spec
@@ -184,7 +205,9 @@ class ActionServer:
                              "realtime_websocket": False, "multiple_cameras": True, "state": True,
                              "per_observation_seeds": True, "msgpack": True},
             "server": {"name": "wamkit", "max_wait_ms": self.cfg.max_wait_ms, "max_queue": self.cfg.max_queue,
-                       "max_body_bytes": self.max_body, "auth": self.token is not None},
+                       "max_body_bytes": self.max_body, "auth": self.token is not None,
+                       "instance_id": self.instance_id, "max_image_pixels": self.limits.max_image_pixels,
+                       "max_decoded_bytes": self.limits.max_decoded_bytes, "max_depth": self.limits.max_depth},
         }
 
     async def metadata(self, request: Request) -> Response:

@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from wamkit.core.errors import ConfigError
+from wamkit.protocol.limits import DecodeLimits
+
+_D = DecodeLimits()
+INSTANCE_ENV = "WAMKIT_INSTANCE_ID"   # set by WamkitServerWorker (random per start); echoed by /health and metadata
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1); anything else may be reachable from outside."""
+    if host.strip().lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
 class ServeConfig:
     policy: str = "random"                  # registered name or a directory written by `wamkit export`
     policy_args: dict[str, Any] = field(default_factory=dict)
-    host: str = "127.0.0.1"                 # loopback by default; bind 0.0.0.0 only behind a token
+    host: str = "127.0.0.1"                 # loopback by default; any other host needs a token (or allow_insecure)
+    allow_insecure: bool = False            # serve a non-loopback host without a token (trusted networks only)
     port: int = 8000
     max_batch_size: int = 0                 # 0: the policy's max_batch_size()
     max_wait_ms: float = 5.0                # how long a batch may wait to fill up
@@ -28,6 +44,18 @@ class ServeConfig:
     warmup: bool = True                     # policy.warmup(max batch) before /health answers (e.g. CUDA graphs)
     torch_threads: int = 0                  # torch intra-op threads of the server; 0: min(4, CPU cores) (the cores
                                             # belong to env workers: a large OpenMP team on busy cores stalls)
+    # limits of what one request may make the server decode (413/400 naming the field beyond them)
+    max_image_pixels: int = _D.max_image_pixels   # per image (4096 x 4096), checked on the declared size/PNG header
+    max_decoded_mb: float = _D.max_decoded_bytes / 2 ** 20  # all images of one request, decoded (256)
+    max_depth: int = _D.max_depth           # nesting of mappings/lists in a body
+    max_text_chars: int = _D.max_text_chars  # each task/prompt and the request_id
+    # slow or idle clients (connection-level; see docs/serving.md "Limits and security")
+    header_timeout_s: float = 10.0          # a request's headers must arrive within this, else the socket is closed
+    body_timeout_s: float = 60.0            # a request's body must arrive within this, else 408 and close
+    keep_alive_timeout_s: float = 5.0       # idle keep-alive connections are closed after this
+    max_connections: int = 512              # open connections; beyond it the oldest one still sending headers is
+                                            # dropped (never more than the process's file limit allows)
+    max_header_kb: int = 16                 # request line + headers still incomplete in h11's buffer (400 beyond)
 
     def validate(self) -> None:
         if not (0 <= self.port < 65536):
@@ -42,6 +70,21 @@ class ServeConfig:
             raise ConfigError(f"torch_threads: must be >= 0, got {self.torch_threads}")
         if self.max_body_mb <= 0:
             raise ConfigError(f"max_body_mb: must be > 0, got {self.max_body_mb}")
+        for k in ("max_image_pixels", "max_depth", "max_text_chars", "max_connections", "max_header_kb"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"{k}: must be >= 1, got {getattr(self, k)}")
+        for k in ("max_decoded_mb", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            if not getattr(self, k) > 0:
+                raise ConfigError(f"{k}: must be > 0, got {getattr(self, k)}")
+        if not is_loopback(self.host) and not self.resolved_token() and not self.allow_insecure:
+            raise ConfigError(f"host={self.host} is not a loopback address and no token is set: anyone who reaches "
+                              f"it could use the server; set token= (or env WAMKIT_TOKEN), or allow_insecure=true on "
+                              f"a trusted network")
+
+    def decode_limits(self) -> DecodeLimits:
+        return DecodeLimits(max_depth=self.max_depth, max_image_pixels=self.max_image_pixels,
+                            max_decoded_bytes=int(self.max_decoded_mb * 2 ** 20), max_text_chars=self.max_text_chars,
+                            max_observations=self.max_queue)
 
     def resolved_token(self) -> str | None:
         tok = self.token if self.token else os.environ.get("WAMKIT_TOKEN")

@@ -8,8 +8,14 @@
 - Each server runs in its own process group (start_new_session) so stop() also reaches its children.
 - Every started process is registered with weakref.finalize: it is stopped when the worker is garbage-collected and at
   interpreter exit. A wamkit server additionally watches our pid (parent_pid=) and exits if we die.
-- port=0 picks a free loopback port once; restart() keeps it, so the url stays valid.
+- port=0 picks a free loopback port; if another process takes it before our server binds it, wait_healthy() picks
+  another and starts again (only before the server was first healthy); restart() keeps it, so the url stays valid.
 - Output goes to a log file (`log_path`); wait_healthy() quotes its tail when the server dies or times out.
+- Identity: a wamkit server gets a fresh random instance id per start (env WAMKIT_INSTANCE_ID, not argv) and its
+  /health echoes it. healthy() counts only an answer carrying it; wait_healthy() raises ServerIdentityError (a
+  UserError: one line, exit 2) at once when a healthy answer carries another id or none: the port is held by another
+  server, which must never be scored in place of ours. A server that exits with code 2 (its own user error, e.g. the
+  port is in use) raises ServerConfigError (also a UserError) quoting its last log line.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import abc
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -29,9 +36,20 @@ from typing import Any, Sequence
 
 import httpx
 
+from wamkit.core.errors import UserError
+from wamkit.serve.config import INSTANCE_ENV
+
 
 class ServerStartError(RuntimeError):
     """The server process exited or did not become healthy in time."""
+
+
+class ServerIdentityError(ServerStartError, UserError):
+    """The port answers, but not as the server this worker started (another or no instance id)."""
+
+
+class ServerConfigError(ServerStartError, UserError):
+    """The server process refused its configuration (exit code 2: a port in use, a bad key)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -77,11 +95,15 @@ class ServerWorker(abc.ABC):
 
     health_path = "/health"
     default_start_timeout = 60.0
+    instance_id: str | None = None   # set per start by servers that echo it in /health; None: no identity check
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", log_path: str | Path | None = None,
                  env: dict[str, str] | None = None, stop_timeout: float = 10.0):
         self.host = host
         self.port = int(port) or free_port(host)
+        self.auto_port = not int(port)   # picked here: may be re-picked if taken before the server binds it
+        self._port_repicks = 0
+        self._was_healthy = False
         self.env = dict(env or {})
         self.stop_timeout = float(stop_timeout)
         if log_path is None:
@@ -126,14 +148,27 @@ class ServerWorker(abc.ABC):
         self.starts += 1
         return self
 
+    def _probe(self, timeout: float) -> tuple[bool, bool]:
+        """(answered 200, the answer is from our server): GET health_path, check its instance_id."""
+        try:
+            r = httpx.get(self.url + self.health_path, timeout=timeout)
+        except httpx.HTTPError:
+            return False, False
+        if r.status_code != 200:
+            return False, False
+        if self.instance_id is None:
+            return True, True
+        try:
+            ours = r.json().get("instance_id") == self.instance_id
+        except (ValueError, AttributeError):
+            ours = False
+        return True, ours
+
     def healthy(self, timeout: float = 2.0) -> bool:
         if not self.running():
             return False
-        try:
-            r = httpx.get(self.url + self.health_path, timeout=timeout)
-            return r.status_code == 200
-        except httpx.HTTPError:
-            return False
+        ok, ours = self._probe(timeout)
+        return ok and ours
 
     def wait_healthy(self, timeout: float | None = None, poll_s: float = 0.2) -> "ServerWorker":
         timeout = self.default_start_timeout if timeout is None else timeout
@@ -142,15 +177,40 @@ class ServerWorker(abc.ABC):
             if self.proc is None:
                 raise ServerStartError("server was not started")
             rc = self.proc.poll()
+            if rc == 2 and self.instance_id is not None:   # a wamkit CLI user error: its one line says why
+                last = (self.log_tail(1) or "").strip() or f"exit code 2 (log {self.log_path})"
+                if "already in use" in last and self._repick_port():
+                    continue
+                raise ServerConfigError(f"the server on port {self.port} did not start: {last}")
             if rc is not None:
                 raise ServerStartError(f"server exited with code {rc} before becoming healthy; log {self.log_path}:\n"
                                        f"{self.log_tail()}")
-            if self.healthy(timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
+            ok, ours = self._probe(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+            if ok and not ours:
+                if self._repick_port():
+                    continue
+                raise ServerIdentityError(
+                    f"port {self.port} on {self.host} is held by another server (its {self.health_path} does not "
+                    f"carry the instance id of the server started here); choose another port, or port 0 for a free "
+                    f"one")
+            if ok and self.running():
+                self._was_healthy = True
                 return self
             if time.monotonic() >= deadline:
                 raise ServerStartError(f"server not healthy after {timeout:.0f}s at {self.url}; log {self.log_path}:\n"
                                        f"{self.log_tail()}")
             time.sleep(poll_s)
+
+    def _repick_port(self) -> bool:
+        """A port this worker picked itself was taken by someone else before our server bound it: stop ours, pick a
+        new free port, start again (a few times at most). False for a port the caller chose: that is their error."""
+        if not self.auto_port or self._was_healthy or self._port_repicks >= 3:
+            return False
+        self._port_repicks += 1
+        self.stop()
+        self.port = free_port(self.host)
+        self.start()
+        return True
 
     def stop(self) -> None:
         """SIGTERM to the process group (in-flight work finishes), wait, then SIGKILL."""
@@ -215,11 +275,18 @@ class WamkitServerWorker(ServerWorker):
         self.token, self.extra_args = token, extra_args
         self.python = python or sys.executable
 
+    def start(self) -> "WamkitServerWorker":
+        if not self.running():
+            self.instance_id = secrets.token_hex(16)   # fresh per process: a stale answer can never pass
+        super().start()
+        return self
+
     def child_env(self) -> dict[str, str]:
         env = super().child_env()
         env.pop("WAMKIT_TOKEN", None)
         if self.token:
             env["WAMKIT_TOKEN"] = self.token
+        env[INSTANCE_ENV] = self.instance_id or ""
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 

@@ -1,0 +1,49 @@
+"""Decode limits of the action API: what one request may make the server build in memory. The server fills them from
+ServeConfig; the defaults here are what any decoder gets unless it asks for others (listed in docs/serving.md,
+"Limits and security")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wamkit.protocol.errors import ProtocolError
+
+MAX_SIDE = 8192                  # no image side may exceed this, whatever the pixel cap
+MAX_DIM = 2 ** 31 - 1            # any declared array dimension
+INT_MIN, INT_MAX = -(2 ** 63), 2 ** 64 - 1   # integers anywhere in a body (what msgpack can carry)
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    max_depth: int = 32                          # nesting of mappings/lists in a body (an image as lists needs ~7)
+    max_image_pixels: int = 4096 * 4096          # per image, checked on the declared size before any decoding
+    max_decoded_bytes: int = 256 * 1024 * 1024   # all images of one request, decoded to uint8 (H, W, 3)
+    max_text_chars: int = 16384                  # each task/prompt string and the request_id
+    max_observations: int = 1024                 # observations in one request (the server: its max_queue)
+    max_param_items: int = 1024                  # items of a list-valued parameter (condition_frame_indexes)
+
+
+def check_count(n: int, limits: DecodeLimits, path: str) -> None:
+    """Refuse more observations than limits.max_observations before any of them is decoded (413)."""
+    if n > limits.max_observations:
+        raise ProtocolError(path, f"{n} observations in one request; at most {limits.max_observations}", status=413)
+
+
+class ImageBudget:
+    """Decoded image bytes left for one request: take() before building an array, 413 when it would overflow."""
+
+    def __init__(self, limits: DecodeLimits):
+        self.limits = limits
+        self.used = 0
+
+    def take(self, nbytes: int, path: str) -> None:
+        if self.used + nbytes > self.limits.max_decoded_bytes:
+            raise ProtocolError(path, f"the request's images would decode to more than "
+                                      f"{self.limits.max_decoded_bytes} bytes (server max_decoded_mb)", status=413)
+        self.used += nbytes
+
+    def check_pixels(self, h: int, w: int, path: str) -> None:
+        if h * w > self.limits.max_image_pixels:
+            raise ProtocolError(path, f"image of {w}x{h} = {h * w} pixels exceeds the cap of "
+                                      f"{self.limits.max_image_pixels} pixels per image (server max_image_pixels)",
+                                status=413)

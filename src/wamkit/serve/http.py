@@ -1,0 +1,151 @@
+"""The HTTP layer under the action server: the listening socket and uvicorn's h11 protocol with guards against slow and
+idle clients (uvicorn alone closes idle keep-alive connections only).
+
+- bind_socket(): binds before the policy is built, so a port in use is one clear line (UserError, exit 2), not a
+  failure after minutes of model loading.
+- guarded_protocol(): an H11Protocol subclass with
+  * a header deadline: from the moment a connection opens (or its previous response completes), the next request's
+    headers must arrive within header_timeout_s, else the socket is closed (slowloris, idle sockets, a body that
+    never comes for a route that does not read it);
+  * a connection cap: past max_connections open sockets, the oldest one still waiting for headers is dropped (the new
+    one when every open socket is busy with a request), so a flood of idle sockets can neither exhaust file
+    descriptors nor lock out /health.
+  The body deadline (body_timeout_s, 408) lives in the app, which reads the body.
+- connection_limits(): the connection cap and listen backlog that fit the open-file limit.
+- uvicorn_config(): the uvicorn.Config of a ServeConfig (keep-alive timeout, header size cap, backlog, the protocol
+  above).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import resource
+import socket
+from typing import Any
+
+from wamkit.core.errors import UserError
+from wamkit.serve.config import ServeConfig
+
+log = logging.getLogger("wamkit.serve")
+_FD_RESERVE = 64   # file descriptors kept for everything that is not a client socket (logs, libraries, the policy)
+_BACKLOG = 2048    # uvicorn's default listen backlog
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (not yet listening); UserError when the port is taken or the host unknown."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UserError(f"host={host}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT only: a listening port stays refused
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise UserError(f"port={port}: already in use on {host}; choose another port (port=0 picks a free "
+                            f"one)") from None
+        raise UserError(f"cannot bind {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def connection_limits(wanted: int) -> tuple[int, int]:
+    """(max connections, listen backlog) that fit the process's open-file limit, raising the soft limit when allowed.
+    asyncio accepts up to `backlog` sockets per wake-up before any of them is seen (and maybe dropped) by the protocol,
+    so open connections + backlog + a reserve must fit in the limit, or accept() fails with EMFILE and the server stops
+    accepting for a second (/health included)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + _BACKLOG + _FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return wanted, _BACKLOG
+    spare = max(2, soft - _FD_RESERVE)
+    backlog = max(1, min(_BACKLOG, spare // 4))
+    cap = max(1, min(wanted, spare - backlog))
+    log.warning("max_connections=%d clamped to %d (listen backlog %d) by the open-file limit (%d)", wanted, cap,
+                backlog, soft)
+    return cap, backlog
+
+
+def guarded_protocol(header_timeout_s: float, max_connections: int, counters: Any = None) -> type:
+    """uvicorn's H11Protocol with the header deadline and the connection cap (module doc). counters: an object with
+    count(name) (the server's metrics), told of every socket closed by a guard."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    def count(name: str) -> None:
+        if counters is not None:
+            counters.count(name)
+
+    class GuardedH11Protocol(H11Protocol):
+        _hdr_timer = None
+        _hdr_cycle = None
+        _armed_at = 0.0
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+            if len(self.connections) > max_connections:
+                self._drop_one()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._hdr_cycle = self.cycle            # headers are complete once uvicorn starts a new cycle
+            self._armed_at = self.loop.time()
+            self._hdr_timer = self.loop.call_later(header_timeout_s, self._header_deadline)
+
+        def _disarm(self) -> None:
+            if self._hdr_timer is not None:
+                self._hdr_timer.cancel()
+                self._hdr_timer = None
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._hdr_timer is not None and self.cycle is not self._hdr_cycle:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            prev = self.cycle
+            super().on_response_complete()           # may start a pipelined request's cycle
+            if not self.transport.is_closing() and self.cycle is prev:
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _header_deadline(self) -> None:
+            self._hdr_timer = None
+            if not self.transport.is_closing():
+                count("closed_header_timeout")
+                self.transport.close()
+
+        def _drop_one(self) -> None:
+            waiting = [c for c in self.connections
+                       if getattr(c, "_hdr_timer", None) is not None and c is not self and
+                       not c.transport.is_closing()]
+            victim = min(waiting, key=lambda c: c._armed_at) if waiting else self
+            count("closed_connection_cap")
+            victim._disarm()
+            victim.transport.close()
+
+    return GuardedH11Protocol
+
+
+def uvicorn_config(app: Any, cfg: ServeConfig, counters: Any = None):
+    import uvicorn
+
+    cap, backlog = connection_limits(cfg.max_connections)
+    proto = guarded_protocol(cfg.header_timeout_s, cap, counters)
+    return uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+                          timeout_graceful_shutdown=cfg.graceful_timeout_s, lifespan="on", http=proto, backlog=backlog,
+                          timeout_keep_alive=cfg.keep_alive_timeout_s,
+                          h11_max_incomplete_event_size=cfg.max_header_kb * 1024)
