@@ -64,7 +64,8 @@ def main(argv: list[str]) -> int:
     app = create_app(cfg)
     srv = app.state.server
     ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                          timeout_graceful_shutdown=cfg.graceful_timeout_s, lifespan="on")
+                          timeout_graceful_shutdown=cfg.graceful_timeout_s, lifespan="on",
+                          ws_max_size=srv.max_body + 1024)  # websocket frames: the body cap (+ envelope slack)
     server = _server_class()(ucfg)
     server.action_server = srv
     if cfg.parent_pid > 0:

@@ -21,6 +21,9 @@ class ServerOptions:
     token: str | None = None
     url: str | None = None        # use already running server(s) (wamkit serve or SGLang; comma-separated for several)
     protocol: str = "wamkit"      # wire form: wamkit (HTTP, wamkit's extensions) | sglang (HTTP, SGLang's request form)
+                                  # | openpi (websocket, openpi's policy protocol: pi0/pi0.5 servers, SGLang's
+                                  # /openpi/policy, wamkit serve) | sglang-ws (websocket, /v1/actions/realtime);
+                                  # websocket urls: ws://host:port (docs/websocket.md)
     startup_timeout_s: float = 300.0
     replicas: int = 1             # local servers to start (e.g. one per GPU); requests go to the least loaded one
     gpus: list[int] | None = None  # replica i sees only GPU gpus[i % len(gpus)] (CUDA_VISIBLE_DEVICES); None: all

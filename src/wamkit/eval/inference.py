@@ -139,7 +139,12 @@ class ServerInference(Inference):
         protocol = getattr(self.options, "protocol", "wamkit")
         if protocol == "wamkit":
             return ActionClient(url, token=self.options.token, on_timing=self._on_timing, worker=worker)
-        raise UserError(f"server.protocol={protocol!r} is not supported; valid choices: wamkit")
+        if protocol in ("openpi", "sglang-ws"):  # websocket: openpi's policy protocol / SGLang's realtime route
+            from wamkit.serve.ws_client import WebsocketActionClient
+
+            return WebsocketActionClient(url, protocol=protocol, token=self.options.token, on_timing=self._on_timing,
+                                         worker=worker)
+        raise UserError(f"server.protocol={protocol!r} is not supported; valid choices: wamkit, openpi, sglang-ws")
 
     def _on_timing(self, rec: dict) -> None:
         t = rec.get("server") or {}
