@@ -124,7 +124,11 @@ def observation_from_openpi(d: dict[str, Any]) -> tuple[Observation, int]:
                 raise ProtocolError(key, f"expected an integer, got {value!r}")
             seed = int(value)
         elif key.startswith(OBS_PREFIX):
-            add_image(key[len(OBS_PREFIX):], value, key)
+            try:
+                add_image(key[len(OBS_PREFIX):], value, key)
+            except ProtocolError as e:
+                raise ProtocolError(key, f"{e.message} (wamkit reads observation/<camera> as a uint8 (H, W, 3) "
+                                         f"image and observation/state as the state)") from None
         elif key.startswith(SG_IMAGE_PREFIX):
             add_image(key[len(SG_IMAGE_PREFIX):], value, key)
         elif key == "images":
