@@ -170,6 +170,11 @@ def test_websocket_client_equals_http_client(server, protocol):
     assert np.array_equal(a, http) and a.dtype == np.float32
     if protocol == "openpi":            # one observation per frame, up to 3 connections in flight
         assert per == 3 and len(seen) == 8 and n_open <= 3 and np.array_equal(b, http[:2])
+
+        async def cut():                # openpi's replan_steps: keep the first 5 actions of each chunk
+            async with WebsocketActionClient(server.url, token=TOKEN, action_horizon=5) as c:
+                return await c.predict(obs[:2], seeds[:2])
+        assert np.array_equal(asyncio.run(cut()), http[:2, :5])
     else:                               # the server's metadata says frames may carry a batch of 8
         assert per == 8 and len(seen) == 2 and np.array_equal(b, http[:2, :, :4])
     assert all("infer_ms" in t["server"] and t["attempts"] == 1 for t in seen)

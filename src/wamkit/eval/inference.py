@@ -143,7 +143,7 @@ class ServerInference(Inference):
             from wamkit.serve.ws_client import WebsocketActionClient
 
             return WebsocketActionClient(url, protocol=protocol, token=self.options.token, on_timing=self._on_timing,
-                                         worker=worker)
+                                         action_horizon=self.policy_args.get("horizon"), worker=worker)
         raise UserError(f"server.protocol={protocol!r} is not supported; valid choices: wamkit, openpi, sglang-ws")
 
     def _on_timing(self, rec: dict) -> None:

@@ -16,6 +16,8 @@
 - Retries: connection failures (the connection is dropped, a ServerWorker given as `worker` is restarted when it
   stopped answering) and 429/5xx error replies (honouring ``retry_after_s``) with exponential backoff + jitter;
   other errors raise ActionClientError naming the server's message at once.
+- action_horizon: chunks longer than this are cut to their first action_horizon actions (what openpi's LIBERO
+  example does with replan_steps=5; `wamkit eval horizon=5` passes it).
 - Timing: each frame's record (``t_send``, ``t_recv``, ``client_ms``, ``attempts``, byte counts, ``server``: the
   reply's ``server_timing`` merged with wamkit's ``timing``) goes to `last_timings` and to `on_timing`.
 """
@@ -88,7 +90,7 @@ class WebsocketActionClient:
                  parameters: dict[str, Any] | None = None, send_seed: bool = True,
                  postprocess: Callable[[np.ndarray], np.ndarray] | None = None,
                  on_timing: Callable[[dict[str, Any]], None] | None = None, raw_action_dim: int | None = None,
-                 worker: Any = None):
+                 action_horizon: int | None = None, worker: Any = None):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
         if max_connections < 1:
@@ -103,6 +105,7 @@ class WebsocketActionClient:
         self.parameters = dict(parameters or {})
         self.send_seed = bool(send_seed)          # openpi frames carry "seed" (wamkit and SGLang servers read it)
         self.postprocess, self.on_timing, self.raw_action_dim = postprocess, on_timing, raw_action_dim
+        self.action_horizon = action_horizon      # keep the first H actions of longer chunks (openpi's replan_steps)
         self.worker = worker
         self.last_timings: list[dict[str, Any]] = []
         self._metadata: dict[str, Any] | None = None
@@ -305,6 +308,8 @@ class WebsocketActionClient:
             out[idx] = acts
         timings.sort(key=lambda t: t["t_send"])
         self.last_timings = timings
+        if self.action_horizon:
+            out = out[:, : int(self.action_horizon)]
         if self.postprocess is not None:
             out = np.asarray(self.postprocess(out), np.float32)
         return out
