@@ -133,6 +133,32 @@ def test_bad_frames_name_the_field_and_the_connection_keeps_serving(server):
     assert server.healthy()
 
 
+def test_policy_inputs_are_checked_naming_the_openpi_key():
+    """In process (Starlette's test client): a policy that reads two cameras and an 8-D state."""
+    from starlette.testclient import TestClient
+
+    from wamkit.policies.base import InputSpec, PolicySpec
+    from wamkit.policies.simple import RandomPolicy
+    from wamkit.serve import ServeConfig
+    from wamkit.serve.app import create_app
+
+    pol = RandomPolicy()
+    pol.spec = PolicySpec("two-cams", input=InputSpec(cameras=("image", "wrist_image"), state_dim=8))
+    good = libero_element(2, side=16)
+    with TestClient(create_app(ServeConfig(warmup=False, log_every_s=0), pol)) as tc, \
+            tc.websocket_connect("/openpi/policy") as ws:
+        assert unpackb(ws.receive_bytes())["policy"]["name"] == "two-cams"
+        for el, path in [({k: v for k, v in good.items() if k != "observation/wrist_image"},
+                          "observation/wrist_image"),
+                         ({**good, "observation/state": np.zeros(3)}, "observation/state.shape"),
+                         ({k: v for k, v in good.items() if k != "observation/state"}, "observation/state")]:
+            ws.send_bytes(packb(el))
+            err = json.loads(ws.receive_text())["error"]
+            assert err["code"] == 422 and err["path"] == path, err
+        ws.send_bytes(packb(good))
+        assert unpackb(ws.receive_bytes())["actions"][b"shape"] == [16, 7]
+
+
 def test_realtime_envelope_batches_and_equals_http(server):
     obs = [as_observation(libero_element(s, side=32)) for s in range(5)]
     seeds = [50, 51, 52, 53, 54]

@@ -78,6 +78,15 @@ def _parse(body: dict[str, Any]) -> tuple[ActionRequest, bool]:
     return ActionRequest(request_id="", observations=[obs], seeds=[seed], parameters={}), True
 
 
+def _openpi_path(path: str) -> str:
+    """A field path of the HTTP request form -> the openpi observation key (input.images[0].wrist_image ->
+    observation/wrist_image, input.state[0].shape -> observation/state.shape)."""
+    for http, openpi in (("input.images[0].", "observation/"), ("input.state[0]", "observation/state")):
+        if path.startswith(http):
+            return openpi + path[len(http):]
+    return path
+
+
 class _Connection:
     """One websocket client: reads frames one at a time and answers each (requests of one connection are answered in
     order; concurrency comes from several connections, whose observations meet in the batcher)."""
@@ -160,7 +169,10 @@ class _Connection:
         if n > srv.cfg.max_queue:
             raise _FrameError(413, f"{n} observations in one frame; the server queues at most {srv.cfg.max_queue}",
                               path="input")
-        srv._check_against_policy(req)
+        try:
+            srv._check_against_policy(req)
+        except ProtocolError as e:   # name the field as the client sent it
+            raise ProtocolError(_openpi_path(e.path) if single else e.path, e.message, e.status) from None
         keys = [req.group_key(i) for i in range(n)]
         srv.metrics.count("observations", n)
         actions, timing = await srv.batcher.submit(req.observations, req.seeds, keys)
