@@ -13,6 +13,8 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
 
 from wamkit.core.config import load_config
 from wamkit.core.types import Observation
@@ -23,11 +25,6 @@ from wamkit.protocol import ProtocolError
 from wamkit.protocol.openpi import observation_from_openpi, observation_to_openpi, packb, unpackb
 from wamkit.serve import ActionClient, ActionClientError, WamkitServerWorker
 from wamkit.serve.ws_client import WebsocketActionClient, websocket_url
-
-openpi_client = pytest.importorskip("openpi_client.websocket_client_policy",
-                                    reason="openpi-client is installed by `make setup` (pip --no-deps)")
-from websockets.exceptions import InvalidStatus  # noqa: E402
-from websockets.sync.client import connect  # noqa: E402
 
 TOKEN = "ws-s3cret"
 LIBERO_ARGS = {"base_ms": 1, "per_obs_ms": 0, "action_dim": 7, "horizon": 16}   # (16, 7) chunks, seeded by the seed
@@ -47,6 +44,12 @@ def as_observation(el: dict) -> Observation:
 
 
 @pytest.fixture(scope="module")
+def openpi_client():
+    """openpi's real client (installed by `make setup`: pip --no-deps, its numpy<2 pin is not needed)."""
+    return pytest.importorskip("openpi_client.websocket_client_policy")
+
+
+@pytest.fixture(scope="module")
 def server():
     with WamkitServerWorker("fixed-cost", LIBERO_ARGS, max_batch_size=8, max_wait_ms=2, token=TOKEN,
                             extra_args={"max_body_mb": 1}) as w:
@@ -60,7 +63,7 @@ async def http_actions(url: str, obs: list[Observation], seeds: list[int]) -> np
 
 # ------------------------------------------------------------------------------------------- openpi's own client
 @pytest.mark.parametrize("route", ["host+port", "/openpi/policy"])
-def test_openpi_client_gets_metadata_and_the_http_paths_actions(server, route):
+def test_openpi_client_gets_metadata_and_the_http_paths_actions(openpi_client, server, route):
     if route == "host+port":   # what openpi's LIBERO example does: ws://host:port, path "/"
         policy = openpi_client.WebsocketClientPolicy(server.host, server.port, api_key=TOKEN)
     else:
@@ -81,7 +84,7 @@ def test_openpi_client_gets_metadata_and_the_http_paths_actions(server, route):
     policy._ws.close()
 
 
-def test_healthz_and_token(server):
+def test_healthz_and_token(openpi_client, server):
     r = httpx.get(server.url + "/healthz")
     assert r.status_code == 200 and r.text == "OK\n"
     with pytest.raises(InvalidStatus) as e:      # no token: the handshake is refused
@@ -94,7 +97,7 @@ def test_healthz_and_token(server):
         assert unpackb(ws.recv())["object"] == "action.metadata"
 
 
-def test_bad_frames_name_the_field_and_the_connection_keeps_serving(server):
+def test_bad_frames_name_the_field_and_the_connection_keeps_serving(openpi_client, server):
     policy = openpi_client.WebsocketClientPolicy(server.host, server.port, api_key=TOKEN)
     good = libero_element(5)
     bad = [({**good, "observation/state": np.zeros((2, 4))}, "observation/state.shape"),
