@@ -114,7 +114,6 @@ class WebsocketActionClient:
         self._open: set = set()
         self._slots: asyncio.Semaphore | None = None
         self._restart_lock: asyncio.Lock | None = None
-        self._closed = False
 
     # ------------------------------------------------------------------ connections
     async def _connect(self):
@@ -156,16 +155,19 @@ class WebsocketActionClient:
             raise
 
     async def _release(self, ws, reusable: bool) -> None:
-        self._slots.release()
-        if reusable and not self._closed and ws.state.name == "OPEN":
+        if self._slots is not None:
+            self._slots.release()
+        if reusable and ws in self._open and ws.state.name == "OPEN":
             self._idle.append(ws)
         else:
             self._open.discard(ws)
             await _close_quietly(ws)
 
     async def aclose(self) -> None:
-        self._closed = True
+        """Close every connection (call it with no request in flight); the client may be used again afterwards,
+        also from another event loop."""
         conns, self._idle, self._open = list(self._open), [], set()
+        self._slots = self._restart_lock = None
         await asyncio.gather(*(_close_quietly(ws) for ws in conns))
 
     async def __aenter__(self) -> "WebsocketActionClient":
