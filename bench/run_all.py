@@ -24,7 +24,8 @@ SCRIPTS = {  # name -> (script, args)
 ORDER = ["eval", "loop", "envs", "serve", "ws", "data", "policy", "train", "ray", "gpu"]
 TITLES = {"eval": "Evaluation scheduler (issue: pipelined evaluation)", "loop": "Learning loop (make demo)", "envs": "Environments",
           "serve": "Action serving", "ws": "Websocket vs HTTP serving (openpi, SGLang realtime)",
-          "data": "Data loading", "policy": "Models (CPU inference)", "train": "Training (CPU)", "ray": "Ray runtime", "gpu": "GPU measurements (H200, device)"}
+          "data": "Data loading", "policy": "Models (CPU inference)", "train": "Training (CPU)", "ray": "Ray runtime",
+          "gpu": "GPU measurements (H200, device)"}
 
 
 def build_docs() -> Path:
