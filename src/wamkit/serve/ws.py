@@ -183,8 +183,10 @@ class _Connection:
         if self.envelope:
             out = build_response(req, actions, srv.model, True, timing=timing,
                                  denoise_steps=req.parameters.get("num_inference_steps", 0))
-            for item in out["data"]:
-                item["action"]["values"] = bytes_keyed_marker(item["action"]["values"])
+            for item in out["data"]:   # runtime.output_format=list leaves lists as they are
+                v = item["action"]["values"]
+                if isinstance(v, dict):
+                    item["action"]["values"] = bytes_keyed_marker(v)
             out["server_timing"] = server_timing
         else:
             p = req.parameters
