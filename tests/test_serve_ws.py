@@ -163,22 +163,29 @@ def test_policy_inputs_are_checked_naming_the_openpi_key():
         assert unpackb(ws.receive_bytes())["actions"][b"shape"] == [16, 7]
 
 
-def test_realtime_envelope_batches_and_equals_http(server):
+def marker_array(v: dict) -> np.ndarray:
+    """openpi's msgpack-numpy marker (bytes keys, as plain msgpack unpacks it) -> array."""
+    return np.frombuffer(v[b"data"], np.dtype(v[b"dtype"])).reshape(v[b"shape"])
+
+
+@pytest.mark.parametrize("route", ["/v1/actions/realtime", "/openpi/policy"])
+def test_batched_action_request_on_both_routes_equals_http(server, route):
     obs = [as_observation(libero_element(s, side=32)) for s in range(5)]
     seeds = [50, 51, 52, 53, 54]
     http = asyncio.run(http_actions(server.url, obs, seeds))
-    with connect(f"ws://{server.host}:{server.port}/v1/actions/realtime",
+    with connect(f"ws://{server.host}:{server.port}{route}",
                  additional_headers={"Authorization": f"Bearer {TOKEN}"}, max_size=None) as ws:
         ws.recv()
         ws.send(packb({"input": {"images": [o.images for o in obs], "state": [o.state for o in obs],
                                  "task": [o.task for o in obs]}, "parameters": {"seed": seeds}}))
-        reply = msgpack.unpackb(ws.recv(), raw=False)        # openpi-style unpacking sees arrays as bytes-keyed markers
-    assert reply["object"] == "action.generation" and len(reply["data"]) == 5
-    assert "infer_ms" in reply["server_timing"] and reply["timing"]["batch_size"] == 5
+        reply = msgpack.unpackb(ws.recv(), raw=False)
+    assert "infer_ms" in reply["server_timing"] and reply["server_timing"]["batch_size"] == 5
+    if route == "/openpi/policy":   # openpi's reply form: one (N, H, D) array
+        assert np.array_equal(marker_array(reply["actions"]), http)
+        return
+    assert reply["object"] == "action.generation" and len(reply["data"]) == 5 and reply["timing"]["batch_size"] == 5
     for i, d in enumerate(reply["data"]):
-        v = d["action"]["values"]
-        a = np.frombuffer(v[b"data"], np.dtype(v[b"dtype"])).reshape(v[b"shape"])
-        assert d["input_index"] == i and np.array_equal(a, http[i])
+        assert d["input_index"] == i and np.array_equal(marker_array(d["action"]["values"]), http[i])
 
 
 # ------------------------------------------------------------------------------------------- wamkit's client
