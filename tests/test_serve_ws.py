@@ -243,6 +243,52 @@ def test_connections_and_http_share_one_batch():
     assert np.array_equal(np.concatenate(outs), alone)
 
 
+def test_websocket_client_against_an_openpi_style_server(openpi_client):
+    """A stand-in for openpi's own policy server (its msgpack-numpy codec, metadata {}, one connection = one
+    request at a time, a traceback text frame + close on errors): what `server.protocol=openpi` talks to."""
+    import threading
+
+    from openpi_client import msgpack_numpy
+    from websockets.sync.server import serve
+
+    seen: list[dict] = []
+
+    def handler(conn):
+        conn.send(msgpack_numpy.packb({}))
+        for frame in conn:
+            obs = msgpack_numpy.unpackb(frame)
+            seen.append(obs)
+            if obs["prompt"] == "fail":
+                conn.send("Traceback (most recent call last):\nValueError: boom")
+                conn.close(1011)
+                return
+            acts = np.full((10, 7), float(obs["seed"]), np.float64)       # a pi0-like chunk of 10
+            conn.send(msgpack_numpy.packb({"actions": acts, "server_timing": {"infer_ms": 1.0}}))
+
+    with serve(handler, "127.0.0.1", 0, compression=None, max_size=None) as srv:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        url = f"ws://127.0.0.1:{srv.socket.getsockname()[1]}"
+        obs = [as_observation(libero_element(s, side=16)) for s in range(3)]
+
+        async def go(observations, **kw):
+            async with WebsocketActionClient(url, retries=1, backoff=0.01, **kw) as c:
+                return await c.server_max_batch(), await c.predict(observations, [4, 5, 6][:len(observations)])
+        per, acts = asyncio.run(go(obs, action_horizon=5, max_connections=8))
+        assert per == 8 and acts.shape == (3, 5, 7) and acts.dtype == np.float32
+        assert np.array_equal(acts[:, 0, 0], [4, 5, 6])
+        got = {int(o["seed"]): o for o in seen}
+        for o, s in zip(obs, (4, 5, 6)):
+            el = got[s]
+            assert sorted(el) == ["observation/image", "observation/state", "observation/wrist_image", "prompt",
+                                  "seed"]
+            assert np.array_equal(el["observation/image"], o.images["image"]) and \
+                el["observation/wrist_image"].dtype == np.uint8
+            assert el["observation/state"].dtype == np.float32 and np.array_equal(el["observation/state"], o.state)
+        with pytest.raises(ActionClientError, match="boom"):
+            asyncio.run(go([Observation(obs[0].images, obs[0].state, "fail")]))
+        srv.shutdown()
+
+
 def test_websocket_client_errors():
     with pytest.raises(ValueError):
         WebsocketActionClient("http://x:1", protocol="grpc")
