@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("wamkit.serve.ws")
 OPENPI_PATHS = ("/openpi/policy", "/")
 REALTIME_PATH = "/v1/actions/realtime"
-_OFFLOAD_BYTES = 256 * 1024   # frames larger than this are decoded in a helper thread, not on the event loop
 
 
 class _FrameError(Exception):
@@ -157,6 +156,8 @@ class _Connection:
         if len(data) > srv.max_body:
             raise _FrameError(413, f"frame of {len(data)} bytes exceeds the cap of {srv.max_body} bytes "
                                    f"(max_body_mb={srv.cfg.max_body_mb})")
+        from wamkit.serve.app import _OFFLOAD_BYTES  # as HTTP bodies: larger frames are decoded off the event loop
+
         if len(data) > _OFFLOAD_BYTES:
             body = await asyncio.get_running_loop().run_in_executor(srv.decode_pool, unpackb, data)
         else:
