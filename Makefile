@@ -40,6 +40,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[libero,metaworld,ray,dev]"
+	$(BIN)/pip install -q --no-deps openpi-client==0.1.2  # tests: openpi's real client (its numpy<2 pin would downgrade numpy)
 	@mkdir -p .cache/mesa .cache/mpl
 	@touch $(STAMP)
 

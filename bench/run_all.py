@@ -14,16 +14,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {  # name -> (script, args)
     "envs": ("bench_env_chunk.py", []),
     "serve": ("bench_serve.py", []),
+    "ws": ("bench_ws.py", []),
     "data": ("bench_data.py", []),
     "policy": ("bench_policy.py", []),
     "train": ("bench_train.py", []),
     "ray": ("bench_ray.py", []),
     "eval": ("bench_eval.py", []),
 }
-ORDER = ["eval", "loop", "envs", "serve", "data", "policy", "train", "ray", "gpu"]
+ORDER = ["eval", "loop", "envs", "serve", "ws", "data", "policy", "train", "ray", "gpu"]
 TITLES = {"eval": "Evaluation scheduler (issue: pipelined evaluation)", "loop": "Learning loop (make demo)", "envs": "Environments",
-          "serve": "Action serving", "data": "Data loading", "policy": "Models (CPU inference)",
-          "train": "Training (CPU)", "ray": "Ray runtime", "gpu": "GPU measurements (H200, device)"}
+          "serve": "Action serving", "ws": "Websocket vs HTTP serving (openpi, SGLang realtime)",
+          "data": "Data loading", "policy": "Models (CPU inference)", "train": "Training (CPU)", "ray": "Ray runtime",
+          "gpu": "GPU measurements (H200, device)"}
 
 
 def build_docs() -> Path:

@@ -14,7 +14,7 @@ from wamkit.core.errors import ConfigError
 MIN_IMAGE, MAX_IMAGE = 8, 2048   # camera image side (pixels) an env may be asked to render
 
 
-PROTOCOLS = ("auto", "wamkit", "sglang")
+PROTOCOLS = ("auto", "wamkit", "sglang", "openpi", "sglang-ws")
 LAUNCHERS = ("wamkit", "sglang")
 
 
@@ -28,7 +28,10 @@ class ServerOptions:
     token: str | None = None
     url: str | None = None        # use already running server(s) (wamkit serve or SGLang; comma-separated for several)
     protocol: str = "auto"        # wire form: wamkit (HTTP + wamkit's extensions) | sglang (HTTP, SGLang's request
-                                  # form) | auto (sglang for policies served by SGLang, e.g. cosmos3; else wamkit)
+                                  # form) | openpi (websocket, openpi's policy protocol: pi0/pi0.5 servers, SGLang's
+                                  # /openpi/policy, wamkit serve) | sglang-ws (websocket, /v1/actions/realtime) |
+                                  # auto (sglang for policies served by SGLang, e.g. cosmos3; else wamkit);
+                                  # websocket urls: ws://host:port (docs/websocket.md)
     launch: str = "wamkit"        # what is started when no url is given: wamkit (`wamkit serve`) | sglang (`sglang
                                   # serve`, one per GPU of `gpus`; options in `sglang`)
     policy: str | None = None     # the policy `wamkit serve` runs (None: the evaluated policy; for cosmos3 on a CPU:

@@ -154,7 +154,13 @@ class ServerInference(Inference):
                 return ActionClient(url, mode="sglang", camera=self.codec.camera, parameters=self.codec.parameters(),
                                     raw_action_dim=self.codec.raw_action_dim, **kw)
             return ActionClient(url, mode="sglang", **kw)
-        raise UserError(f"server.protocol={self.protocol!r} is not supported; valid choices: wamkit, sglang")
+        if self.protocol in ("openpi", "sglang-ws"):  # websocket: openpi's policy protocol / SGLang's realtime route
+            from wamkit.serve.ws_client import WebsocketActionClient
+
+            return WebsocketActionClient(url, protocol=self.protocol, action_horizon=self.policy_args.get("horizon"),
+                                         **kw)
+        raise UserError(f"server.protocol={self.protocol!r} is not supported; valid choices: wamkit, sglang, openpi, "
+                        f"sglang-ws")
 
     def _on_timing(self, rec: dict) -> None:
         t = rec.get("server") or {}

@@ -7,6 +7,7 @@ Routes
 - ``GET  /v1/actions/metadata``       policy spec, max batch size, action dim/horizon (SGLang's metadata layout).
 - ``POST /v1/actions/generations``    SGLang's action API (+ wamkit extensions), JSON or msgpack.
 - ``GET  /metrics``                   JSON: counts, batch-size histogram, queue/compute p50/p99.
+- ``WS   /openpi/policy``, ``/``, ``/v1/actions/realtime``, ``GET /healthz``: openpi / SGLang websockets (serve.ws).
 
 Errors answer ``{"error": {"message", "type", "path", "code"}, "detail": message}``: 400 malformed (the message names
 the field path), 401 bad/missing token, 408 body not received within body_timeout_s, 413 body or decoded images too
@@ -39,6 +40,7 @@ from wamkit.protocol.messages import ActionRequest
 from wamkit.serve.batcher import Batcher, QueueFull
 from wamkit.serve.config import INSTANCE_ENV, ServeConfig
 from wamkit.serve.metrics import ServerMetrics
+from wamkit.serve.ws import websocket_routes
 
 log = logging.getLogger("wamkit.serve")
 _OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are decoded in a helper thread, not on the event loop
@@ -202,8 +204,8 @@ class ActionServer:
             "defaults": {"action_mode": "policy", "action_horizon": s.action.horizon},
             "capabilities": {"action_modes": ["policy"], "batch_inputs": True, "max_batch_size": self.max_batch_size,
                              "batched_action_modes": ["policy"], "multiple_candidates": False,
-                             "realtime_websocket": False, "multiple_cameras": True, "state": True,
-                             "per_observation_seeds": True, "msgpack": True},
+                             "realtime_websocket": True, "multiple_cameras": True, "state": True,
+                             "per_observation_seeds": True, "openpi_websocket": True, "msgpack": True},
             "server": {"name": "wamkit", "max_wait_ms": self.cfg.max_wait_ms, "max_queue": self.cfg.max_queue,
                        "max_body_bytes": self.max_body, "auth": self.token is not None,
                        "instance_id": self.instance_id, "max_image_pixels": self.limits.max_image_pixels,
@@ -285,6 +287,7 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
               Route("/v1/actions/metadata", guarded(srv.metadata), methods=["GET"]),
               Route("/v1/actions/generations", guarded(srv.generations), methods=["POST"]),
               Route("/metrics", guarded(srv.metrics_route), methods=["GET"])]
+    routes += websocket_routes(srv)  # openpi's policy websocket, SGLang's /v1/actions/realtime (wamkit.serve.ws)
     app = Starlette(routes=routes, lifespan=srv.lifespan)
     app.state.server = srv
     return app

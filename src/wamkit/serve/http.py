@@ -148,4 +148,5 @@ def uvicorn_config(app: Any, cfg: ServeConfig, counters: Any = None):
     return uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                           timeout_graceful_shutdown=cfg.graceful_timeout_s, lifespan="on", http=proto, backlog=backlog,
                           timeout_keep_alive=cfg.keep_alive_timeout_s,
-                          h11_max_incomplete_event_size=cfg.max_header_kb * 1024)
+                          h11_max_incomplete_event_size=cfg.max_header_kb * 1024,
+                          ws_max_size=int(cfg.max_body_mb * 1024 * 1024) + 1024)  # websocket frames: the body cap

@@ -1,0 +1,191 @@
+"""Frames of openpi's websocket policy protocol and of SGLang's realtime action websocket (same transport).
+
+Transport: one websocket; every frame is binary msgpack in which numpy arrays travel as openpi's msgpack-numpy
+marker ``{b"__ndarray__": True, b"data": <raw bytes>, b"dtype": "<f4", b"shape": [...]}`` (keys packed as bytes).
+1. server -> client, once, right after the handshake: the metadata frame (a mapping).
+2. client -> server: one request per frame; server -> client: one reply per frame, in order.
+
+Request forms (both accepted on every route):
+- observation dict (openpi): the keys openpi's LIBERO example sends,
+  ``{"observation/image": uint8 (H, W, 3), "observation/wrist_image": uint8 (H, W, 3),
+  "observation/state": float (S,), "prompt": str}``: ``observation/<camera>`` is camera ``<camera>``,
+  ``observation/state`` the state; also SGLang's spellings (``images: {camera: image}``, ``image``,
+  ``observation.images.<camera>``, ``state``, ``observation.state``, ``task``) and ``seed`` (int, default 0).
+- action request (SGLang): ``{"input": {...}, "parameters": {...}, ...}`` exactly as ``POST /v1/actions/generations``
+  (several observations per frame where the server's metadata says ``capabilities.batch_inputs``).
+
+Replies: openpi's ``{"actions": float32 (H, D), "server_timing": {"infer_ms", "prev_total_ms"}}`` (an (N, H, D) array
+for an action request), or SGLang's envelope (``data[i].action.values`` as arrays) plus ``server_timing``.
+openpi's control frames ``{"__ctrl__": "episode_start" | "episode_end", ...}`` are acknowledged with
+``{"__ack__": <ctrl>}``. Unpacking never builds arrays from a marker by itself: images and states are validated
+(dtype, shape, byte length) by the same decoders as the HTTP API, so an object dtype can never be materialised.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+from wamkit.core.types import Observation
+from wamkit.protocol.codec import MSGPACK, decode_body
+from wamkit.protocol.errors import ProtocolError
+from wamkit.protocol.images import decode_image
+from wamkit.protocol.messages import DEFAULT_CAMERA, _decode_float_array, decode_action_values
+
+OBS_PREFIX = "observation/"              # openpi: observation/<camera> and observation/state
+SG_IMAGE_PREFIX = "observation.images."  # SGLang / LeRobot spelling of a camera key
+STATE_KEYS = ("observation/state", "observation.state", "state")
+PROMPT_KEYS = ("prompt", "task")
+IGNORED_KEYS = frozenset(("output_format", "return_timing"))  # SGLang knobs with one meaning here
+
+
+# ------------------------------------------------------------------------------------------------ msgpack-numpy
+def _pack_default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in "biuf":
+            raise TypeError(f"arrays of dtype {obj.dtype} are not sent")
+        a = np.ascontiguousarray(obj)
+        return {b"__ndarray__": True, b"data": a.tobytes(), b"dtype": a.dtype.str, b"shape": list(a.shape)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot serialize {type(obj).__name__}")
+
+
+def packb(obj: Any) -> bytes:
+    """msgpack with numpy arrays as openpi's msgpack-numpy marker (what openpi_client.msgpack_numpy.unpackb reads)."""
+    return msgpack.packb(obj, use_bin_type=True, default=_pack_default)
+
+
+def unpackb(data: bytes) -> dict[str, Any]:
+    """A frame -> mapping; array markers stay mappings (decoded, with validation, by the field decoders). Refuses
+    msgpack extension types and non-mapping frames (ProtocolError)."""
+    return decode_body(data, MSGPACK)
+
+
+def bytes_keyed_marker(values: dict[str, Any]) -> dict[bytes, Any]:
+    """wamkit's str-keyed ndarray marker -> openpi's bytes-keyed one (openpi's unpacker only looks for bytes keys)."""
+    return {k.encode() if isinstance(k, str) else k: v for k, v in values.items()}
+
+
+# ------------------------------------------------------------------------------------------------ observations
+def observation_to_openpi(obs: Observation, seed: int | None = None) -> dict[str, Any]:
+    """wamkit Observation -> openpi observation dict: camera c -> ``observation/c`` (LIBERO: image, wrist_image),
+    state -> ``observation/state``, task -> ``prompt``; ``seed`` when given (wamkit and SGLang servers read it)."""
+    d: dict[str, Any] = {OBS_PREFIX + cam: np.ascontiguousarray(img) for cam, img in obs.images.items()}
+    if obs.state is not None:
+        d[OBS_PREFIX + "state"] = np.ascontiguousarray(obs.state, np.float32)
+    d["prompt"] = obs.task
+    if seed is not None:
+        d["seed"] = int(seed)
+    return d
+
+
+def _state(value: Any, path: str) -> np.ndarray:
+    v = _decode_float_array(value, path)
+    if v.ndim != 1 or v.shape[0] == 0:
+        raise ProtocolError(path + ".shape", f"a state must be a non-empty 1-D vector, got {list(v.shape)}")
+    if not np.all(np.isfinite(v)):
+        raise ProtocolError(path, "values must be finite")
+    return np.ascontiguousarray(v)
+
+
+def observation_from_openpi(d: dict[str, Any]) -> tuple[Observation, int]:
+    """openpi (or SGLang raw) observation dict -> (Observation, seed). ProtocolError names the offending key."""
+    images: dict[str, np.ndarray] = {}
+    state: np.ndarray | None = None
+    task, seed = "", 0
+    seen_state = seen_prompt = ""
+
+    def add_image(cam: str, value: Any, path: str) -> None:
+        if not cam:
+            raise ProtocolError(path, "empty camera name")
+        if cam in images:
+            raise ProtocolError(path, f"camera {cam!r} sent twice")
+        images[cam] = decode_image(value, path)
+
+    for key, value in d.items():
+        if not isinstance(key, str):
+            raise ProtocolError(str(key), "observation keys must be strings")
+        if key in STATE_KEYS:
+            if seen_state:
+                raise ProtocolError(key, f"send either {seen_state} or {key}, not both")
+            seen_state, state = key, _state(value, key)
+        elif key in PROMPT_KEYS:
+            if seen_prompt:
+                raise ProtocolError(key, f"send either {seen_prompt} or {key}, not both")
+            if not isinstance(value, str):
+                raise ProtocolError(key, f"expected a string, got {type(value).__name__}")
+            seen_prompt, task = key, value
+        elif key == "seed":
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise ProtocolError(key, f"expected an integer, got {value!r}")
+            seed = int(value)
+        elif key.startswith(OBS_PREFIX):
+            try:
+                add_image(key[len(OBS_PREFIX):], value, key)
+            except ProtocolError as e:
+                raise ProtocolError(key, f"{e.message} (wamkit reads observation/<camera> as a uint8 (H, W, 3) "
+                                         f"image and observation/state as the state)") from None
+        elif key.startswith(SG_IMAGE_PREFIX):
+            add_image(key[len(SG_IMAGE_PREFIX):], value, key)
+        elif key == "images":
+            if not isinstance(value, dict) or not value:
+                raise ProtocolError(key, "expected a non-empty {camera: image} mapping")
+            for cam, img in value.items():
+                add_image(str(cam), img, f"images.{cam}")
+        elif key == "image":
+            add_image(DEFAULT_CAMERA, value, key)
+        elif key in IGNORED_KEYS:
+            continue
+        else:
+            raise ProtocolError(key, "unknown observation key; send observation/<camera> images, "
+                                     "observation/state, prompt (and optionally seed)")
+    if not images:
+        raise ProtocolError("observation/image", "no camera image in the observation")
+    return Observation(images=images, state=state, task=task), seed
+
+
+def is_action_request(d: dict[str, Any]) -> bool:
+    """True for SGLang's action-request form (``input`` present), False for an openpi observation dict."""
+    return "input" in d
+
+
+def build_ws_request(observations: Sequence[Observation], seeds: Sequence[int], parameters: dict[str, Any] | None
+                     = None, request_id: str | None = None) -> dict[str, Any]:
+    """Observations -> an action request for SGLang's realtime websocket (to be sent with packb): images as arrays
+    under ``input.images`` ({camera: image}; a list of them for several observations), state arrays, prompt(s),
+    one seed (one observation) or a list of seeds."""
+    n = len(observations)
+    if n == 0:
+        raise ValueError("no observations")
+    if len(seeds) != n:
+        raise ValueError(f"{len(seeds)} seeds for {n} observations")
+    imgs = [{c: np.ascontiguousarray(a) for c, a in o.images.items()} for o in observations]
+    tasks = [o.task for o in observations]
+    inp: dict[str, Any] = {"task": tasks[0] if len(set(tasks)) == 1 else tasks,
+                           "images": imgs[0] if n == 1 else imgs}
+    if any(o.state is not None for o in observations):
+        if not all(o.state is not None for o in observations):
+            raise ValueError("either every observation has a state or none has")
+        states = [np.ascontiguousarray(o.state, np.float32) for o in observations]
+        inp["state"] = states[0] if n == 1 else states
+    params = dict(parameters or {})
+    params["seed"] = int(seeds[0]) if n == 1 else [int(s) for s in seeds]
+    return {"request_id": request_id or f"req_{uuid.uuid4().hex[:16]}", "input": inp, "parameters": params,
+            "runtime": {"response_format": "envelope", "output_format": "numpy"}}
+
+
+def decode_openpi_actions(body: dict[str, Any], raw_action_dim: int | None = None) -> np.ndarray:
+    """An openpi reply ``{"actions": (H, D) array or lists, ...}`` -> float32 (H, D) (first raw_action_dim
+    channels when given)."""
+    if "actions" not in body:
+        raise ProtocolError("actions", "missing required field")
+    a = decode_action_values(body["actions"], "actions")
+    if raw_action_dim:
+        if raw_action_dim > a.shape[1]:
+            raise ProtocolError("actions", f"raw_action_dim {raw_action_dim} > {a.shape[1]} channels sent")
+        a = a[:, :raw_action_dim]
+    return a

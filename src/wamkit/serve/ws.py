@@ -1,0 +1,219 @@
+"""Websocket routes of `wamkit serve`: openpi's policy protocol and SGLang's realtime action websocket.
+
+Routes (registered by wamkit.serve.app.create_app; frames per wamkit.protocol.openpi)
+- ``WS  /openpi/policy`` and ``WS /``   openpi's protocol (what ``openpi_client.WebsocketClientPolicy`` speaks; plain
+                                        openpi clients connect to ``/``): replies ``{"actions", "server_timing"}``.
+- ``WS  /v1/actions/realtime``          SGLang's realtime route: replies the envelope of ``POST
+                                        /v1/actions/generations`` (values as arrays) plus ``server_timing``.
+- ``GET /healthz``                      openpi's health check: 200 ``OK`` (503 while shutting down).
+
+Every connection gets the metadata frame first (``GET /v1/actions/metadata``'s document), then one reply per
+request frame, in order. Observations from every connection (and from HTTP requests) go through the one dynamic
+batcher, so concurrent connections share batches. Same token (``Authorization: Bearer <token>``, or openpi's
+``Api-Key <token>``; a refused handshake answers 401), same limits (a frame is at most max_body_mb; the queue bound
+answers 503 with ``retry_after_s``). ``server_timing``: ``infer_ms`` (frame decoded -> actions ready),
+``prev_total_ms`` (the previous request's frame received -> reply sent), and wamkit's queue/compute split.
+A bad frame is answered with the HTTP API's error body (``{"error": {"message", "type", "path", "code"}, "detail"}``):
+as a text frame on the openpi routes (openpi's client raises it as an error), as a msgpack frame on the realtime
+route; the connection stays open and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from wamkit.protocol import ProtocolError, build_response, parse_request
+from wamkit.protocol.messages import ActionRequest
+from wamkit.protocol.openpi import (bytes_keyed_marker, is_action_request, observation_from_openpi, packb,
+                                    unpackb)
+from wamkit.serve.batcher import QueueFull
+
+if TYPE_CHECKING:
+    from wamkit.serve.app import ActionServer
+
+log = logging.getLogger("wamkit.serve.ws")
+OPENPI_PATHS = ("/openpi/policy", "/")
+REALTIME_PATH = "/v1/actions/realtime"
+
+
+class _FrameError(Exception):
+    def __init__(self, status: int, message: str, path: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.path = status, message, path
+
+
+def _error_body(status: int, message: str, path: str = "", retry_after_s: float | None = None) -> dict[str, Any]:
+    from wamkit.serve.app import _error  # the HTTP API's error body: one layout for both transports
+
+    body = json.loads(_error(status, message, path).body)
+    if retry_after_s is not None:
+        body["error"]["retry_after_s"] = retry_after_s
+    return body
+
+
+def _token_ok(srv: ActionServer, ws: WebSocket) -> bool:
+    if srv.token is None:
+        return True
+    scheme, _, given = ws.headers.get("authorization", "").partition(" ")
+    return scheme.lower() in ("bearer", "api-key") and hmac.compare_digest(given.strip().encode(), srv.token.encode())
+
+
+def _parse(body: dict[str, Any]) -> tuple[ActionRequest, bool]:
+    """A decoded frame -> (request, True if it was one openpi observation dict)."""
+    if is_action_request(body):
+        return parse_request(body), False
+    obs, seed = observation_from_openpi(body)
+    return ActionRequest(request_id="", observations=[obs], seeds=[seed], parameters={}), True
+
+
+def _openpi_path(path: str) -> str:
+    """A field path of the HTTP request form -> the openpi observation key (input.images[0].wrist_image ->
+    observation/wrist_image, input.state[0].shape -> observation/state.shape)."""
+    for http, openpi in (("input.images[0].", "observation/"), ("input.state[0]", "observation/state")):
+        if path.startswith(http):
+            return openpi + path[len(http):]
+    return path
+
+
+class _Connection:
+    """One websocket client: reads frames one at a time and answers each (requests of one connection are answered in
+    order; concurrency comes from several connections, whose observations meet in the batcher)."""
+
+    def __init__(self, srv: ActionServer, ws: WebSocket, envelope: bool):
+        self.srv, self.ws, self.envelope = srv, ws, envelope
+        self.prev_total_ms: float | None = None
+
+    async def run(self) -> None:
+        srv = self.srv
+        if not _token_ok(srv, self.ws):
+            await self._refuse(401, "missing or invalid bearer token")
+            return
+        if srv.batcher.closing:
+            await self._refuse(503, "server is shutting down")
+            return
+        await self.ws.accept()
+        srv.metrics.count("ws_connections")
+        await self.ws.send_bytes(packb(srv.metadata_dict()))
+        while True:
+            msg = await self.ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            t0 = time.perf_counter()
+            reply = await self._answer(msg, t0)
+            try:
+                if isinstance(reply, str):
+                    await self.ws.send_text(reply)
+                else:
+                    await self.ws.send_bytes(reply)
+            except (WebSocketDisconnect, RuntimeError, OSError):  # the client went away before its reply
+                return
+            self.prev_total_ms = round((time.perf_counter() - t0) * 1000.0, 3)
+
+    async def _refuse(self, status: int, message: str) -> None:
+        body = json.dumps(_error_body(status, message)).encode()
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        self.srv.metrics.response(status)
+        if "websocket.http.response" in self.ws.scope.get("extensions", {}):
+            await self.ws.send_denial_response(Response(body, status_code=status, media_type="application/json",
+                                                        headers=headers))
+        else:  # an ASGI server without denial responses: refuse the handshake (HTTP 403)
+            await self.ws.close(code=1008, reason=message)
+
+    async def _answer(self, msg: dict[str, Any], t0: float) -> bytes | str:
+        srv = self.srv
+        try:
+            return await self._infer(msg, t0)
+        except ProtocolError as e:
+            status, body = e.status, _error_body(e.status, str(e), e.path)
+        except _FrameError as e:
+            status, body = e.status, _error_body(e.status, e.message, e.path)
+        except QueueFull as e:
+            srv.metrics.count("rejected_busy")
+            status, body = 503, _error_body(503, str(e), retry_after_s=round(e.retry_after_s, 3))
+        except Exception as e:  # the policy failed: answer 500, keep serving
+            log.exception("websocket request failed")
+            status, body = 500, _error_body(500, f"{type(e).__name__}: {e}")
+        srv.metrics.response(status)
+        return packb(body) if self.envelope else json.dumps(body)
+
+    async def _infer(self, msg: dict[str, Any], t0: float) -> bytes:
+        srv = self.srv
+        data = msg.get("bytes")
+        if data is None:
+            raise _FrameError(400, "send binary msgpack frames (text frames are not read)")
+        srv.metrics.count("requests")
+        if len(data) > srv.max_body:
+            raise _FrameError(413, f"frame of {len(data)} bytes exceeds the cap of {srv.max_body} bytes "
+                                   f"(max_body_mb={srv.cfg.max_body_mb})")
+        from wamkit.serve.app import _OFFLOAD_BYTES  # as HTTP bodies: larger frames are decoded off the event loop
+
+        if len(data) > _OFFLOAD_BYTES:
+            body = await asyncio.get_running_loop().run_in_executor(srv.decode_pool, unpackb, data)
+        else:
+            body = unpackb(data)
+        ctrl = body.get("__ctrl__")
+        if ctrl is not None:  # openpi's episode_start / episode_end notifications: nothing to do but acknowledge
+            return packb({"__ack__": ctrl if ctrl in ("episode_start", "episode_end") else "ignored"})
+        req, single = _parse(body)
+        n = len(req)
+        if n > srv.cfg.max_queue:
+            raise _FrameError(413, f"{n} observations in one frame; the server queues at most {srv.cfg.max_queue}",
+                              path="input")
+        try:
+            srv._check_against_policy(req)
+        except ProtocolError as e:   # name the field as the client sent it
+            raise ProtocolError(_openpi_path(e.path) if single else e.path, e.message, e.status) from None
+        keys = [req.group_key(i) for i in range(n)]
+        srv.metrics.count("observations", n)
+        actions, timing = await srv.batcher.submit(req.observations, req.seeds, keys)
+        server_timing: dict[str, Any] = {"infer_ms": round((time.perf_counter() - t0) * 1000.0, 3)}
+        if self.prev_total_ms is not None:
+            server_timing["prev_total_ms"] = self.prev_total_ms
+        server_timing.update(timing)
+        if self.envelope:
+            out = build_response(req, actions, srv.model, True, timing=timing,
+                                 denoise_steps=req.parameters.get("num_inference_steps", 0))
+            for item in out["data"]:   # runtime.output_format=list leaves lists as they are
+                v = item["action"]["values"]
+                if isinstance(v, dict):
+                    item["action"]["values"] = bytes_keyed_marker(v)
+            out["server_timing"] = server_timing
+        else:
+            p = req.parameters
+            acts = np.asarray(actions, np.float32)
+            if p.get("action_horizon"):
+                acts = acts[:, : p["action_horizon"]]
+            if p.get("raw_action_dim"):
+                acts = acts[:, :, : p["raw_action_dim"]]
+            out = {"actions": acts[0] if single else acts, "server_timing": server_timing}
+        srv.metrics.response(200, (time.perf_counter() - t0) * 1000.0)
+        return packb(out)
+
+
+def websocket_routes(srv: ActionServer) -> list:
+    """The websocket routes (and openpi's /healthz) over the ActionServer `srv`."""
+
+    async def openpi(ws: WebSocket) -> None:
+        await _Connection(srv, ws, envelope=False).run()
+
+    async def realtime(ws: WebSocket) -> None:
+        await _Connection(srv, ws, envelope=True).run()
+
+    async def healthz(request: Request) -> Response:
+        if srv.batcher.closing:
+            return PlainTextResponse("shutting down\n", status_code=503)
+        return PlainTextResponse("OK\n")
+
+    return [*(WebSocketRoute(p, openpi) for p in OPENPI_PATHS), WebSocketRoute(REALTIME_PATH, realtime),
+            Route("/healthz", healthz, methods=["GET"])]

@@ -1,0 +1,362 @@
+"""Async websocket action client: openpi's policy protocol or SGLang's realtime route, same interface as ActionClient.
+
+    async with WebsocketActionClient("ws://gpu-box:8000", protocol="openpi") as c:
+        actions = await c.predict(observations, seeds)          # float32 (N, H, D), in observation order
+
+- protocol="openpi": one observation per frame (openpi's observation dict: ``observation/<camera>``,
+  ``observation/state``, ``prompt``, plus ``seed``), reply ``{"actions": (H, D)}``. Works with openpi's own policy
+  server (pi0 / pi0.5), SGLang's ``/openpi/policy`` and ``wamkit serve``. The url's default path: /openpi/policy.
+- protocol="sglang-ws": SGLang's ``/v1/actions/realtime`` (default path): action requests, envelope replies; several
+  observations per frame when the server's metadata frame says ``capabilities.batch_inputs`` (wamkit serve), else one.
+- A pool of up to `max_connections` connections, opened on demand and kept: each carries one request at a time (the
+  protocol answers in order), so one predict() of N observations puts up to N frames in flight at once, and several
+  predict() calls overlap (the server batches frames from all connections together).
+- server_max_batch(): the server's per-frame batch where frames carry several observations, else max_connections
+  (the observations one predict() can have in flight at once).
+- Retries: connection failures (the connection is dropped, a ServerWorker given as `worker` is restarted when it
+  stopped answering) and 429/5xx error replies (honouring ``retry_after_s``) with exponential backoff + jitter;
+  other errors raise ActionClientError naming the server's message at once.
+- action_horizon: chunks longer than this are cut to their first action_horizon actions (what openpi's LIBERO
+  example does with replan_steps=5; `wamkit eval horizon=5` passes it).
+- Timing: each frame's record (``t_send``, ``t_recv``, ``client_ms``, ``attempts``, byte counts, ``server``: the
+  reply's ``server_timing`` merged with wamkit's ``timing``) goes to `last_timings` and to `on_timing`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+from wamkit.core.types import Observation
+from wamkit.protocol import ProtocolError, parse_response
+from wamkit.protocol.openpi import build_ws_request, decode_openpi_actions, observation_to_openpi, packb, unpackb
+from wamkit.serve.client import RETRY_STATUS, ActionClientError
+
+PROTOCOLS = ("openpi", "sglang-ws")
+DEFAULT_PATHS = {"openpi": "/openpi/policy", "sglang-ws": "/v1/actions/realtime"}
+_WRITE_LIMIT = 4 * 1024 * 1024
+
+
+def websocket_url(url: str, protocol: str) -> str:
+    """http(s):// or bare host:port -> ws(s)://; an empty path gets the protocol's route."""
+    if "://" not in url:
+        url = "ws://" + url
+    parts = urlsplit(url)
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
+    if scheme not in ("ws", "wss"):
+        raise ValueError(f"not a websocket url: {url!r}")
+    path = parts.path if parts.path not in ("", "/") else DEFAULT_PATHS[protocol]
+    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+class _Refused(Exception):
+    """The server answered with an error (status: HTTP-like code; None when the server said nothing more)."""
+
+    def __init__(self, message: str, status: int | None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
+
+
+def _error_reply(reply: Any) -> _Refused | None:
+    """A reply that reports an error -> _Refused (wamkit: the HTTP error body; openpi: a text frame, usually a
+    traceback; SGLang: {"error": traceback})."""
+    if isinstance(reply, str):
+        try:
+            reply = json.loads(reply)
+        except ValueError:
+            return _Refused(reply.strip()[-2000:], 500)
+        if not isinstance(reply, dict):
+            return _Refused(str(reply)[:2000], 500)
+    err = reply.get("error")
+    if err is None:
+        return None
+    if isinstance(err, dict):
+        code = err.get("code")
+        return _Refused(str(err.get("message") or reply.get("detail") or err), int(code) if isinstance(code, int)
+                        else 500, err.get("retry_after_s"))
+    return _Refused(str(err)[-2000:], 500)
+
+
+class WebsocketActionClient:
+    def __init__(self, url: str, protocol: str = "openpi", token: str | None = None, max_batch: int | None = None,
+                 max_connections: int = 32, timeout_s: float = 120.0, connect_timeout_s: float = 10.0,
+                 retries: int = 4, backoff: float = 0.25, backoff_max: float = 10.0,
+                 parameters: dict[str, Any] | None = None, send_seed: bool = True,
+                 postprocess: Callable[[np.ndarray], np.ndarray] | None = None,
+                 on_timing: Callable[[dict[str, Any]], None] | None = None, raw_action_dim: int | None = None,
+                 action_horizon: int | None = None, worker: Any = None):
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.protocol = protocol
+        self.url = websocket_url(url, protocol)
+        self.token = token
+        self.max_batch = max_batch
+        self.max_connections = int(max_connections)
+        self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
+        self.retries, self.backoff, self.backoff_max = int(retries), float(backoff), float(backoff_max)
+        self.parameters = dict(parameters or {})
+        self.send_seed = bool(send_seed)          # openpi frames carry "seed" (wamkit and SGLang servers read it)
+        self.postprocess, self.on_timing, self.raw_action_dim = postprocess, on_timing, raw_action_dim
+        self.action_horizon = action_horizon      # keep the first H actions of longer chunks (openpi's replan_steps)
+        self.worker = worker
+        self.last_timings: list[dict[str, Any]] = []
+        self._metadata: dict[str, Any] | None = None
+        self._per_frame: int | None = None        # observations per frame
+        self._idle: list = []
+        self._open: set = set()
+        self._slots: asyncio.Semaphore | None = None
+        self._restart_lock: asyncio.Lock | None = None
+
+    # ------------------------------------------------------------------ connections
+    async def _connect(self):
+        from websockets.asyncio.client import connect
+
+        headers = {}
+        if self.token:  # openpi's client sends "Api-Key <key>"; wamkit accepts it and "Bearer <token>"
+            headers["Authorization"] = f"{'Api-Key' if self.protocol == 'openpi' else 'Bearer'} {self.token}"
+        # write_limit: a whole observation frame (~400 kB for 2 cameras 256x256) is handed to the socket at once
+        # instead of draining in 32 kB steps (a few event-loop round trips per frame)
+        ws = await connect(self.url, additional_headers=headers or None, compression=None, max_size=None,
+                           open_timeout=self.connect_timeout_s, write_limit=_WRITE_LIMIT)
+        try:
+            first = await asyncio.wait_for(ws.recv(), self.timeout_s)
+            if isinstance(first, str):
+                raise _Refused(f"server sent text instead of the metadata frame: {first[:500]}", 500)
+            md = unpackb(first)
+        except BaseException:
+            await ws.close()
+            raise
+        if self._metadata is None:
+            self._metadata = md
+        self._open.add(ws)
+        return ws
+
+    async def _acquire(self):
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_connections)
+        await self._slots.acquire()
+        try:
+            while self._idle:
+                ws = self._idle.pop()
+                if ws.state.name == "OPEN":
+                    return ws
+                self._open.discard(ws)
+            return await self._connect()
+        except BaseException:
+            self._slots.release()
+            raise
+
+    async def _release(self, ws, reusable: bool) -> None:
+        if self._slots is not None:
+            self._slots.release()
+        if reusable and ws in self._open and ws.state.name == "OPEN":
+            self._idle.append(ws)
+        else:
+            self._open.discard(ws)
+            await _close_quietly(ws)
+
+    async def aclose(self) -> None:
+        """Close every connection (call it with no request in flight); the client may be used again afterwards,
+        also from another event loop."""
+        conns, self._idle, self._open = list(self._open), [], set()
+        self._slots = self._restart_lock = None
+        await asyncio.gather(*(_close_quietly(ws) for ws in conns))
+
+    async def __aenter__(self) -> "WebsocketActionClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def _maybe_restart_worker(self) -> None:
+        if self.worker is None:
+            return
+        if self._restart_lock is None:
+            self._restart_lock = asyncio.Lock()
+        async with self._restart_lock:
+            await asyncio.to_thread(self.worker.ensure_healthy)
+
+    def _delay(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:
+            return max(0.0, float(retry_after)) + random.uniform(0, 0.1)
+        return min(self.backoff_max, self.backoff * (2 ** attempt)) * random.uniform(0.5, 1.5)
+
+    async def _checkout(self):
+        """(connection, None), or (None, why) after a failure worth retrying (the worker restarted if it stopped
+        answering); a refused handshake that retrying cannot fix (401 bad token, 404 no such route) raises."""
+        from websockets.exceptions import InvalidStatus, WebSocketException
+
+        try:
+            return await self._acquire(), None
+        except InvalidStatus as e:
+            status = e.response.status_code
+            why = f"handshake refused with HTTP {status}: {_denial_text(e.response)}"
+            if status not in RETRY_STATUS:
+                raise ActionClientError(f"{self.url}: {why}", status) from None
+            return None, why
+        except (OSError, asyncio.TimeoutError, TimeoutError, WebSocketException, ProtocolError, _Refused) as e:
+            await self._maybe_restart_worker()
+            return None, f"connect: {type(e).__name__}: {e}"
+
+    async def _exchange(self, frame: bytes) -> tuple[dict[str, Any], int, int, float, float]:
+        """Send one frame, return (decoded reply, attempts, reply bytes, t_send, t_recv); retries as documented."""
+        from websockets.exceptions import WebSocketException
+
+        last = ""
+        for attempt in range(self.retries + 1):
+            retry_after = None
+            ws, why = await self._checkout()
+            if ws is None:
+                last = why
+            else:
+                reusable = False
+                t_send = time.time()
+                try:
+                    await ws.send(frame)
+                    raw = await asyncio.wait_for(ws.recv(), self.timeout_s)
+                    reusable = True
+                except (OSError, asyncio.TimeoutError, TimeoutError, WebSocketException) as e:
+                    last = f"{type(e).__name__}: {e}"
+                    raw = None
+                finally:
+                    await self._release(ws, reusable)
+                t_recv = time.time()
+                if raw is None:
+                    await self._maybe_restart_worker()
+                else:
+                    reply: Any = raw
+                    if not isinstance(raw, str):
+                        try:
+                            reply = unpackb(raw)
+                        except ProtocolError as e:
+                            raise ActionClientError(f"bad reply from {self.url}: {e}") from None
+                    err = _error_reply(reply)
+                    if err is None:
+                        return reply, attempt + 1, len(raw), t_send, t_recv
+                    last = f"{err.status}: {err}"
+                    if err.status not in RETRY_STATUS:
+                        raise ActionClientError(f"{self.url} -> {last}", err.status, raw)
+                    retry_after = err.retry_after
+            if attempt < self.retries:
+                await asyncio.sleep(self._delay(attempt, retry_after))
+        raise ActionClientError(f"{self.url} failed after {self.retries + 1} attempts: {last}")
+
+    # ------------------------------------------------------------------ API
+    async def metadata(self) -> dict[str, Any]:
+        """The server's metadata frame (the first connection's)."""
+        last = ""
+        for attempt in range(self.retries + 1):
+            if self._metadata is not None:
+                return self._metadata
+            ws, last = await self._checkout()
+            if ws is not None:
+                await self._release(ws, True)
+            elif attempt < self.retries:
+                await asyncio.sleep(self._delay(attempt, None))
+        if self._metadata is None:
+            raise ActionClientError(f"{self.url} failed after {self.retries + 1} attempts: {last}")
+        return self._metadata
+
+    async def server_max_batch(self) -> int:
+        if self._per_frame is None:
+            caps = (await self.metadata()).get("capabilities") or {}
+            batched = self.protocol == "sglang-ws" and caps.get("batch_inputs") and caps.get("max_batch_size")
+            self._per_frame = int(caps["max_batch_size"]) if batched else 1
+        if not self.max_batch:
+            self.max_batch = self._per_frame if self._per_frame > 1 else self.max_connections
+        return int(self.max_batch)
+
+    def plan(self, observations: Sequence[Observation], per_frame: int) -> list[list[int]]:
+        """Indices of each frame: observations with the same cameras/shapes/state length, at most per_frame."""
+        if per_frame <= 1:
+            return [[i] for i in range(len(observations))]
+        groups: dict[tuple, list[int]] = {}
+        for i, o in enumerate(observations):
+            key = (tuple(sorted((k, v.shape) for k, v in o.images.items())),
+                   None if o.state is None else o.state.shape[0])
+            groups.setdefault(key, []).append(i)
+        return [idx[k:k + per_frame] for idx in groups.values() for k in range(0, len(idx), per_frame)]
+
+    async def predict(self, observations: Sequence[Observation], seeds: Sequence[int] | None = None,
+                      parameters: dict[str, Any] | None = None) -> np.ndarray:
+        """(N, H, D) float32 action chunks for N observations, in order."""
+        n = len(observations)
+        if n == 0:
+            raise ValueError("predict needs at least one observation")
+        seeds = list(range(n)) if seeds is None else [int(s) for s in seeds]
+        if len(seeds) != n:
+            raise ValueError(f"{len(seeds)} seeds for {n} observations")
+        params = {**self.parameters, **(parameters or {})}
+        rad = params.get("raw_action_dim", self.raw_action_dim)
+        await self.server_max_batch()
+        plan = self.plan(observations, self._per_frame or 1)
+        timings: list[dict[str, Any]] = []
+        results = await asyncio.gather(*(self._send([observations[i] for i in idx], [seeds[i] for i in idx],
+                                                    params, rad, timings) for idx in plan))
+        out: np.ndarray | None = None
+        for idx, acts in zip(plan, results):
+            if out is None:
+                out = np.empty((n,) + acts.shape[1:], np.float32)
+            elif acts.shape[1:] != out.shape[1:]:
+                raise ActionClientError(f"frames returned chunks of shapes {acts.shape[1:]} and {out.shape[1:]}")
+            out[idx] = acts
+        timings.sort(key=lambda t: t["t_send"])
+        self.last_timings = timings
+        if self.action_horizon:
+            out = out[:, : int(self.action_horizon)]
+        if self.postprocess is not None:
+            out = np.asarray(self.postprocess(out), np.float32)
+        return out
+
+    async def _send(self, obs: list[Observation], seeds: list[int], params: dict[str, Any], rad: int | None,
+                    timings: list[dict[str, Any]]) -> np.ndarray:
+        if self.protocol == "openpi":
+            frame = packb(observation_to_openpi(obs[0], seeds[0] if self.send_seed else None))
+            rid = ""
+        else:
+            body = build_ws_request(obs, seeds, params)
+            frame, rid = packb(body), body["request_id"]
+        reply, attempts, nbytes, t_send, t_recv = await self._exchange(frame)
+        try:
+            if self.protocol == "openpi":
+                actions = decode_openpi_actions(reply, rad)[None]
+                server = dict(reply.get("server_timing") or {})
+            else:
+                resp = parse_response(reply, raw_action_dim=rad, expect_n=len(obs))
+                actions = resp.actions
+                server = {**(reply.get("server_timing") or {}), **(resp.timing or {})}
+        except ProtocolError as e:
+            raise ActionClientError(f"bad reply from {self.url}: {e}") from None
+        rec = {"request_id": rid, "n": len(obs), "t_send": t_send, "t_recv": t_recv,
+               "client_ms": round((t_recv - t_send) * 1000.0, 3), "attempts": attempts,
+               "request_bytes": len(frame), "response_bytes": nbytes, "server": server}
+        timings.append(rec)
+        if self.on_timing is not None:
+            self.on_timing(rec)
+        return actions
+
+
+def _denial_text(response: Any) -> str:
+    body = getattr(response, "body", b"") or b""
+    try:
+        j = json.loads(body)
+        if isinstance(j, dict) and isinstance(j.get("error"), dict):
+            return str(j["error"].get("message"))
+    except ValueError:
+        pass
+    return body[:300].decode("utf-8", "replace")
+
+
+async def _close_quietly(ws) -> None:
+    try:
+        await asyncio.wait_for(ws.close(), 5.0)
+    except Exception:  # already gone: nothing to tidy
+        pass
