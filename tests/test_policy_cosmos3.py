@@ -188,7 +188,7 @@ def test_predict_through_sglang_endpoint(fake_sglang, client):
     stats = {"q01": Q01.tolist(), "q99": Q99.tolist()}
     kw = {}
     if client == "injected":
-        from wamkit.serve.client import SyncActionClient
+        from wamkit.protocol.client import SyncActionClient
 
         kw["client"] = SyncActionClient(fake_sglang, mode="sglang", camera="image",
                                         parameters=C.cosmos3_parameters(30), raw_action_dim=C.RAW_ACTION_DIM)

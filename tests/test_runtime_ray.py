@@ -172,7 +172,7 @@ def test_actor_killed_mid_run(cluster, local_reference, tmp_path, monkeypatch):
 def test_server_worker_as_actor(cluster):
     from wamkit.core.types import Observation
     from wamkit.runtime.ray_runtime import make_ray_server_worker
-    from wamkit.serve.client import SyncActionClient
+    from wamkit.protocol.client import SyncActionClient
 
     w = make_ray_server_worker({"num_gpus_per_server": 0, "num_cpus_per_server": 1}, policy="random",
                                policy_args={"action_dim": 4, "horizon": 3}, max_batch_size=4)

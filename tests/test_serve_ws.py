@@ -160,7 +160,7 @@ def test_policy_inputs_are_checked_naming_the_openpi_key():
             err = json.loads(ws.receive_text())["error"]
             assert err["code"] == 422 and err["path"] == path, err
         ws.send_bytes(packb(good))
-        assert unpackb(ws.receive_bytes())["actions"][b"shape"] == [16, 7]
+        assert unpackb(ws.receive_bytes())["actions"]["shape"] == [16, 7]
 
 
 def marker_array(v: dict) -> np.ndarray:

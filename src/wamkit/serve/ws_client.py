@@ -36,7 +36,7 @@ import numpy as np
 from wamkit.core.types import Observation
 from wamkit.protocol import ProtocolError, parse_response
 from wamkit.protocol.openpi import build_ws_request, decode_openpi_actions, observation_to_openpi, packb, unpackb
-from wamkit.serve.client import RETRY_STATUS, ActionClientError
+from wamkit.protocol.client import RETRY_STATUS, ActionClientError
 
 PROTOCOLS = ("openpi", "sglang-ws")
 DEFAULT_PATHS = {"openpi": "/openpi/policy", "sglang-ws": "/v1/actions/realtime"}
