@@ -66,10 +66,15 @@ def shared_servers(base: EvalConfig, console: Console):
     if base.inference != "server" or base.server.url:
         yield []
         return
-    from wamkit.eval.inference import start_server_workers
+    from wamkit.eval.inference import check_normalization, server_policy, start_server_workers
+    from wamkit.eval.runner import remote_codec_of
 
     t0 = time.perf_counter()
-    workers = start_server_workers(base.policy, bench_policy_kwargs(base), base.server)
+    pkw = bench_policy_kwargs(base)
+    codec = remote_codec_of(base.policy, pkw)          # cosmos3: the servers run SGLang or its stand-in
+    check_normalization(base.server, codec)
+    policy, args = server_policy(base.policy, pkw, base.server, codec)
+    workers = start_server_workers(policy, args, base.server)
     try:
         console.print(f"[bold]bench eval[/] {len(workers)} shared server(s) up in {time.perf_counter() - t0:.1f} s")
         yield workers
@@ -117,7 +122,10 @@ def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0, task: st
 
     async def go():
         if base.inference == "server":
-            inf = ServerInference(policy=base.policy, policy_args=pkw, options=base.server, workers=workers)
+            from wamkit.eval.runner import remote_codec_of
+
+            inf = ServerInference(policy=base.policy, policy_args=pkw, options=base.server, workers=workers,
+                                  codec=remote_codec_of(base.policy, pkw))
         else:
             inf = InProcessInference(make_policy(base.policy, **pkw))
         await inf.start()

@@ -47,13 +47,18 @@ def policy_kwargs(cfg: EvalConfig, action_dim: int) -> dict[str, Any]:
     return kw
 
 
-def _served_elsewhere(name: str) -> bool:
+def served_elsewhere(name: str) -> bool:
     """True for a registered policy whose model runs in another server (it overrides Policy.remote_codec)."""
     from wamkit.policies.base import Policy
 
     if (Path(name) / "wamkit_policy.json").exists():
         return False
     return policy_class(name).remote_codec is not Policy.remote_codec
+
+
+def remote_codec_of(name: str, kwargs: dict[str, Any]):
+    """The RemoteCodec of a policy whose model runs in another server (cosmos3), else None (nothing is built)."""
+    return make_policy(name, **kwargs).remote_codec() if served_elsewhere(name) else None
 
 
 def _check_names(cfg: EvalConfig) -> None:
@@ -125,7 +130,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         plan = plan_for_tasks(cfg.suite, tasks, cfg.tasks, cfg.trials, cfg.trial_start, f"{cfg.env}/{cfg.suite}")
         pkw = policy_kwargs(cfg, spec.action_dim)
         policy, codec = None, None
-        if cfg.inference == "inprocess" or _served_elsewhere(cfg.policy):
+        if cfg.inference == "inprocess" or served_elsewhere(cfg.policy):
             policy = make_policy(cfg.policy, **pkw)
             codec = policy.remote_codec()
         options = cfg.server
