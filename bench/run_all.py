@@ -1,5 +1,6 @@
 """`make bench`: every CPU benchmark of bench/, one after another (they share the CPU: never in parallel), then
-docs/benchmarks.md is rebuilt from bench/results/*.md. GPU measurements: bench/device/run_all.sh on the device.
+docs/benchmarks-history.md (every dated run, the lab notebook) is rebuilt from bench/results/*.md. The current
+figures, one table per claim, are docs/benchmarks.md (written by hand from these). GPU measurements: bench/device/run_all.sh on the device.
 
     .venv/bin/python bench/run_all.py [--only eval,serve] [--docs-only]"""
 
@@ -29,7 +30,9 @@ TITLES = {"eval": "Evaluation scheduler (issue: pipelined evaluation)", "loop": 
 
 
 def build_docs() -> Path:
-    parts = ["# Benchmarks\n",
+    parts = ["# Benchmarks: every run (history)\n",
+             "The current figures, one table per claim, are in [benchmarks.md](benchmarks.md); this page keeps every "
+             "dated run, including superseded ones and their corrections.\n",
              "Every figure below comes from a script in `bench/` (its command is given with it), on the machine and at "
              "the date stated. Timings are whole-run wall-clock figures, never test thresholds. The CPU figures were "
              "taken on the 2-core development machine; where other work shared the CPU at the time, the section says "
@@ -43,7 +46,7 @@ def build_docs() -> Path:
         # demote the results file's own headings one level under this page's section
         body = "\n".join(("#" + line) if line.startswith("#") else line for line in body.splitlines())
         parts.append(f"## {TITLES[name]}\n\nSource: `bench/results/{name}.md`\n\n{body}\n")
-    out = ROOT / "docs" / "benchmarks.md"
+    out = ROOT / "docs" / "benchmarks-history.md"
     out.write_text("\n".join(parts))
     return out
 

@@ -69,3 +69,41 @@ def test_shipped_config_runs_against_the_standin(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["episodes"] == 1 and s["config"]["policy"] == "cosmos3" and s["config"]["mode"] == "auto"
     assert s["config"]["server"]["protocol"] == "sglang" and s["scheduler"]["requests"] >= 1
+
+
+def _real_sglang() -> str:
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("sglang") is None:
+        return "needs sglang installed (a CUDA machine: pip install sglang)"
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return "needs a CUDA GPU for sglang serve"
+    except Exception as e:  # pragma: no cover
+        return f"torch unavailable: {e}"
+    if not (os.environ.get("WAMKIT_COSMOS3_MODEL") and os.environ.get("WAMKIT_COSMOS3_STATS")):
+        return ("set WAMKIT_COSMOS3_MODEL (a diffusers-format Cosmos3 LIBERO checkpoint) and WAMKIT_COSMOS3_STATS "
+                "(its action stats JSON)")
+    return ""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(_real_sglang()), reason=_real_sglang() or "real sglang")
+def test_shipped_config_against_real_sglang(tmp_path):
+    """The same command on a GPU machine: `sglang serve` started by wamkit (one per GPU of the machine)."""
+    import os
+
+    import torch
+
+    out = tmp_path / "run"
+    n = torch.cuda.device_count()
+    r = subprocess.run([sys.executable, "-m", "wamkit.cli.main", "eval", str(CONFIG),
+                        f"server.sglang.model_path={os.environ['WAMKIT_COSMOS3_MODEL']}",
+                        f"policy_args.action_stats={os.environ['WAMKIT_COSMOS3_STATS']}", f"server.replicas={n}",
+                        f"server.gpus={','.join(map(str, range(n)))}", "tasks=0", "trials=2", "num_envs=4",
+                        f"out={out}", "progress=false"], capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["episodes"] == 2 and s["scheduler"]["requests"] >= 1

@@ -95,3 +95,49 @@ def test_attached_server_is_restarted_and_left_running():
             asyncio.run(main())
             assert inf.restarts == (1 if run == 0 else 0)
             assert w.healthy()                                    # close left it running
+
+
+def test_sglang_launch_builds_one_server_per_gpu_and_guards_the_stats(tmp_path):
+    """server.launch=sglang: one `sglang serve` per GPU with the server options (the command line is checked, the
+    process is not run: SGLang needs a GPU); server-side stats need normalization=server, and the reverse."""
+    from wamkit.core.errors import UserError
+    from wamkit.eval.inference import check_normalization, server_policy, start_server_workers
+    from wamkit.policies import make_policy
+    from wamkit.serve.workers import SGLangServerWorker
+
+    started = []
+
+    class NotRun(SGLangServerWorker):
+        def start(self):
+            started.append(self)
+            return self
+
+        def wait_healthy(self, timeout=None, poll_s=0.2):
+            return self
+
+    stats = tmp_path / "stats.json"
+    stats.write_text('{"q01": [0,0,0,0,0,0,0,0,0,0], "q99": [1,1,1,1,1,1,1,1,1,1]}')
+    cfg = load_config(EvalConfig, None, ["server.launch=sglang", "server.replicas=2", "server.gpus=0,1",
+                                         "server.max_batch_size=8", "server.sglang.model_path=/models/c3",
+                                         f"server.sglang.action_stats_path={stats}"])
+    workers = start_server_workers("cosmos3", {}, cfg.server, worker_factory=NotRun)
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["0", "1"] and started == workers
+    cmd = workers[0].command()
+    assert cmd[cmd.index("--batching-max-size") + 1] == "8" and "--pipeline-config-path" in cmd
+    assert '"action_stats_path"' in workers[0].pipeline_config_path.read_text()
+    client = make_policy("cosmos3", action_stats=str(stats)).remote_codec()
+    with pytest.raises(UserError, match="normalization=server"):
+        check_normalization(cfg.server, client)                          # both would denormalize
+    check_normalization(cfg.server, make_policy("cosmos3", normalization="server").remote_codec())
+    no_stats = load_config(EvalConfig, None, ["server.launch=sglang", "server.sglang.model_path=/m"]).server
+    with pytest.raises(UserError, match="action_stats_path"):
+        check_normalization(no_stats, make_policy("cosmos3", normalization="server").remote_codec())
+    with pytest.raises(UserError, match="model_path"):
+        start_server_workers("cosmos3", {}, load_config(EvalConfig, None, ["server.launch=sglang"]).server,
+                             worker_factory=NotRun)
+    wamkit_launch = load_config(EvalConfig, None, []).server
+    with pytest.raises(UserError, match="cosmos3-standin"):
+        server_policy("cosmos3", {}, wamkit_launch, client)              # cosmos3 cannot run in `wamkit serve`
+    standin = load_config(EvalConfig, None, ["server.policy=cosmos3-standin"]).server
+    assert server_policy("cosmos3", {"action_stats": "s.json"}, standin, client) == (
+        "cosmos3-standin", {"action_stats": "s.json"})                    # the stand-in gets the adapter's stats
