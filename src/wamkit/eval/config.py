@@ -16,12 +16,12 @@ class ServerOptions:
     """The local action server started when inference=server."""
 
     port: int = 0                 # 0 = pick a free port
-    max_batch_size: int = 64
-    max_wait_ms: float = 2.0
-    token: str | None = None
+    max_batch_size: int = 64           # the server's cap on observations per batch
+    max_wait_ms: float = 2.0           # how long the server lets a batch fill up
+    token: str | None = None           # bearer token of the server(s) (None: env WAMKIT_TOKEN, else no auth)
     url: str | None = None        # use already running server(s) (wamkit serve or SGLang; comma-separated for several)
     protocol: str = "wamkit"      # wire form: wamkit (HTTP, wamkit's extensions) | sglang (HTTP, SGLang's request form)
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float = 300.0   # give up when a started server is not healthy after this long
     replicas: int = 1             # local servers to start (e.g. one per GPU); requests go to the least loaded one
     gpus: list[int] | None = None  # replica i sees only GPU gpus[i % len(gpus)] (CUDA_VISIBLE_DEVICES); None: all
     serve_args: dict[str, Any] = field(default_factory=dict)  # more `wamkit serve` keys, e.g. {torch_threads: 8}
@@ -32,22 +32,22 @@ DEFAULT_SUITES = {"libero": "libero_object", "metaworld": "mt"}
 
 @dataclass
 class EvalConfig:
-    env: str = "libero"
+    env: str = "libero"                     # simulator: libero | metaworld
     suite: str = ""                         # "" = the env's standard suite (libero: libero_object, metaworld: mt)
     tasks: list[int] | None = None          # task ids; None = every task of the suite
     trials: int = 50                        # init states per task: trial = init-state index 0..trials-1
-    trial_start: int = 0
-    policy: str = "zero"
-    policy_args: dict[str, Any] = field(default_factory=dict)
+    trial_start: int = 0                    # first init-state index (trials trial_start..trial_start+trials-1)
+    policy: str = "zero"                    # registered policy name or a directory written by `wamkit export`
+    policy_args: dict[str, Any] = field(default_factory=dict)  # policy constructor keys, e.g. policy_args.size=tiny
     horizon: int | None = None              # actions per chunk; None = the policy's / env's default
     max_steps: int | None = None            # None = the suite's standard max steps
-    image_size: int = 256
-    env_args: dict[str, Any] = field(default_factory=dict)
-    out: str = "runs/eval"
+    image_size: int = 256                   # camera images are image_size x image_size pixels
+    env_args: dict[str, Any] = field(default_factory=dict)  # env options, e.g. env_args.tasks=reach-v3 (MetaWorld)
+    out: str = "runs/eval"                  # output dir: results.jsonl, summary.json, report.md, timeline, videos
     save_videos: int = 0                    # record the first N planned episodes as mp4 (renders every step for them)
-    inference: Literal["inprocess", "server"] = "inprocess"
+    inference: Literal["inprocess", "server"] = "inprocess"  # policy in this process, or behind local/remote servers
     server: ServerOptions = field(default_factory=ServerOptions)
-    mode: Literal["serial", "pipelines", "auto"] = "serial"
+    mode: Literal["serial", "pipelines", "auto"] = "serial"  # scheduler (docs/evaluation.md); auto: the fastest
     num_envs: int = 1                       # env worker processes (mode=serial uses one, whatever this says)
     batch: int = 1                          # pipelines: observations per request (B)
     pipelines: int = 1                      # pipelines: number of env groups (P)
@@ -56,11 +56,11 @@ class EvalConfig:
     group_by_task: bool | None = None       # one task per request (None: only for SGLang, which needs equal prompts)
     run_to_max_steps: bool = False          # the reference's semantics: keep stepping after success
     render_every_step: bool = False         # the single-batch baseline: render every step
-    resume: bool = False
-    seed: int = 0
-    progress: bool = True
-    runtime: Literal["local", "ray"] = "local"
-    ray: dict[str, Any] = field(default_factory=dict)
+    resume: bool = False                    # continue the run in out= (skips episodes already in results.jsonl)
+    seed: int = 0                           # env and policy noise seed
+    progress: bool = True                   # progress bar with ETA on stderr
+    runtime: Literal["local", "ray"] = "local"  # where env workers and servers run (docs/ray.md)
+    ray: dict[str, Any] = field(default_factory=dict)  # runtime=ray options, e.g. ray.address=auto (docs/ray.md)
     max_episode_retries: int = 3            # re-runs of an episode whose env worker crashed
 
     def __post_init__(self) -> None:

@@ -24,21 +24,21 @@ from wamkit.eval.plan import plan_for_tasks, step_seed
 
 @dataclass
 class RecordConfig:
-    env: str = "metaworld"
+    env: str = "metaworld"               # simulator: libero | metaworld
     suite: str = ""                      # "" = the env's standard suite (see eval.config.DEFAULT_SUITES)
-    tasks: list[int] | None = None
+    tasks: list[int] | None = None       # task ids; None = every task of the suite
     episodes: int = 10                   # per task; trial = init-state index 0..episodes-1
-    trial_start: int = 0
-    policy: str = "metaworld-expert"
-    policy_args: dict[str, Any] = field(default_factory=dict)
-    env_args: dict[str, Any] = field(default_factory=dict)
-    image_size: int = 128
-    max_steps: int | None = None
-    out: str = "runs/dataset"
-    only_success: bool = False
-    video_codec: str = "h264"
-    seed: int = 0
-    progress: bool = True
+    trial_start: int = 0                 # first init-state index
+    policy: str = "metaworld-expert"     # the policy that acts (a scripted expert, or any registered policy)
+    policy_args: dict[str, Any] = field(default_factory=dict)  # policy constructor keys
+    env_args: dict[str, Any] = field(default_factory=dict)  # env options, e.g. env_args.tasks=reach-v3
+    image_size: int = 128                # recorded camera frames are image_size x image_size pixels
+    max_steps: int | None = None         # None = the suite's standard max steps
+    out: str = "runs/dataset"            # the LeRobot v3 dataset dir to write (must not exist or be empty)
+    only_success: bool = False           # keep successful episodes only
+    video_codec: str = "h264"            # codec of the camera videos
+    seed: int = 0                        # env and policy noise seed
+    progress: bool = True                # progress bar with ETA on stderr
 
     def __post_init__(self) -> None:
         if not self.suite:

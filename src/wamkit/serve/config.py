@@ -12,7 +12,7 @@ from wamkit.core.errors import ConfigError
 @dataclass
 class ServeConfig:
     policy: str = "random"                  # registered name or a directory written by `wamkit export`
-    policy_args: dict[str, Any] = field(default_factory=dict)
+    policy_args: dict[str, Any] = field(default_factory=dict)  # policy constructor keys, e.g. policy_args.size=tiny
     host: str = "127.0.0.1"                 # loopback by default; bind 0.0.0.0 only behind a token
     port: int = 8000
     max_batch_size: int = 0                 # 0: the policy's max_batch_size()
