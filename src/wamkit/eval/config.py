@@ -45,6 +45,8 @@ class EvalConfig:
     env_args: dict[str, Any] = field(default_factory=dict)  # env options, e.g. env_args.tasks=reach-v3 (MetaWorld)
     out: str = "runs/eval"                  # output dir: results.jsonl, summary.json, report.md, timeline, videos
     save_videos: int = 0                    # record the first N planned episodes as mp4 (renders every step for them)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # the policy's device unless policy_args.device says; auto: GPU
+                                            # when present (inference=server: resolved by each server, on its host)
     inference: Literal["inprocess", "server"] = "inprocess"  # policy in this process, or behind local/remote servers
     server: ServerOptions = field(default_factory=ServerOptions)
     mode: Literal["serial", "pipelines", "auto"] = "serial"  # scheduler (docs/evaluation.md); auto: the fastest

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -114,14 +115,19 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         plan = plan_for_tasks(cfg.suite, tasks, cfg.tasks, cfg.trials, cfg.trial_start, f"{cfg.env}/{cfg.suite}")
         pkw = policy_kwargs(cfg, spec.action_dim)
         if cfg.inference == "inprocess":
-            policy = make_policy(cfg.policy, **pkw)
+            from wamkit.core.device import resolve_device
+
+            policy = make_policy(cfg.policy, **{"device": resolve_device(cfg.device), **pkw})
         out, journal = _prepare_out(cfg)
         todo = [ep for ep in plan if not journal.done(ep.key)]
         timeline = Timeline()
         if cfg.inference == "inprocess":
             inference = InProcessInference(policy, timeline)
         else:
-            inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=cfg.server, timeline=timeline,
+            options = cfg.server
+            if cfg.device != "auto" and "device" not in options.serve_args:   # auto: each server decides on its host
+                options = dataclasses.replace(options, serve_args={**options.serve_args, "device": cfg.device})
+            inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=options, timeline=timeline,
                                         worker_factory=server_worker_factory, workers=server_workers)
         group = cfg.group_by_task if cfg.group_by_task is not None else False
         opts = SchedulerOptions(mode=cfg.mode, batch=cfg.batch, pipelines=cfg.pipelines, depth=cfg.depth,

@@ -4,7 +4,9 @@ Routes
 - ``GET  /health``                    200 {"status": "ok"} (503 while shutting down); never needs the token.
 - ``GET  /v1/actions/metadata``       policy spec, max batch size, action dim/horizon (SGLang's metadata layout).
 - ``POST /v1/actions/generations``    SGLang's action API (+ wamkit extensions), JSON or msgpack.
-- ``GET  /metrics``                   JSON: counts, batch-size histogram, queue/compute p50/p99.
+- ``GET  /metrics``                   JSON: counts, batch-size histogram, queue/compute p50/p99 (Prometheus text when
+                                      Accept asks for text/plain or OpenMetrics).
+- ``GET  /metrics/prometheus``        the same in the Prometheus text format (0.0.4).
 
 Errors answer ``{"error": {"message", "type", "path", "code"}, "detail": message}``: 400 malformed (the message names
 the field path), 401 bad/missing token, 413 body too large, 415 content type, 422 valid but unsupported here,
@@ -35,7 +37,7 @@ from wamkit.protocol import ProtocolError, build_response, decode_body, encode_b
 from wamkit.protocol.messages import ActionRequest
 from wamkit.serve.batcher import Batcher, QueueFull
 from wamkit.serve.config import ServeConfig
-from wamkit.serve.metrics import ServerMetrics
+from wamkit.serve.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics, wants_prometheus
 
 log = logging.getLogger("wamkit.serve")
 _OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are decoded in a helper thread, not on the event loop
@@ -192,9 +194,13 @@ class ActionServer:
         return JSONResponse(self.metadata_dict())
 
     async def metrics_route(self, request: Request) -> Response:
+        """JSON; Prometheus text at /metrics/prometheus, or at /metrics when Accept asks for text/plain or OpenMetrics
+        (what a Prometheus scrape sends)."""
         self._check_token(request)
-        return JSONResponse(self.metrics.snapshot(queued=self.batcher.queued, max_batch_size=self.max_batch_size,
-                                                  max_wait_ms=self.cfg.max_wait_ms))
+        gauges = dict(queued=self.batcher.queued, max_batch_size=self.max_batch_size, max_wait_ms=self.cfg.max_wait_ms)
+        if request.url.path.endswith("/prometheus") or wants_prometheus(request.headers.get("accept", "")):
+            return Response(self.metrics.prometheus(**gauges), media_type=PROMETHEUS_CONTENT_TYPE)
+        return JSONResponse(self.metrics.snapshot(**gauges))
 
     async def generations(self, request: Request) -> Response:
         t0 = time.perf_counter()
@@ -225,9 +231,10 @@ class ActionServer:
 def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
     """The Starlette app for `cfg` (the policy is built from cfg.policy / cfg.policy_args unless given)."""
     if policy is None:
+        from wamkit.core.device import resolve_device
         from wamkit.policies import make_policy
 
-        policy = make_policy(cfg.policy, **cfg.policy_args)
+        policy = make_policy(cfg.policy, **{"device": resolve_device(cfg.device), **cfg.policy_args})
     if "torch" in sys.modules:  # only policies that use torch have imported it
         import torch
 
@@ -261,7 +268,8 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
     routes = [Route("/health", srv.health, methods=["GET"]),
               Route("/v1/actions/metadata", guarded(srv.metadata), methods=["GET"]),
               Route("/v1/actions/generations", guarded(srv.generations), methods=["POST"]),
-              Route("/metrics", guarded(srv.metrics_route), methods=["GET"])]
+              Route("/metrics", guarded(srv.metrics_route), methods=["GET"]),
+              Route("/metrics/prometheus", guarded(srv.metrics_route), methods=["GET"])]
     app = Starlette(routes=routes, lifespan=srv.lifespan)
     app.state.server = srv
     return app
