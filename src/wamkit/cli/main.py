@@ -21,6 +21,28 @@ VERBS = {
     "demo": ("wamkit.cli.demo_cmd", "the demo: pipelined LIBERO evaluation, then record -> train -> serve -> eval"),
 }
 HELP_FLAGS = ("-h", "--help", "help")
+# verbs whose work runs in child processes (env workers, servers): SIGTERM unwinds them like Ctrl-C, so every worker
+# is stopped and its shared memory freed (serve has uvicorn's own graceful SIGTERM; train runs under torchrun's)
+UNWIND_ON_SIGTERM = ("eval", "bench", "data", "demo", "report", "export")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so `finally` blocks run (workers closed, journal flushed)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)      # a second SIGTERM ends the process at once
+    raise Terminated()
+
+
+def _unwind_on_sigterm() -> None:
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def usage() -> str:
@@ -62,10 +84,15 @@ def main(argv: list[str] | None = None) -> int:
             print(verb_help(verb, rest))
             return 0
         mod = importlib.import_module(VERBS[verb][0])
+        if verb in UNWIND_ON_SIGTERM:
+            _unwind_on_sigterm()
         return int(mod.main(rest) or 0)
     except UserError as e:
         print(f"wamkit {verb}: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"wamkit {verb}: terminated (SIGTERM); workers stopped", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print(f"wamkit {verb}: interrupted", file=sys.stderr)
         return 130

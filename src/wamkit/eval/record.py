@@ -20,6 +20,7 @@ from wamkit.core.config import load_config
 from wamkit.core.errors import UserError
 from wamkit.eval.config import DEFAULT_SUITES
 from wamkit.eval.plan import plan_for_tasks, step_seed
+from wamkit.eval.progress import rate_text
 
 
 @dataclass
@@ -58,7 +59,13 @@ def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:
     if cfg.max_steps is not None:
         kw["max_steps"] = cfg.max_steps
     worker = EnvWorker(cfg.env, kw, index=0)
-    worker.start()
+    t_build = time.time()
+    if cfg.progress:
+        with console.status(f"starting the {cfg.env} env worker (building its simulator) ..."):
+            worker.start()
+        console.print(f"{cfg.env} env worker ready in {time.time() - t_build:.1f} s")
+    else:
+        worker.start()
     try:
         spec, tasks = worker.spec, worker.tasks
         plan = plan_for_tasks(cfg.suite, tasks, cfg.tasks, cfg.episodes, cfg.trial_start, cfg.env)
@@ -102,7 +109,9 @@ def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:
                         writer.add_frame(f)
                     writer.save_episode(task=ep.task)
                     kept += 1
-                progress.update(bar, advance=1, info=f"success {succ}/{ep.index + 1}, kept {kept}")
+                done = ep.index + 1
+                progress.update(bar, advance=1, info=f"success {succ}/{done}, kept {kept}, "
+                                                     f"{rate_text(done, None, time.time() - t0, len(plan) - done)}")
         writer.finalize()
         info = {"episodes_run": len(plan), "successes": succ, "episodes_kept": kept, "out": str(out),
                 "wall_s": time.time() - t0}

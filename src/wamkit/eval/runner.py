@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,6 +24,7 @@ from wamkit.eval.inference import InProcessInference, ServerInference
 from wamkit.eval.journal import Journal
 from wamkit.eval.metrics import summarize
 from wamkit.eval.plan import plan_for_tasks
+from wamkit.eval.progress import rate_text
 from wamkit.eval.scheduler import EpisodeOutcome, Scheduler, SchedulerOptions
 from wamkit.eval.timeline import Timeline
 from wamkit.policies.registry import make_policy, policy_class
@@ -110,7 +112,12 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
     inference = None
     journal = None
     try:
-        _start_workers(workers)
+        t_build = time.time()
+        with console.status(f"starting {n_envs} {cfg.env} env worker(s): each builds its simulator "
+                            f"(LIBERO: ~15-20 s) ...") if cfg.progress else contextlib.nullcontext():
+            _start_workers(workers)
+        if cfg.progress:
+            console.print(f"{n_envs} {cfg.env} env worker(s) ready in {time.time() - t_build:.1f} s")
         spec, tasks = workers[0].spec, workers[0].tasks
         plan = plan_for_tasks(cfg.suite, tasks, cfg.tasks, cfg.trials, cfg.trial_start, f"{cfg.env}/{cfg.suite}")
         pkw = policy_kwargs(cfg, spec.action_dim)
@@ -148,7 +155,9 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         progress = Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("success {task.fields[succ]}"), TextColumn("{task.fields[rate]}"),
                             TimeElapsedColumn(), console=console, disable=not cfg.progress, transient=False)
-        bar = progress.add_task("eval", total=len(plan), completed=len(journal.records), succ="-", rate="")
+        starting = ("starting the action server(s) (policy load, warm-up) ..." if cfg.inference == "server"
+                    else "starting ...")
+        bar = progress.add_task("eval", total=len(plan), completed=len(journal.records), succ="-", rate=starting)
         videos_dir = out / "videos"
 
         def on_done(o: EpisodeOutcome) -> None:
@@ -170,18 +179,31 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
             el = time.time() - clock["t0"]
             n_total = len(journal.records)
             progress.update(bar, advance=1, succ=f"{stats['succ']}/{n_total} ({stats['succ'] / n_total:.0%})",
-                            rate=f"{stats['steps'] / el:.1f} steps/s {stats['done'] / el * 3600:.0f} ep/h")
+                            rate=rate_text(stats["done"], stats["steps"], el, len(plan) - n_total))
 
         sched = Scheduler(workers, inference, todo, opts, on_done, timeline)
+
+        async def first_episode_status() -> None:
+            """Until the first episode ends the bar sits at 0/N: say what it is waiting for."""
+            while stats["done"] == 0:
+                busy = sched.simulating
+                what = (f"first episodes: {busy}/{len(workers)} envs busy"
+                        + (" (LIBERO builds a task's scene on its first reset)" if cfg.env == "libero" else "")
+                        + f", {inference.requests} requests done")
+                progress.update(bar, rate=what)
+                await asyncio.sleep(0.5)
 
         async def main():
             t_setup = time.time()
             await inference.start()
             clock["t0"] = time.time()
             clock["setup_s"] = clock["t0"] - t_setup
+            status = asyncio.create_task(first_episode_status()) if cfg.progress and todo else None
             try:
                 await sched.run()
             finally:
+                if status is not None:
+                    status.cancel()
                 await inference.close()
 
         with progress:
