@@ -37,7 +37,7 @@ class DemoConfig:
     libero_suite: str = "libero_object"     # the LIBERO suite of stage 1
     libero_tasks: list[int] = field(default_factory=lambda: [0, 1])  # its task ids
     libero_trials: int = 1                  # init states per task in each row of each round
-    libero_rounds: int = 3                  # interleaved rounds of the scheduler rows (the spread is over them)
+    libero_rounds: int = 2                  # interleaved rounds of the scheduler rows (the spread is over them)
     libero_max_steps: int = 64              # episode cap: enough steps to measure a schedule, not to solve a task
     libero_envs: int = 2                    # simulator processes (about 2.5 GB each), kept for the whole stage
     libero_base_ms: float = 150.0           # stand-in policy: inference cost per request (as a GPU model's) ...

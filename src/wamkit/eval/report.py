@@ -48,7 +48,7 @@ def print_report(out: str | Path, console: Console | None = None) -> dict:
     s = load_summary(out)
     console.print(task_table(s))
     console.print(throughput_line(s))
-    (Path(out) / "report.md").write_text(table_markdown(s) + "\n" + throughput_line(s) + "\n")
+    md = table_markdown(s) + "\n" + throughput_line(s) + "\n"
     tl = Path(out) / "timeline.json"
     if tl.exists():
         from wamkit.eval.timeline import Timeline
@@ -56,6 +56,8 @@ def print_report(out: str | Path, console: Console | None = None) -> dict:
         timeline = Timeline.load(tl)
         png = timeline.draw(Path(out) / "timeline.png")
         u = timeline.utilization()
-        console.print(f"timeline: {png}  env busy {u['env_busy']:.0%} of env time, "
-                      f"inference busy {u['inference_busy']:.0%} of wall time")
+        util = (f"env busy {u['env_busy']:.0%} of env time, inference busy {u['inference_busy']:.0%} of wall time")
+        console.print(f"timeline: {png}  {util}")
+        md += f"\nUtilization: {util}.\n\n![timeline: when each env simulated and when inference ran]({Path(png).name})\n"
+    (Path(out) / "report.md").write_text(md)
     return s
