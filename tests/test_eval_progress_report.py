@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from wamkit.eval.progress import fmt_duration, rate_text
 from wamkit.eval.report import print_report
 from wamkit.eval.timeline import Timeline
@@ -34,3 +36,33 @@ def test_report_md_links_the_timeline_and_states_utilization(tmp_path):
     u = tl.utilization()
     assert f"env busy {u['env_busy']:.0%}" in md and f"inference busy {u['inference_busy']:.0%}" in md
     assert "| 0 | reach | 2 | 1 | 50.0% |" in md
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_eval_logger_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    pytest.importorskip("metaworld")
+    from wamkit.core.config import load_config
+    from wamkit.eval.config import EvalConfig
+    from wamkit.eval.runner import run_eval
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = load_config(EvalConfig, None, ["env=metaworld", "env_args.tasks=reach-v3", "trials=2", "policy=zero",
+                                         "max_steps=5", "image_size=32", "progress=false", f"out={tmp_path}",
+                                         "logger=wandb", "wandb_project=wamkit-test"])
+    s = run_eval(cfg)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert s["episodes"] == 2 and len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_logger_wandb_without_the_package_is_one_user_error(monkeypatch):
+    import importlib.util
+
+    from wamkit.core.errors import UserError
+    from wamkit.core.tracking import require_wandb
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(UserError, match="pip install wandb"):
+        require_wandb()

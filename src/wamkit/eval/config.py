@@ -64,6 +64,9 @@ class EvalConfig:
     runtime: Literal["local", "ray"] = "local"  # where env workers and servers run (docs/ray.md)
     ray: dict[str, Any] = field(default_factory=dict)  # runtime=ray options, e.g. ray.address=auto (docs/ray.md)
     max_episode_retries: int = 3            # re-runs of an episode whose env worker crashed
+    logger: Literal["none", "wandb"] = "none"  # wandb: also log episodes and the summary to Weights & Biases
+                                            # (pip install wandb; WANDB_MODE=offline works without an account)
+    wandb_project: str = "wamkit"           # the W&B project of logger=wandb (run name: the out= dir's name)
 
     def __post_init__(self) -> None:
         if not self.suite:

@@ -71,6 +71,20 @@ def _prepare_out(cfg: EvalConfig) -> tuple[Path, Journal]:
     return out, Journal(results)
 
 
+def _log_summary(tracker, summary: dict[str, Any]) -> None:
+    """The run's totals into the W&B run summary, the per-task table as a W&B table."""
+    import wandb
+
+    th = summary.get("throughput", {})
+    tracker.summary.update({"success_rate": summary["success_rate"], "episodes": summary["episodes"],
+                            "successes": summary["successes"], **{f"throughput/{k}": v for k, v in th.items()
+                                                                  if isinstance(v, (int, float))}})
+    rows = [[tid, r.get("task", ""), r["episodes"], r["successes"], r["success_rate"]]
+            for tid, r in summary["per_task"].items()]
+    tracker.log({"eval/per_task": wandb.Table(columns=["task_id", "task", "episodes", "successes", "success_rate"],
+                                              data=rows)})
+
+
 def local_env_workers(env: str, kwargs: dict[str, Any], n: int):
     """The default runtime: one spawned process per env on this machine."""
     from wamkit.envs.worker import EnvWorker
@@ -104,6 +118,10 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
     cores: CPU cores the envs share (default: this machine's), used by the auto scheduler's cost model."""
     console = console or Console(stderr=True)
     _check_names(cfg)
+    if cfg.logger == "wandb":
+        from wamkit.core.tracking import require_wandb
+
+        require_wandb()
     if cfg.runtime != "local" and env_workers is None:
         raise UserError(f"runtime={cfg.runtime} needs the runtime layer: run it through `wamkit eval` or pass "
                         f"wamkit.runtime.eval_runtime(cfg) to run_eval")
@@ -111,6 +129,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
     workers = (env_workers or local_env_workers)(cfg.env, env_kwargs(cfg), n_envs)
     inference = None
     journal = None
+    tracker = None
     try:
         t_build = time.time()
         with console.status(f"starting {n_envs} {cfg.env} env worker(s): each builds its simulator "
@@ -126,6 +145,10 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
 
             policy = make_policy(cfg.policy, **{"device": resolve_device(cfg.device), **pkw})
         out, journal = _prepare_out(cfg)
+        if cfg.logger == "wandb":
+            from wamkit.core.tracking import start_wandb
+
+            tracker = start_wandb(cfg.wandb_project, out, to_dict(cfg), job_type="eval")
         todo = [ep for ep in plan if not journal.done(ep.key)]
         timeline = Timeline()
         if cfg.inference == "inprocess":
@@ -178,6 +201,10 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
             stats["steps"] += o.env_steps
             el = time.time() - clock["t0"]
             n_total = len(journal.records)
+            if tracker is not None:
+                tracker.log({"eval/episodes": n_total, "eval/success_rate": stats["succ"] / n_total,
+                             "eval/episode_success": int(o.success), "eval/episode_steps": o.steps,
+                             "eval/env_steps_per_s": stats["steps"] / max(el, 1e-9)}, step=n_total)
             progress.update(bar, advance=1, succ=f"{stats['succ']}/{n_total} ({stats['succ'] / n_total:.0%})",
                             rate=rate_text(stats["done"], stats["steps"], el, len(plan) - n_total))
 
@@ -224,8 +251,12 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "request_ms_mean": util.get("request_ms_mean", 0.0),
                                 "compute_ms_mean": util.get("compute_ms_mean", 0.0)}})
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if tracker is not None:
+            _log_summary(tracker, summary)
         return summary
     finally:
+        if tracker is not None:
+            tracker.finish()
         if journal is not None:
             journal.close()
         for w in workers:

@@ -19,6 +19,8 @@ class TrainLogger:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         if wandb_project:
+            from wamkit.core.tracking import start_wandb
+
             self._wandb = start_wandb(wandb_project, out, config or {}, job_type="train")
         from torch.utils.tensorboard import SummaryWriter
 
@@ -64,13 +66,3 @@ class TrainLogger:
         if self._wandb is not None:
             self._wandb.finish()
 
-
-def start_wandb(project: str, out: Path, config: dict, job_type: str):
-    """A W&B run writing under OUT/wandb (the wandb package is optional: callers check it is importable)."""
-    import os
-
-    import wandb
-
-    os.environ.setdefault("WANDB_SILENT", "true")
-    return wandb.init(project=project, name=out.resolve().name, dir=str(out), config=config, job_type=job_type,
-                      reinit="finish_previous")

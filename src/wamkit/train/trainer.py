@@ -105,10 +105,9 @@ def check_out_dir(cfg: TrainConfig) -> None:
         raise UserError(f"{out} already holds a training run; pass resume=true to continue it, overwrite=true to "
                         f"replace it, or choose another out=")
     if cfg.logger == "wandb":
-        import importlib.util
+        from wamkit.core.tracking import require_wandb
 
-        if importlib.util.find_spec("wandb") is None:
-            raise UserError("logger=wandb needs the wandb package: pip install wandb (or logger=tensorboard)")
+        require_wandb()
 
 
 def clear_out_dir(out: Path) -> None:
