@@ -66,3 +66,24 @@ def test_logger_wandb_without_the_package_is_one_user_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(UserError, match="pip install wandb"):
         require_wandb()
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_eval_progress_says_what_it_waits_for_and_ends_with_rates(tmp_path):
+    pytest.importorskip("metaworld")
+    import io
+
+    from rich.console import Console
+
+    from wamkit.core.config import load_config
+    from wamkit.eval.config import EvalConfig
+    from wamkit.eval.runner import run_eval
+
+    buf = io.StringIO()
+    cfg = load_config(EvalConfig, None, ["env=metaworld", "env_args.tasks=reach-v3", "trials=2", "policy=zero",
+                                         "max_steps=5", "image_size=32", f"out={tmp_path}"])
+    run_eval(cfg, Console(file=buf, width=200, force_terminal=False))
+    text = buf.getvalue()
+    assert "metaworld env worker(s) ready in" in text            # the env build is announced, not silent
+    assert "2/2" in text and "ep/h done" in text                  # rates and the ETA field at the end
