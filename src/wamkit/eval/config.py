@@ -16,12 +16,12 @@ class ServerOptions:
     """The local action server started when inference=server."""
 
     port: int = 0                 # 0 = pick a free port
-    max_batch_size: int = 64           # the server's cap on observations per batch
-    max_wait_ms: float = 2.0           # how long the server lets a batch fill up
-    token: str | None = None           # bearer token of the server(s) (None: env WAMKIT_TOKEN, else no auth)
+    max_batch_size: int = 64      # the server's cap on observations per batch
+    max_wait_ms: float = 2.0      # how long the server lets a batch fill up
+    token: str | None = None      # bearer token of the server(s) (None: env WAMKIT_TOKEN, else no auth)
     url: str | None = None        # use already running server(s) (wamkit serve or SGLang; comma-separated for several)
     protocol: str = "wamkit"      # wire form: wamkit (HTTP, wamkit's extensions) | sglang (HTTP, SGLang's request form)
-    startup_timeout_s: float = 300.0   # give up when a started server is not healthy after this long
+    startup_timeout_s: float = 300.0  # give up when a started server is not healthy after this long
     replicas: int = 1             # local servers to start (e.g. one per GPU); requests go to the least loaded one
     gpus: list[int] | None = None  # replica i sees only GPU gpus[i % len(gpus)] (CUDA_VISIBLE_DEVICES); None: all
     serve_args: dict[str, Any] = field(default_factory=dict)  # more `wamkit serve` keys, e.g. {torch_threads: 8}

@@ -58,6 +58,7 @@ def print_report(out: str | Path, console: Console | None = None) -> dict:
         u = timeline.utilization()
         util = (f"env busy {u['env_busy']:.0%} of env time, inference busy {u['inference_busy']:.0%} of wall time")
         console.print(f"timeline: {png}  {util}")
-        md += f"\nUtilization: {util}.\n\n![timeline: when each env simulated and when inference ran]({Path(png).name})\n"
+        md += (f"\nUtilization: {util}.\n\n"
+               f"![timeline: when each env simulated and when inference ran]({Path(png).name})\n")
     (Path(out) / "report.md").write_text(md)
     return s
