@@ -86,3 +86,19 @@ def test_serve_and_eval_pass_the_resolved_device_to_the_policy(monkeypatch, tmp_
     create_app(ServeConfig(policy="zero", warmup=False, log_every_s=0))
     create_app(ServeConfig(policy="zero", warmup=False, log_every_s=0, policy_args={"device": "cpu"}))
     assert seen == ["cuda", "cpu"]                                   # policy_args.device wins over device=auto
+
+
+def test_eval_device_goes_to_the_inprocess_policy_and_to_servers(monkeypatch):
+    from wamkit.core.config import load_config
+    from wamkit.eval import runner
+    from wamkit.eval.config import EvalConfig
+
+    seen = []
+    monkeypatch.setattr(runner, "make_policy", lambda name, **kw: seen.append(kw.get("device")))
+    monkeypatch.setattr("wamkit.core.device.cuda_available", lambda: True)   # as on a GPU machine
+    runner.inprocess_policy(load_config(EvalConfig, None, []), {})
+    runner.inprocess_policy(load_config(EvalConfig, None, ["device=cpu"]), {})
+    runner.inprocess_policy(load_config(EvalConfig, None, []), {"device": "cpu"})
+    assert seen == ["cuda", "cpu", "cpu"]
+    assert "device" not in runner.server_options(load_config(EvalConfig, None, [])).serve_args   # server decides
+    assert runner.server_options(load_config(EvalConfig, None, ["device=cpu"])).serve_args == {"device": "cpu"}

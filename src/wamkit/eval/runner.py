@@ -48,6 +48,21 @@ def policy_kwargs(cfg: EvalConfig, action_dim: int) -> dict[str, Any]:
     return kw
 
 
+def inprocess_policy(cfg: EvalConfig, pkw: dict[str, Any]):
+    """The policy for inference=inprocess, on cfg.device (auto: a GPU when present) unless policy_args.device says."""
+    from wamkit.core.device import resolve_device
+
+    return make_policy(cfg.policy, **{"device": resolve_device(cfg.device), **pkw})
+
+
+def server_options(cfg: EvalConfig):
+    """The server options for inference=server: an explicit device= travels to every server (`wamkit serve
+    device=...`); auto stays auto, so each server decides on its own host (a Ray GPU node, say)."""
+    if cfg.device == "auto" or "device" in cfg.server.serve_args:
+        return cfg.server
+    return dataclasses.replace(cfg.server, serve_args={**cfg.server.serve_args, "device": cfg.device})
+
+
 def _check_names(cfg: EvalConfig) -> None:
     env_class(cfg.env)                     # raises "unknown env ...; valid choices: ..."
     if not (Path(cfg.policy) / "wamkit_policy.json").exists():
@@ -141,9 +156,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         plan = plan_for_tasks(cfg.suite, tasks, cfg.tasks, cfg.trials, cfg.trial_start, f"{cfg.env}/{cfg.suite}")
         pkw = policy_kwargs(cfg, spec.action_dim)
         if cfg.inference == "inprocess":
-            from wamkit.core.device import resolve_device
-
-            policy = make_policy(cfg.policy, **{"device": resolve_device(cfg.device), **pkw})
+            policy = inprocess_policy(cfg, pkw)
         out, journal = _prepare_out(cfg)
         if cfg.logger == "wandb":
             from wamkit.core.tracking import start_wandb
@@ -154,10 +167,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         if cfg.inference == "inprocess":
             inference = InProcessInference(policy, timeline)
         else:
-            options = cfg.server
-            if cfg.device != "auto" and "device" not in options.serve_args:   # auto: each server decides on its host
-                options = dataclasses.replace(options, serve_args={**options.serve_args, "device": cfg.device})
-            inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=options, timeline=timeline,
+            inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=server_options(cfg),
+                                        timeline=timeline,
                                         worker_factory=server_worker_factory, workers=server_workers)
         group = cfg.group_by_task if cfg.group_by_task is not None else False
         opts = SchedulerOptions(mode=cfg.mode, batch=cfg.batch, pipelines=cfg.pipelines, depth=cfg.depth,
