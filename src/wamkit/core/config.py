@@ -338,7 +338,7 @@ def config_help(cls: type, usage: str, intro: str = "", footer: str = "") -> str
     """`wamkit VERB --help`: usage, intro, then one line per key: key=default, type or valid choices, meaning."""
     rows = config_keys(cls)
     left = [f"{k}={d}" for k, _, d, _ in rows]
-    col = min(max(len(s) for s in left) + 2, 40) if rows else 0
+    col = min(max(len(s) for s in left) + 2, 34) if rows else 0   # longer ones get a line of their own
     out = [usage]
     if intro:
         out += ["", intro.strip()]
