@@ -96,6 +96,7 @@ def test_demo_explains_each_stage(tmp_path, fake_stages, capsys):
     out = " ".join(capsys.readouterr().out.split())          # rich wraps lines at the terminal width
     assert "What this shows" in out and "0% by construction" in out and "untrained" in out
     assert out.count("What this shows") == 2
+    assert "learning_loop.json: MetaWorld success" in out              # where to look, at the end
 
 
 def test_demo_rejects_unknown_stage(tmp_path, capsys):

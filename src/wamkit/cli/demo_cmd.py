@@ -301,4 +301,16 @@ def main(argv: list[str]) -> int:
     if "learn" in cfg.stages:
         learn_stage(cfg, out, console)
     console.print(f"[bold green]demo done[/]: outputs under {out}")
+    for name, what in WHERE_TO_LOOK:
+        if (out / name).exists():
+            console.print(f"  {out / name}: {what}", highlight=False, soft_wrap=True)
     return 0
+
+
+WHERE_TO_LOOK = (
+    ("libero_bench/spread.json", "scheduler rows: median speed-up over single-batch and spread over rounds"),
+    ("libero_eval/timeline.png", "when each env simulated and when the server computed"),
+    ("libero_eval/videos", "an episode video"),
+    ("learning_loop.json", "MetaWorld success, untrained vs trained"),
+    ("mw_eval_trained/report.md", "the trained policy's per-task table"),
+)
