@@ -67,3 +67,24 @@ def test_server_replicas_validated():
         load_config(EvalConfig, None, ["server.replicas=0"])
     with pytest.raises(ConfigError, match="server.port"):
         load_config(EvalConfig, None, ["server.replicas=2", "server.port=8000"])
+
+
+def test_field_docs_from_comments_continuations_and_metadata():
+    from typing import Literal
+
+    from wamkit.core.config import config_keys
+
+    @dataclass
+    class C:
+        # a section header, not a field's meaning
+        a: int = 1                  # first line
+                                    # second line
+        b: Literal["x", "y"] = "x"  # pick one
+        c: str = field(default="s", metadata={"help": "from metadata"})  # overridden comment
+        d: list[str] = field(default_factory=lambda: ["p", "q"])
+
+    rows = {k: (tp, d, m) for k, tp, d, m in config_keys(C)}
+    assert rows["a"] == ("int", "1", "first line second line")
+    assert rows["b"] == ("x|y", "x", "pick one")
+    assert rows["c"][2] == "from metadata"
+    assert rows["d"] == ("list[str]", "p,q", "")

@@ -153,3 +153,43 @@ def test_export_dir_is_loadable_by_make_policy(tmp_path):
     assert pol.predict(obs, [0]).shape == (1, 4, 7)
     ref, _, _ = __import__("wamkit.train.export", fromlist=["x"]).load_trained_policy(tmp_path / "run")
     np.testing.assert_array_equal(pol.predict(obs, [0]), ref.predict(obs, [0]))
+
+
+# ------------------------------------------------------------------------------------------------ run dir reuse
+
+def test_existing_out_is_refused_unless_resume_or_overwrite(tmp_path):
+    """A second run into the same out= would append to the old log and leave the old newest checkpoint for export."""
+    train(cfg_of(tmp_path, "steps=3", "batch_size=8"))
+    first = list_checkpoints(tmp_path / "checkpoints")
+    with pytest.raises(UserError, match="already holds a training run.*resume=true.*overwrite=true"):
+        train(cfg_of(tmp_path, "steps=2", "batch_size=8"))
+    assert list_checkpoints(tmp_path / "checkpoints") == first          # nothing touched
+    s = train(cfg_of(tmp_path, "steps=2", "batch_size=8", "overwrite=true"))
+    assert sorted(losses(tmp_path)) == [1, 2]                           # the old log is gone, not appended to
+    assert s["checkpoint"] == str(list_checkpoints(tmp_path / "checkpoints")[-1])
+    assert len(list_checkpoints(tmp_path / "checkpoints")) == 1
+    with pytest.raises(ConfigError, match="contradict"):
+        cfg_of(tmp_path, "resume=true", "overwrite=true")
+
+
+def test_cli_refuses_existing_out_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from test_train_support import env
+
+    (tmp_path / "checkpoints" / "step_00000001").mkdir(parents=True)
+    p = subprocess.run([sys.executable, "-m", "wamkit.cli.main", "train", *BASE_ARGS, f"out={tmp_path}"],
+                       env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().count("\n") == 0 and "resume=true" in p.stderr
+
+
+def test_logger_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train(cfg_of(tmp_path, "steps=3", "batch_size=8", "logger=wandb", "wandb_project=wamkit-test"))
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((tmp_path / "wandb").iterdir())
+    assert sorted(losses(tmp_path)) == [1, 2, 3]                        # the JSONL log is still written

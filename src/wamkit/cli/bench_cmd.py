@@ -7,9 +7,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from wamkit.core.config import load_config, parse_bool, split_args
+from wamkit.core.config import config_help, load_config, parse_bool, split_args
 from wamkit.core.errors import UserError
 from wamkit.eval.config import EvalConfig
+
+
+def help_text(argv: list[str]) -> str:
+    from wamkit.cli.eval_cmd import names_footer
+
+    return config_help(EvalConfig, "usage: wamkit bench eval [config.yaml] [rows=ROW;ROW] [share_server=true|false] "
+                       "[key=value ...]", __doc__ + "\nEvery `wamkit eval` key below applies to each row.",
+                       names_footer())
 
 
 def main(argv: list[str]) -> int:

@@ -123,6 +123,15 @@ def _count(c):
     return c
 
 
+def help_text(argv: list[str]) -> str:
+    if argv[:1] == ["record"]:
+        from wamkit.core.config import config_help
+        from wamkit.eval.record import RecordConfig, __doc__ as record_doc
+
+        return config_help(RecordConfig, "usage: wamkit data record [config.yaml] [key=value ...]", record_doc)
+    return USAGE + "\n\nwamkit data record --help: every key of data record"
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)

@@ -6,6 +6,14 @@ from __future__ import annotations
 from wamkit.core.errors import UserError
 
 
+USAGE = "usage: wamkit export CKPT_DIR OUT_DIR [weights=auto|ema|model]"
+
+
+def help_text(argv: list[str]) -> str:
+    return (f"{USAGE}\n\n{__doc__.strip()}\n\nweights=auto  [auto|ema|model] auto: the EMA weights when the run "
+            "kept them (ema > 0), else the model's")
+
+
 def main(argv: list[str]) -> int:
     from wamkit.train.export import export_checkpoint
 
@@ -13,7 +21,7 @@ def main(argv: list[str]) -> int:
     kv = dict(a.split("=", 1) for a in argv if "=" in a)
     unknown = set(kv) - {"weights"}
     if len(pos) != 2 or unknown:
-        raise UserError("usage: wamkit export CKPT_DIR OUT_DIR [weights=auto|ema|model]")
+        raise UserError(USAGE)
     out = export_checkpoint(pos[0], pos[1], weights=kv.get("weights", "auto"))
     print(f"exported {pos[0]} -> {out}")
     return 0

@@ -11,9 +11,16 @@ import signal
 import sys
 import threading
 
-from wamkit.core.config import split_args
-from wamkit.core.config import load_config
+from wamkit.core.config import config_help, load_config, split_args
 from wamkit.serve.config import ServeConfig
+
+
+def help_text(argv: list[str]) -> str:
+    from wamkit.policies.registry import policy_names
+
+    return config_help(ServeConfig, "usage: wamkit serve [config.yaml] [key=value ...]", __doc__,
+                       f"policy: {' | '.join(policy_names())} | a directory written by `wamkit export`\n"
+                       "routes: docs/serving.md (GET /metrics: JSON; Prometheus text at /metrics/prometheus)")
 
 
 def _server_class():
@@ -53,9 +60,6 @@ def _watch_parent(pid: int, server) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
     path, overrides = split_args(argv)
     cfg = load_config(ServeConfig, path, overrides)
     from wamkit.serve.app import create_app

@@ -1,5 +1,7 @@
 """`wamkit train [train.yaml] [key=value ...]`: fine-tune a policy (see docs/training.md).
 
+An out= that already holds a run is refused unless resume=true (continue it) or overwrite=true (replace it).
+
 nproc=N (N > 1) relaunches this command under torch.distributed.run with N processes; under torchrun already,
 the world size comes from torchrun."""
 
@@ -8,8 +10,15 @@ from __future__ import annotations
 import json
 import os
 
-from wamkit.core.config import split_args
-from wamkit.core.config import load_config
+from wamkit.core.config import config_help, load_config, split_args
+
+
+def help_text(argv: list[str]) -> str:
+    from wamkit.train.config import TrainConfig
+
+    return config_help(TrainConfig, "usage: wamkit train [train.yaml] [key=value ...]", __doc__,
+                       "example: wamkit train policy=wam-ref policy_args.size=tiny dataset=runs/demos fps=80 "
+                       "steps=300 out=runs/train")
 
 
 def main(argv: list[str]) -> int:
@@ -18,9 +27,11 @@ def main(argv: list[str]) -> int:
 
     path, overrides = split_args(argv)
     cfg = load_config(TrainConfig, path, overrides)
+    from wamkit.train.trainer import check_out_dir, train
+
+    check_out_dir(cfg)          # one line here, not one per rank
     if cfg.nproc > 1 and not under_torchrun():
         return relaunch_under_torchrun(cfg.nproc, argv)
-    from wamkit.train.trainer import train
 
     summary = train(cfg)
     if int(os.environ.get("RANK", 0)) == 0:

@@ -29,6 +29,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     """['a=1', 'b.c=x'] -> {'a': '1', 'b.c': 'x'} (strings; coercion happens against the dataclass)."""
     out: dict[str, Any] = {}
     for a in args:
+        if a.startswith("-") and a not in ("-", "--"):
+            raise ConfigError(dash_hint(a))
         if "=" not in a:
             raise ConfigError(f"expected key=value, got {a!r}")
         k, v = a.split("=", 1)
@@ -37,6 +39,15 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             raise ConfigError(f"empty key in {a!r}")
         out[k] = v
     return out
+
+
+def dash_hint(arg: str) -> str:
+    """One line for `--env=libero` / `--env libero` style input: wamkit keys take no dashes."""
+    key, eq, value = arg.lstrip("-").partition("=")
+    example = f"{key}={value}" if eq and value else f"{key}=VALUE"
+    if key in ("h", "help"):
+        return f"unknown option {arg!r}; for help put --help right after the verb (wamkit VERB --help)"
+    return f"unknown option {arg!r}; keys are written key=value without dashes, e.g. {example} (see --help)"
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -240,3 +251,122 @@ def check_number(key: str, value: Any, lo: float | None = None, hi: float | None
         raise ConfigError(f"{key} must be {'>' if lo_open else '>='} {lo:g}, got {value!r}")
     if hi is not None and value > hi:
         raise ConfigError(f"{key} must be <= {hi:g}, got {value!r}")
+# ---- help generated from the config dataclasses -------------------------------------------------------------------
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: one-line meaning} of a config dataclass: `field(metadata={"help": ...})` if given, else the
+    trailing `# comment` of the field's line (plus comment-only lines indented under it, which continue it)."""
+    import inspect
+    import io
+    import re
+    import tokenize
+
+    docs: dict[str, str] = {}
+    try:
+        src = inspect.getsource(cls)
+    except (OSError, TypeError):
+        src = ""
+    lines = src.splitlines()
+    comments: dict[int, tuple[int, str]] = {}    # line index -> (column, text)
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+            if tok.type == tokenize.COMMENT:
+                comments[tok.start[0] - 1] = (tok.start[1], tok.string.lstrip("#").strip())
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass
+    body_indent = None
+    current = None
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s+)(\w+)\s*:", line)
+        if m and (body_indent is None or len(m.group(1)) == body_indent) and not line.lstrip().startswith("#"):
+            body_indent = len(m.group(1))
+            current = m.group(2)
+            if i in comments:
+                docs[current] = comments[i][1]
+            continue
+        stripped = line.strip()
+        if current and stripped.startswith("#") and i in comments and comments[i][0] > (body_indent or 0):
+            docs[current] = (docs.get(current, "") + " " + comments[i][1]).strip()   # a continued comment
+        elif stripped:
+            current = None
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("help"):
+            docs[f.name] = str(f.metadata["help"])
+    return docs
+
+
+def _fmt_default(v: Any) -> str:
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return ",".join(_fmt_default(x) for x in v) if v else "[]"
+    if isinstance(v, dict):
+        return "{}" if not v else ",".join(f"{k}:{_fmt_default(x)}" for k, x in v.items())
+    if isinstance(v, str):
+        return v if v else '""'
+    return str(v)
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [_type_name(a) for a in args if a is not type(None)]
+        return " | ".join(inner) + (" | none" if type(None) in args else "")
+    if origin is typing.Literal:
+        return "|".join(map(str, args))
+    if origin in (list, tuple):
+        return f"{getattr(origin, '__name__', 'list')}[{', '.join(_type_name(a) for a in args if a is not ...)}]"
+    if tp is dict or origin is dict:
+        return "mapping (dotted keys)"
+    if tp is bool:
+        return "true|false"
+    return getattr(tp, "__name__", str(tp))
+
+
+def config_keys(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type or choices, default, meaning) for every key of a config dataclass; nested dataclasses expand into
+    dotted keys."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    rows: list[tuple[str, str, str, str]] = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = hints.get(f.name, Any)
+        if dataclasses.is_dataclass(tp):
+            rows += config_keys(tp, prefix + f.name + ".")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        rows.append((prefix + f.name, _type_name(tp), "(required)" if default is dataclasses.MISSING
+                     else _fmt_default(default), docs.get(f.name, "")))
+    return rows
+
+
+def config_help(cls: type, usage: str, intro: str = "", footer: str = "") -> str:
+    """`wamkit VERB --help`: usage, intro, then one line per key: key=default, type or valid choices, meaning."""
+    rows = config_keys(cls)
+    left = [f"{k}={d}" for k, _, d, _ in rows]
+    col = min(max(len(s) for s in left) + 2, 34) if rows else 0   # longer ones get a line of their own
+    out = [usage]
+    if intro:
+        out += ["", intro.strip()]
+    out += ["", "keys (key=default  [type or choices]  meaning):"]
+    for (k, tp, d, doc), head in zip(rows, left):
+        text = f"[{tp}] {doc}".rstrip()
+        if len(head) + 2 > col:
+            out.append(f"  {head}")
+            out.append(" " * (col + 2) + text)
+        else:
+            out.append(f"  {head:<{col}}{text}")
+    out += ["", "Keys go as key=value (no dashes), nested ones dotted (server.port=8001), lists comma-separated (a,b);",
+            "an optional YAML file (config.yaml) gives the same keys, overrides win."]
+    if footer:
+        out += ["", footer.strip()]
+    return "\n".join(out)

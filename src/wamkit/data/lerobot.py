@@ -5,7 +5,7 @@
                    #  "episode_index", "frame_index", "timestamp", "index", "task_index"}
     actions, mask = ds.get_action_chunk(0, horizon=16)
 
-Layout (see /work/shared/reference/lerobot_v3.md): meta/info.json, meta/stats.json, meta/tasks.parquet,
+Layout (LeRobot v3.0, see docs/data.md): meta/info.json, meta/stats.json, meta/tasks.parquet,
 meta/episodes/chunk-XXX/file-YYY.parquet, data/chunk-XXX/file-YYY.parquet, videos/<key>/chunk-XXX/file-YYY.mp4.
 Episodes share mp4 files; the frame of a row is at ``videos/<key>/from_timestamp + timestamp`` in its episode's file.
 

@@ -22,6 +22,25 @@ from wamkit.envs._runtime import setup_headless_gl, setup_libero_paths
 setup_headless_gl()
 setup_libero_paths()
 
+
+def _no_private_macros_warning() -> None:
+    """robosuite logs three warnings at import when it has no `macros_private.py` (optional; its defaults are what
+    LIBERO expects): stand in an empty one, unless the user has a real one."""
+    import importlib.util
+    import os
+    import sys
+    import types
+
+    if "robosuite" in sys.modules or "robosuite.macros_private" in sys.modules:
+        return
+    spec = importlib.util.find_spec("robosuite")          # finds the package without running it
+    locs = list(spec.submodule_search_locations or []) if spec is not None else []
+    if spec is not None and not any(os.path.exists(os.path.join(d, "macros_private.py")) for d in locs):
+        sys.modules["robosuite.macros_private"] = types.ModuleType("robosuite.macros_private")
+
+
+_no_private_macros_warning()
+
 from wamkit.core.errors import ConfigError  # noqa: E402
 from wamkit.core.types import ChunkResult, Observation  # noqa: E402
 from wamkit.envs import libero_conventions as C  # noqa: E402

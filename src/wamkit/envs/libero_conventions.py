@@ -1,6 +1,6 @@
 """LIBERO evaluation conventions: each one lives here, once, and is pinned by tests/test_envs_conventions.py.
 
-These are the conventions every published LIBERO evaluation uses (see /work/shared/reference/libero.md). Getting any
+These are the conventions every published LIBERO evaluation uses (OpenVLA / openpi LIBERO eval scripts). Getting any
 of them wrong silently changes success rates by 5-40 points, so nothing else in wamkit re-derives them.
 """
 

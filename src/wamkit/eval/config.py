@@ -23,9 +23,9 @@ class ServerOptions:
     """The action server(s) of inference=server: started here (`launch`) or given (`url`)."""
 
     port: int = 0                 # 0 = pick a free port
-    max_batch_size: int = 64
-    max_wait_ms: float = 2.0
-    token: str | None = None
+    max_batch_size: int = 64      # the server's cap on observations per batch
+    max_wait_ms: float = 2.0      # how long the server lets a batch fill up
+    token: str | None = None      # bearer token of the server(s) (None: env WAMKIT_TOKEN, else no auth)
     url: str | None = None        # use already running server(s) (wamkit serve or SGLang; comma-separated for several)
     protocol: str = "auto"        # wire form: wamkit (HTTP + wamkit's extensions) | sglang (HTTP, SGLang's request
                                   # form) | openpi (websocket, openpi's policy protocol: pi0/pi0.5 servers, SGLang's
@@ -50,22 +50,24 @@ DEFAULT_SUITES = {"libero": "libero_object", "metaworld": "mt"}
 
 @dataclass
 class EvalConfig:
-    env: str = "libero"
+    env: str = "libero"                     # simulator: libero | metaworld
     suite: str = ""                         # "" = the env's standard suite (libero: libero_object, metaworld: mt)
     tasks: list[int] | None = None          # task ids; None = every task of the suite
     trials: int = 50                        # init states per task: trial = init-state index 0..trials-1
-    trial_start: int = 0
-    policy: str = "zero"
-    policy_args: dict[str, Any] = field(default_factory=dict)
+    trial_start: int = 0                    # first init-state index (trials trial_start..trial_start+trials-1)
+    policy: str = "zero"                    # registered policy name or a directory written by `wamkit export`
+    policy_args: dict[str, Any] = field(default_factory=dict)  # policy constructor keys, e.g. policy_args.size=tiny
     horizon: int | None = None              # actions per chunk; None = the policy's / env's default
     max_steps: int | None = None            # None = the suite's standard max steps
-    image_size: int = 256
-    env_args: dict[str, Any] = field(default_factory=dict)
-    out: str = "runs/eval"
+    image_size: int = 256                   # camera images are image_size x image_size pixels
+    env_args: dict[str, Any] = field(default_factory=dict)  # env options, e.g. env_args.tasks=reach-v3 (MetaWorld)
+    out: str = "runs/eval"                  # output dir: results.jsonl, summary.json, report.md, timeline, videos
     save_videos: int = 0                    # record the first N planned episodes as mp4 (renders every step for them)
-    inference: Literal["inprocess", "server"] = "inprocess"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # the policy's device unless policy_args.device says; auto: GPU
+                                            # when present (inference=server: resolved by each server, on its host)
+    inference: Literal["inprocess", "server"] = "inprocess"  # policy in this process, or behind local/remote servers
     server: ServerOptions = field(default_factory=ServerOptions)
-    mode: Literal["serial", "pipelines", "auto"] = "serial"
+    mode: Literal["serial", "pipelines", "auto"] = "serial"  # scheduler (docs/evaluation.md); auto: the fastest
     num_envs: int = 1                       # env worker processes (mode=serial uses one, whatever this says)
     batch: int = 1                          # pipelines: observations per request (B)
     pipelines: int = 1                      # pipelines: number of env groups (P)
@@ -74,18 +76,21 @@ class EvalConfig:
     group_by_task: bool | None = None       # one task per request (None: only for SGLang, which needs equal prompts)
     run_to_max_steps: bool = False          # the reference's semantics: keep stepping after success
     render_every_step: bool = False         # the single-batch baseline: render every step
-    resume: bool = False
-    seed: int = 0
-    progress: bool = True
-    runtime: Literal["local", "ray"] = "local"
-    ray: dict[str, Any] = field(default_factory=dict)
+    resume: bool = False                    # continue the run in out= (skips episodes already in results.jsonl)
+    seed: int = 0                           # env and policy noise seed
+    progress: bool = True                   # progress bar with ETA on stderr
+    runtime: Literal["local", "ray"] = "local"  # where env workers and servers run (docs/ray.md)
+    ray: dict[str, Any] = field(default_factory=dict)  # runtime=ray options, e.g. ray.address=auto (docs/ray.md)
     max_episode_retries: int = 3            # re-runs of an episode whose env worker crashed (or stalled)
     # a stalled env worker (hung simulator, SIGSTOP) is killed and restarted, its episode re-run, once a call takes
     # longer than max(env_timeout_min_s, env_timeout_factor x the slowest such call so far); a worker's first reset
     # and first chunk get env_timeout_first_s (see wamkit.eval.scheduler.CallDeadlines)
-    env_timeout_min_s: float = 60.0
-    env_timeout_factor: float = 10.0
-    env_timeout_first_s: float = 600.0
+    env_timeout_min_s: float = 60.0         # floor of a call's deadline (seconds)
+    env_timeout_factor: float = 10.0        # deadline = this x the slowest call of its kind so far
+    env_timeout_first_s: float = 600.0      # deadline of a worker's first reset and first chunk
+    logger: Literal["none", "wandb"] = "none"  # wandb: also log episodes and the summary to Weights & Biases
+                                            # (pip install wandb; WANDB_MODE=offline works without an account)
+    wandb_project: str = "wamkit"           # the W&B project of logger=wandb (run name: the out= dir's name)
 
     def __post_init__(self) -> None:
         if not self.suite:

@@ -20,25 +20,26 @@ from wamkit.core.config import check_number, load_config
 from wamkit.core.errors import UserError
 from wamkit.eval.config import DEFAULT_SUITES, MAX_IMAGE, MIN_IMAGE
 from wamkit.eval.plan import plan_for_tasks, step_seed
+from wamkit.eval.progress import rate_text
 
 
 @dataclass
 class RecordConfig:
-    env: str = "metaworld"
+    env: str = "metaworld"               # simulator: libero | metaworld
     suite: str = ""                      # "" = the env's standard suite (see eval.config.DEFAULT_SUITES)
-    tasks: list[int] | None = None
+    tasks: list[int] | None = None       # task ids; None = every task of the suite
     episodes: int = 10                   # per task; trial = init-state index 0..episodes-1
-    trial_start: int = 0
-    policy: str = "metaworld-expert"
-    policy_args: dict[str, Any] = field(default_factory=dict)
-    env_args: dict[str, Any] = field(default_factory=dict)
-    image_size: int = 128
-    max_steps: int | None = None
-    out: str = "runs/dataset"
-    only_success: bool = False
-    video_codec: str = "h264"
-    seed: int = 0
-    progress: bool = True
+    trial_start: int = 0                 # first init-state index
+    policy: str = "metaworld-expert"     # the policy that acts (a scripted expert, or any registered policy)
+    policy_args: dict[str, Any] = field(default_factory=dict)  # policy constructor keys
+    env_args: dict[str, Any] = field(default_factory=dict)  # env options, e.g. env_args.tasks=reach-v3
+    image_size: int = 128                # recorded camera frames are image_size x image_size pixels
+    max_steps: int | None = None         # None = the suite's standard max steps
+    out: str = "runs/dataset"            # the LeRobot v3 dataset dir to write (must not exist or be empty)
+    only_success: bool = False           # keep successful episodes only
+    video_codec: str = "h264"            # codec of the camera videos
+    seed: int = 0                        # env and policy noise seed
+    progress: bool = True                # progress bar with ETA on stderr
 
     def __post_init__(self) -> None:
         if not self.suite:
@@ -64,7 +65,13 @@ def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:
     if cfg.max_steps is not None:
         kw["max_steps"] = cfg.max_steps
     worker = EnvWorker(cfg.env, kw, index=0)
-    worker.start()
+    t_build = time.time()
+    if cfg.progress:
+        with console.status(f"starting the {cfg.env} env worker (building its simulator) ..."):
+            worker.start()
+        console.print(f"{cfg.env} env worker ready in {time.time() - t_build:.1f} s")
+    else:
+        worker.start()
     try:
         spec, tasks = worker.spec, worker.tasks
         plan = plan_for_tasks(cfg.suite, tasks, cfg.tasks, cfg.episodes, cfg.trial_start, cfg.env)
@@ -108,7 +115,9 @@ def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:
                         writer.add_frame(f)
                     writer.save_episode(task=ep.task)
                     kept += 1
-                progress.update(bar, advance=1, info=f"success {succ}/{ep.index + 1}, kept {kept}")
+                done = ep.index + 1
+                progress.update(bar, advance=1, info=f"success {succ}/{done}, kept {kept}, "
+                                                     f"{rate_text(done, None, time.time() - t0, len(plan) - done)}")
         writer.finalize()
         info = {"episodes_run": len(plan), "successes": succ, "episodes_kept": kept, "out": str(out),
                 "wall_s": time.time() - t0}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,6 +24,7 @@ from wamkit.eval.inference import InProcessInference, ServerInference
 from wamkit.eval.journal import Journal
 from wamkit.eval.metrics import summarize
 from wamkit.eval.plan import plan_for_tasks
+from wamkit.eval.progress import rate_text
 from wamkit.eval.report import write_report
 from wamkit.eval.scheduler import EpisodeOutcome, Scheduler, SchedulerOptions
 from wamkit.eval.timeline import Timeline
@@ -59,6 +61,19 @@ def served_elsewhere(name: str) -> bool:
 def remote_codec_of(name: str, kwargs: dict[str, Any]):
     """The RemoteCodec of a policy whose model runs in another server (cosmos3), else None (nothing is built)."""
     return make_policy(name, **kwargs).remote_codec() if served_elsewhere(name) else None
+def inprocess_policy(cfg: EvalConfig, pkw: dict[str, Any]):
+    """The policy for inference=inprocess, on cfg.device (auto: a GPU when present) unless policy_args.device says."""
+    from wamkit.core.device import resolve_device
+
+    return make_policy(cfg.policy, **{"device": resolve_device(cfg.device), **pkw})
+
+
+def server_options(cfg: EvalConfig):
+    """The server options for inference=server: an explicit device= travels to every server (`wamkit serve
+    device=...`); auto stays auto, so each server decides on its own host (a Ray GPU node, say)."""
+    if cfg.device == "auto" or "device" in cfg.server.serve_args:
+        return cfg.server
+    return dataclasses.replace(cfg.server, serve_args={**cfg.server.serve_args, "device": cfg.device})
 
 
 def _check_names(cfg: EvalConfig) -> None:
@@ -82,6 +97,20 @@ def _prepare_out(cfg: EvalConfig) -> tuple[Path, Journal]:
     out.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(json.dumps(to_dict(cfg), indent=2))
     return out, Journal(results)
+
+
+def _log_summary(tracker, summary: dict[str, Any]) -> None:
+    """The run's totals into the W&B run summary, the per-task table as a W&B table."""
+    import wandb
+
+    th = summary.get("throughput", {})
+    tracker.summary.update({"success_rate": summary["success_rate"], "episodes": summary["episodes"],
+                            "successes": summary["successes"], **{f"throughput/{k}": v for k, v in th.items()
+                                                                  if isinstance(v, (int, float))}})
+    rows = [[tid, r.get("task", ""), r["episodes"], r["successes"], r["success_rate"]]
+            for tid, r in summary["per_task"].items()]
+    tracker.log({"eval/per_task": wandb.Table(columns=["task_id", "task", "episodes", "successes", "success_rate"],
+                                              data=rows)})
 
 
 def local_env_workers(env: str, kwargs: dict[str, Any], n: int):
@@ -117,6 +146,10 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
     cores: CPU cores the envs share (default: this machine's), used by the auto scheduler's cost model."""
     console = console or Console(stderr=True)
     _check_names(cfg)
+    if cfg.logger == "wandb":
+        from wamkit.core.tracking import require_wandb
+
+        require_wandb()
     if cfg.runtime != "local" and env_workers is None:
         raise UserError(f"runtime={cfg.runtime} needs the runtime layer: run it through `wamkit eval` or pass "
                         f"wamkit.runtime.eval_runtime(cfg) to run_eval")
@@ -124,16 +157,22 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
     workers = (env_workers or local_env_workers)(cfg.env, env_kwargs(cfg), n_envs)
     inference = None
     journal = None
+    tracker = None
     try:
-        _start_workers(workers)
+        t_build = time.time()
+        with console.status(f"starting {n_envs} {cfg.env} env worker(s): each builds its simulator "
+                            f"(LIBERO: ~15-20 s) ...") if cfg.progress else contextlib.nullcontext():
+            _start_workers(workers)
+        if cfg.progress:
+            console.print(f"{n_envs} {cfg.env} env worker(s) ready in {time.time() - t_build:.1f} s")
         spec, tasks = workers[0].spec, workers[0].tasks
         plan = plan_for_tasks(cfg.suite, tasks, cfg.tasks, cfg.trials, cfg.trial_start, f"{cfg.env}/{cfg.suite}")
         pkw = policy_kwargs(cfg, spec.action_dim)
         policy, codec = None, None
         if cfg.inference == "inprocess" or served_elsewhere(cfg.policy):
-            policy = make_policy(cfg.policy, **pkw)
+            policy = inprocess_policy(cfg, pkw)
             codec = policy.remote_codec()
-        options = cfg.server
+        options = server_options(cfg)
         if codec is not None and cfg.inference == "inprocess":
             # a model that runs in another server (cosmos3 in SGLang) is always reached through the asynchronous
             # server path, so several requests are in flight; its url= is the server
@@ -143,6 +182,10 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 f"server.url=...), or inference=server to start servers")
             options = dataclasses.replace(options, url=url)
         out, journal = _prepare_out(cfg)
+        if cfg.logger == "wandb":
+            from wamkit.core.tracking import start_wandb
+
+            tracker = start_wandb(cfg.wandb_project, out, to_dict(cfg), job_type="eval")
         todo = [ep for ep in plan if not journal.done(ep.key)]
         timeline = Timeline()
         if cfg.inference == "inprocess" and codec is None:
@@ -175,7 +218,9 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         progress = Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("success {task.fields[succ]}"), TextColumn("{task.fields[rate]}"),
                             TimeElapsedColumn(), console=console, disable=not cfg.progress, transient=False)
-        bar = progress.add_task("eval", total=len(plan), completed=len(journal.records), succ="-", rate="")
+        starting = ("starting the action server(s) (policy load, warm-up) ..." if cfg.inference == "server"
+                    else "starting ...")
+        bar = progress.add_task("eval", total=len(plan), completed=len(journal.records), succ="-", rate=starting)
         videos_dir = out / "videos"
 
         def on_done(o: EpisodeOutcome) -> None:
@@ -197,19 +242,36 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
             stats["steps"] += o.env_steps
             el = time.time() - clock["t0"]
             n_total = len(journal.records)
+            if tracker is not None:
+                tracker.log({"eval/episodes": n_total, "eval/success_rate": stats["succ"] / n_total,
+                             "eval/episode_success": int(o.success), "eval/episode_steps": o.steps,
+                             "eval/env_steps_per_s": stats["steps"] / max(el, 1e-9)}, step=n_total)
             progress.update(bar, advance=1, succ=f"{stats['succ']}/{n_total} ({stats['succ'] / n_total:.0%})",
-                            rate=f"{stats['steps'] / el:.1f} steps/s {stats['done'] / el * 3600:.0f} ep/h")
+                            rate=rate_text(stats["done"], stats["steps"], el, len(plan) - n_total))
 
         sched = Scheduler(workers, inference, todo, opts, on_done, timeline)
+
+        async def first_episode_status() -> None:
+            """Until the first episode ends the bar sits at 0/N: say what it is waiting for."""
+            while stats["done"] == 0:
+                busy = sched.simulating
+                what = (f"first episodes: {busy}/{len(workers)} envs busy"
+                        + (" (LIBERO builds a task's scene on its first reset)" if cfg.env == "libero" else "")
+                        + f", {inference.requests} requests done")
+                progress.update(bar, rate=what)
+                await asyncio.sleep(0.5)
 
         async def main():
             t_setup = time.time()
             await inference.start()
             clock["t0"] = time.time()
             clock["setup_s"] = clock["t0"] - t_setup
+            status = asyncio.create_task(first_episode_status()) if cfg.progress and todo else None
             try:
                 await sched.run()
             finally:
+                if status is not None:
+                    status.cancel()
                 await inference.close()
 
         with progress:
@@ -232,8 +294,12 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "compute_ms_mean": util.get("compute_ms_mean", 0.0)}})
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         write_report(out)   # timeline.png, report.md, report.html
+        if tracker is not None:
+            _log_summary(tracker, summary)
         return summary
     finally:
+        if tracker is not None:
+            tracker.finish()
         if journal is not None:
             journal.close()
         for w in workers:

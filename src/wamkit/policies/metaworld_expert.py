@@ -10,6 +10,7 @@ rule, wamkit.envs.metaworld.task_instruction; policies do not import envs; a tes
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -19,6 +20,10 @@ from wamkit.core.types import Observation
 from wamkit.policies.base import ActionSpec, InputSpec, Policy, PolicySpec
 
 DEFAULT_HORIZON = 1
+# the experts' proportional controllers warn on most steps that their gains exceed [-1, 1] (the env clips, as meant):
+# noise that buries everything else a recording prints
+warnings.filterwarnings("ignore", message=r"Constant\(s\) may be too high", category=UserWarning,
+                        module=r"metaworld\.policies")
 
 
 def task_from_instruction(text: str) -> str:

@@ -6,7 +6,9 @@ Routes
                                       a server worker checks it to prove the answer comes from the server it started.
 - ``GET  /v1/actions/metadata``       policy spec, max batch size, action dim/horizon (SGLang's metadata layout).
 - ``POST /v1/actions/generations``    SGLang's action API (+ wamkit extensions), JSON or msgpack.
-- ``GET  /metrics``                   JSON: counts, batch-size histogram, queue/compute p50/p99.
+- ``GET  /metrics``                   JSON: counts, batch-size histogram, queue/compute p50/p99 (Prometheus text when
+                                      Accept asks for text/plain or OpenMetrics).
+- ``GET  /metrics/prometheus``        the same in the Prometheus text format (0.0.4).
 - ``WS   /openpi/policy``, ``/``, ``/v1/actions/realtime``, ``GET /healthz``: openpi / SGLang websockets (serve.ws).
 
 Errors answer ``{"error": {"message", "type", "path", "code"}, "detail": message}``: 400 malformed (the message names
@@ -39,7 +41,7 @@ from wamkit.protocol import ProtocolError, build_response, decode_body, encode_b
 from wamkit.protocol.messages import ActionRequest
 from wamkit.serve.batcher import Batcher, QueueFull
 from wamkit.serve.config import INSTANCE_ENV, ServeConfig
-from wamkit.serve.metrics import ServerMetrics
+from wamkit.serve.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics, wants_prometheus
 from wamkit.serve.ws import websocket_routes
 
 log = logging.getLogger("wamkit.serve")
@@ -217,9 +219,13 @@ class ActionServer:
         return JSONResponse(self.metadata_dict())
 
     async def metrics_route(self, request: Request) -> Response:
+        """JSON; Prometheus text at /metrics/prometheus, or at /metrics when Accept asks for text/plain or OpenMetrics
+        (what a Prometheus scrape sends)."""
         self._check_token(request)
-        return JSONResponse(self.metrics.snapshot(queued=self.batcher.queued, max_batch_size=self.max_batch_size,
-                                                  max_wait_ms=self.cfg.max_wait_ms))
+        gauges = dict(queued=self.batcher.queued, max_batch_size=self.max_batch_size, max_wait_ms=self.cfg.max_wait_ms)
+        if request.url.path.endswith("/prometheus") or wants_prometheus(request.headers.get("accept", "")):
+            return Response(self.metrics.prometheus(**gauges), media_type=PROMETHEUS_CONTENT_TYPE)
+        return JSONResponse(self.metrics.snapshot(**gauges))
 
     async def generations(self, request: Request) -> Response:
         t0 = time.perf_counter()
@@ -250,9 +256,10 @@ class ActionServer:
 def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
     """The Starlette app for `cfg` (the policy is built from cfg.policy / cfg.policy_args unless given)."""
     if policy is None:
+        from wamkit.core.device import resolve_device
         from wamkit.policies import make_policy
 
-        policy = make_policy(cfg.policy, **cfg.policy_args)
+        policy = make_policy(cfg.policy, **{"device": resolve_device(cfg.device), **cfg.policy_args})
     if "torch" in sys.modules:  # only policies that use torch have imported it
         import torch
 
@@ -286,7 +293,8 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
     routes = [Route("/health", srv.health, methods=["GET"]),
               Route("/v1/actions/metadata", guarded(srv.metadata), methods=["GET"]),
               Route("/v1/actions/generations", guarded(srv.generations), methods=["POST"]),
-              Route("/metrics", guarded(srv.metrics_route), methods=["GET"])]
+              Route("/metrics", guarded(srv.metrics_route), methods=["GET"]),
+              Route("/metrics/prometheus", guarded(srv.metrics_route), methods=["GET"])]
     routes += websocket_routes(srv)  # openpi's policy websocket, SGLang's /v1/actions/realtime (wamkit.serve.ws)
     app = Starlette(routes=routes, lifespan=srv.lifespan)
     app.state.server = srv

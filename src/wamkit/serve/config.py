@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from wamkit.core.errors import ConfigError
 from wamkit.protocol.limits import DecodeLimits
@@ -27,10 +27,12 @@ def is_loopback(host: str) -> bool:
 @dataclass
 class ServeConfig:
     policy: str = "random"                  # registered name or a directory written by `wamkit export`
-    policy_args: dict[str, Any] = field(default_factory=dict)
+    policy_args: dict[str, Any] = field(default_factory=dict)  # policy constructor keys, e.g. policy_args.size=tiny
     host: str = "127.0.0.1"                 # loopback by default; any other host needs a token (or allow_insecure)
     allow_insecure: bool = False            # serve a non-loopback host without a token (trusted networks only)
-    port: int = 8000
+    port: int = 8000                        # TCP port (0: pick a free one)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # the policy's device unless policy_args.device says; auto: GPU
+                                            # when present
     max_batch_size: int = 0                 # 0: the policy's max_batch_size()
     max_wait_ms: float = 5.0                # how long a batch may wait to fill up
     max_queue: int = 1024                   # observations waiting; beyond that 503 + Retry-After

@@ -33,9 +33,9 @@ class TrainConfig:
     grad_accum: int = 1                     # micro-steps per optimizer step
     steps: int = 2000                       # optimizer steps of the whole schedule
     stop_at: int = 0                        # stop (with a checkpoint) after this step; 0 = run to `steps`
-    lr: float = 5e-5
-    betas: tuple[float, float] = (0.9, 0.99)
-    eps: float = 1e-8
+    lr: float = 5e-5                        # peak learning rate (AdamW)
+    betas: tuple[float, float] = (0.9, 0.99)  # AdamW betas
+    eps: float = 1e-8                       # AdamW epsilon
     weight_decay: float = 0.05              # applied to >= 2-D parameters only (not biases / norms)
     optimizer_impl: Literal["auto", "fused", "foreach", "for-loop"] = "auto"  # AdamW kernels; auto: fused on CUDA
     warmup: int = 500                       # linear warmup steps (from lr/warmup to lr)
@@ -47,20 +47,24 @@ class TrainConfig:
     ema: float = 0.0                        # EMA decay of the weights (e.g. 0.999); 0 = off
     # parallelism / numerics
     nproc: int = 1                          # ranks; > 1 relaunches under torchrun (ignored when already under it)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is present, else cpu
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 params/fp32 reduce on GPU, fp32 on CPU
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute activations in backward (less memory, more compute)
     compile: bool = False                   # torch.compile each FSDP unit
-    seed: int = 0
+    seed: int = 0                           # model init, data order and noise seed
     # outputs
-    out: str = "runs/train"
+    out: str = "runs/train"                 # run dir: checkpoints/, train_log.jsonl, tb/, config.json
     save_every: int = 500                   # checkpoint every N steps (and at the end); 0 = only at the end
     keep_last: int = 2                      # checkpoints kept (oldest deleted)
     resume: bool = False                    # continue from the newest checkpoint under out/checkpoints
     trust_checkpoint: bool = False          # resume from a checkpoint another user owns (its optimizer state is
                                             # read through pickle by torch DCP, which can run code)
+    overwrite: bool = False                 # out= already holds a run: delete its checkpoints and logs, start anew
     log_every: int = 10                     # TensorBoard + train_log.jsonl + console every N steps
     progress: bool = True                   # rich progress bar on rank 0
+    logger: Literal["tensorboard", "wandb"] = "tensorboard"  # wandb: also log to Weights & Biases (pip install
+                                            # wandb; WANDB_MODE=offline works without an account)
+    wandb_project: str = "wamkit"           # the W&B project of logger=wandb (run name: the out= dir's name)
 
     def validate(self) -> None:
         for n in ("batch_size", "grad_accum", "steps", "log_every", "nproc", "keep_last"):
@@ -79,6 +83,8 @@ class TrainConfig:
                 raise ConfigError(f"betas[{k}] must be in [0, 1), got {b}")
         if len(self.betas) != 2:
             raise ConfigError(f"betas must be two numbers, got {list(self.betas)}")
+        if self.resume and self.overwrite:
+            raise ConfigError("resume=true and overwrite=true contradict each other; pick one")
         self.lr_multipliers = _flat_multipliers(self.lr_multipliers)
 
 

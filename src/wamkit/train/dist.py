@@ -38,13 +38,9 @@ class DistInfo:
 
 
 def resolve_device_type(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        from wamkit.core.errors import UserError
+    from wamkit.core.device import resolve_device
 
-        raise UserError("device=cuda but no CUDA device is available")
-    return device
+    return resolve_device(device)
 
 
 def init_distributed(device: str = "auto") -> DistInfo:

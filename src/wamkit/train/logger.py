@@ -1,5 +1,6 @@
-"""Training logs (rank 0 only): TensorBoard scalars under OUT/tb, OUT/train_log.jsonl (one JSON line per log step)
-and a rich progress bar (step, loss, steps/s)."""
+"""Training logs (rank 0 only): TensorBoard scalars under OUT/tb, OUT/train_log.jsonl (one JSON line per log step),
+a rich progress bar (step, loss, steps/s), and with logger=wandb a Weights & Biases run (files under OUT/wandb;
+WANDB_MODE=offline keeps it local, `wandb sync OUT/wandb/offline-run-*` uploads it later)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ from pathlib import Path
 
 
 class TrainLogger:
-    def __init__(self, out: str | Path, enabled: bool, total_steps: int, start_step: int, progress: bool = True):
+    def __init__(self, out: str | Path, enabled: bool, total_steps: int, start_step: int, progress: bool = True,
+                 wandb_project: str | None = None, config: dict | None = None):
         self.enabled = enabled
-        self._tb = self._jsonl = self._progress = None
+        self._tb = self._jsonl = self._progress = self._wandb = None
         if not enabled:
             return
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
+        if wandb_project:
+            from wamkit.core.tracking import start_wandb
+
+            self._wandb = start_wandb(wandb_project, out, config or {}, job_type="train")
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb = SummaryWriter(str(out / "tb"))
@@ -35,6 +41,8 @@ class TrainLogger:
         for k, v in scalars.items():
             self._tb.add_scalar(f"train/{k}", v, step)
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
         if self._progress is not None:
             self._progress.update(self._task, completed=step, loss=f"{scalars.get('loss', float('nan')):.4f}",
                                   sps=f"{scalars.get('steps_per_s', float('nan')):.2f}")
@@ -55,3 +63,6 @@ class TrainLogger:
         self._tb.flush()
         self._tb.close()
         self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+

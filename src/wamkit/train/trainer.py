@@ -92,8 +92,39 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+RUN_FILES = ("checkpoints", "train_log.jsonl", "tb", "config.json", "wandb")
+
+
+def check_out_dir(cfg: TrainConfig) -> None:
+    """A run dir that already holds a run is continued (resume=true) or replaced (overwrite=true), never silently
+    mixed with a new run (its log would be appended to, its newest checkpoint exported instead of the new one)."""
+    out = Path(cfg.out)
+    ckpts = out / "checkpoints"
+    held = (ckpts.is_dir() and any(ckpts.iterdir())) or (out / "train_log.jsonl").exists()
+    if held and not (cfg.resume or cfg.overwrite):
+        raise UserError(f"{out} already holds a training run; pass resume=true to continue it, overwrite=true to "
+                        f"replace it, or choose another out=")
+    if cfg.logger == "wandb":
+        from wamkit.core.tracking import require_wandb
+
+        require_wandb()
+
+
+def clear_out_dir(out: Path) -> None:
+    """overwrite=true: remove what a previous run wrote (only wamkit's own files; anything else stays)."""
+    import shutil
+
+    for name in RUN_FILES:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run (or continue) training; returns a summary dict (rank 0's view)."""
+    check_out_dir(cfg)
     info = init_distributed(cfg.device)
     try:
         return _train(cfg, info)
@@ -105,6 +136,10 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
     out = Path(cfg.out)
     ckpt_root = out / "checkpoints"
     rank, world = info.rank, info.world_size
+    if cfg.overwrite:
+        if info.is_main:
+            clear_out_dir(out)
+        _ = all_gather_object(None)   # cleared before any rank writes
 
     # ---- batch geometry
     per_step = world * cfg.grad_accum
@@ -168,7 +203,8 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
                           seed=C.rank_seed(cfg.seed, rank, start), pin_memory=info.device.type == "cuda")
 
     total_p, train_p = count_params(module)
-    log = TrainLogger(out, enabled=info.is_main, total_steps=cfg.steps, start_step=start, progress=cfg.progress)
+    log = TrainLogger(out, enabled=info.is_main, total_steps=cfg.steps, start_step=start, progress=cfg.progress,
+                      wandb_project=cfg.wandb_project if cfg.logger == "wandb" else None, config=to_dict(cfg))
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(C._json(to_dict(cfg)))

@@ -296,7 +296,8 @@ class WamRefPolicy(Policy):
         they are not image_size, normalized and patchified there, all images in one batch when they share a shape."""
         arrs = []
         for a in images:
-            t = torch.as_tensor(np.asarray(a))
+            a = np.asarray(a)
+            t = torch.as_tensor(a if a.flags.writeable else a.copy())   # decoded wire images are read-only views
             if t.ndim != 3 or t.shape[-1] != 3:
                 raise UserError(f"wam-ref expects HxWx3 uint8 images, got shape {tuple(t.shape)}")
             arrs.append(t)

@@ -1,0 +1,89 @@
+"""Progress text (rates and ETA) and report.md (links the timeline PNG, states utilization): fast, no simulator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from wamkit.eval.progress import fmt_duration, rate_text
+from wamkit.eval.report import print_report
+from wamkit.eval.timeline import Timeline
+
+
+def test_rate_text_gives_the_eta_from_this_runs_rate():
+    assert rate_text(0, 0, 10.0, 5) == ""                                # nothing to extrapolate from yet
+    assert rate_text(3, 300, 60.0, 9) == "5.0 steps/s 180 ep/h ETA 3m00s"  # 9 more at 20 s each
+    assert rate_text(4, 40, 8.0, 0).endswith("done")
+    assert rate_text(2, None, 7200.0, 1).endswith("ETA 1h00m") and "steps/s" not in rate_text(2, None, 10.0, 1)
+    assert [fmt_duration(s) for s in (0, 59.4, 61, 3600 * 2 + 120)] == ["0s", "59s", "1m01s", "2h02m"]
+
+
+def test_report_md_links_the_timeline_and_states_utilization(tmp_path):
+    summary = {"episodes": 2, "successes": 1, "success_rate": 0.5,
+               "per_task": {"0": {"task": "reach", "episodes": 2, "successes": 1, "success_rate": 0.5}},
+               "throughput": {"episodes_this_run": 2, "wall_s": 4.0, "episodes_per_hour": 1800.0,
+                              "env_steps_per_s": 50.0, "inference_obs_per_s": 5.0}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    tl = Timeline()
+    tl.add("env/0", "sim", 0.0, 3.0)
+    tl.add("env/1", "sim", 1.0, 2.0)
+    tl.add("request", "request", 0.0, 1.0)
+    tl.save(tmp_path / "timeline.json")
+    print_report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "](timeline.png)" in md and (tmp_path / "timeline.png").stat().st_size > 0
+    u = tl.utilization()
+    assert f"env busy {u['env_busy']:.0%}" in md and f"inference busy {u['inference_busy']:.0%}" in md
+    assert "| 0 | reach | 2 | 1 | 50.0% |" in md
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_eval_logger_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    pytest.importorskip("metaworld")
+    from wamkit.core.config import load_config
+    from wamkit.eval.config import EvalConfig
+    from wamkit.eval.runner import run_eval
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = load_config(EvalConfig, None, ["env=metaworld", "env_args.tasks=reach-v3", "trials=2", "policy=zero",
+                                         "max_steps=5", "image_size=32", "progress=false", f"out={tmp_path}",
+                                         "logger=wandb", "wandb_project=wamkit-test"])
+    s = run_eval(cfg)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert s["episodes"] == 2 and len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_logger_wandb_without_the_package_is_one_user_error(monkeypatch):
+    import importlib.util
+
+    from wamkit.core.errors import UserError
+    from wamkit.core.tracking import require_wandb
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(UserError, match="pip install wandb"):
+        require_wandb()
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_eval_progress_says_what_it_waits_for_and_ends_with_rates(tmp_path):
+    pytest.importorskip("metaworld")
+    import io
+
+    from rich.console import Console
+
+    from wamkit.core.config import load_config
+    from wamkit.eval.config import EvalConfig
+    from wamkit.eval.runner import run_eval
+
+    buf = io.StringIO()
+    cfg = load_config(EvalConfig, None, ["env=metaworld", "env_args.tasks=reach-v3", "trials=2", "policy=zero",
+                                         "max_steps=5", "image_size=32", f"out={tmp_path}"])
+    run_eval(cfg, Console(file=buf, width=200, force_terminal=False))
+    text = buf.getvalue()
+    assert "metaworld env worker(s) ready in" in text            # the env build is announced, not silent
+    assert "2/2" in text and "ep/h done" in text                  # rates and the ETA field at the end
