@@ -39,7 +39,7 @@ class ServerOptions:
     policy_args: dict[str, Any] = field(default_factory=dict)  # that policy's arguments (with `policy`)
     sglang: dict[str, Any] = field(default_factory=dict)  # launch=sglang: model_path (required), batching_max_size,
                                   # batching_delay_ms, attention_backend, action_stats_path, extra_args, sglang_bin
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float = 300.0  # give up when a started server is not healthy after this long
     replicas: int = 1             # local servers to start (e.g. one per GPU); requests go to the least loaded one
     gpus: list[int] | None = None  # replica i sees only GPU gpus[i % len(gpus)] (CUDA_VISIBLE_DEVICES); None: all
     serve_args: dict[str, Any] = field(default_factory=dict)  # more `wamkit serve` keys, e.g. {torch_threads: 8}
