@@ -79,6 +79,13 @@ def register_env(name: str, target: str) -> None:
     _REGISTRY[name] = target
 
 
+def default_suite(name: str) -> str:
+    """The env's standard suite (its class's `default_suite`), "" for an unknown env (named by env_class later)."""
+    if name not in _REGISTRY:
+        return ""
+    return getattr(env_class(name), "default_suite", "")
+
+
 def env_names() -> list[str]:
     return sorted(_REGISTRY)
 

@@ -55,8 +55,9 @@ def _quiet():
 class LiberoEnv(Env):
     action_dim = C.ACTION_DIM
     state_dim = C.STATE_DIM
+    default_suite = "libero_object"
 
-    def __init__(self, suite: str = "libero_object", image_size: int = 256,
+    def __init__(self, suite: str = default_suite, image_size: int = 256,
                  cameras: tuple[str, ...] = ("image", "wrist_image"), max_steps: int | None = None,
                  seed: int = 0, **_):
         default_max = C.suite_max_steps(suite)

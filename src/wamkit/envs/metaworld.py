@@ -63,8 +63,9 @@ def init_rng(seed: int, task_name: str, trial: int) -> np.random.Generator:
 class MetaWorldEnv(Env):
     action_dim = ACTION_DIM
     state_dim = STATE_DIM
+    default_suite = "mt"
 
-    def __init__(self, suite: str = "mt", tasks: tuple[str, ...] | list[str] = DEFAULT_TASKS, image_size: int = 224,
+    def __init__(self, suite: str = default_suite, tasks: tuple[str, ...] | list[str] = DEFAULT_TASKS, image_size: int = 224,
                  cameras: tuple[str, ...] = ("image",), max_steps: int = 150, seed: int = 0,
                  render_quality: str = "model", **_):
         if suite != "mt":

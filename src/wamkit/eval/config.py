@@ -45,7 +45,6 @@ class ServerOptions:
     serve_args: dict[str, Any] = field(default_factory=dict)  # more `wamkit serve` keys, e.g. {torch_threads: 8}
 
 
-DEFAULT_SUITES = {"libero": "libero_object", "metaworld": "mt"}
 
 
 @dataclass
@@ -94,7 +93,13 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         if not self.suite:
-            self.suite = DEFAULT_SUITES.get(self.env, "")
+            from wamkit.envs.base import default_suite
+
+            self.suite = default_suite(self.env)
+
+    def env_count(self) -> int:
+        """Env worker processes this run uses: serial runs one, whatever num_envs says."""
+        return 1 if self.mode == "serial" else self.num_envs
 
     def validate(self) -> None:
         for key, lo, hi in (("trials", 1, None), ("trial_start", 0, None), ("image_size", MIN_IMAGE, MAX_IMAGE),

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from wamkit.core.config import split_args
 from wamkit.core.config import check_number, load_config
 from wamkit.core.errors import UserError
-from wamkit.eval.config import DEFAULT_SUITES, MAX_IMAGE, MIN_IMAGE
+from wamkit.eval.config import MAX_IMAGE, MIN_IMAGE
 from wamkit.eval.plan import plan_for_tasks, step_seed
 from wamkit.eval.progress import rate_text
 
@@ -26,7 +26,7 @@ from wamkit.eval.progress import rate_text
 @dataclass
 class RecordConfig:
     env: str = "metaworld"               # simulator: libero | metaworld
-    suite: str = ""                      # "" = the env's standard suite (see eval.config.DEFAULT_SUITES)
+    suite: str = ""                      # "" = the env's standard suite (its class's default_suite)
     tasks: list[int] | None = None       # task ids; None = every task of the suite
     episodes: int = 10                   # per task; trial = init-state index 0..episodes-1
     trial_start: int = 0                 # first init-state index
@@ -43,7 +43,9 @@ class RecordConfig:
 
     def __post_init__(self) -> None:
         if not self.suite:
-            self.suite = DEFAULT_SUITES.get(self.env, "")
+            from wamkit.envs.base import default_suite
+
+            self.suite = default_suite(self.env)
 
     def validate(self) -> None:
         for key, lo, hi in (("episodes", 1, None), ("trial_start", 0, None), ("image_size", MIN_IMAGE, MAX_IMAGE),

@@ -153,7 +153,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
     if cfg.runtime != "local" and env_workers is None:
         raise UserError(f"runtime={cfg.runtime} needs the runtime layer: run it through `wamkit eval` or pass "
                         f"wamkit.runtime.eval_runtime(cfg) to run_eval")
-    n_envs = 1 if cfg.mode == "serial" else cfg.num_envs
+    n_envs = cfg.env_count()
     workers = (env_workers or local_env_workers)(cfg.env, env_kwargs(cfg), n_envs)
     inference = None
     journal = None

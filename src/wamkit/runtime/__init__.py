@@ -17,7 +17,7 @@ def eval_runtime(cfg: Any) -> dict[str, Any]:
         from wamkit.runtime.ray_session import RayOptions
 
         opts = RayOptions.from_any(cfg.ray)
-        n_envs = 1 if cfg.mode == "serial" else cfg.num_envs
+        n_envs = cfg.env_count()
         return {"env_workers": lambda env, kwargs, n: make_ray_env_workers(env, kwargs, n, opts),
                 "server_worker_factory": ray_server_worker_factory(opts),
                 "cores": max(1, int(round(n_envs * opts.num_cpus_per_env)))}

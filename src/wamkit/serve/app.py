@@ -61,6 +61,12 @@ def _error(status: int, message: str, path: str = "", headers: dict[str, str] | 
                          "detail": message}, status_code=status, headers=headers)
 
 
+def served_max_batch(cfg: ServeConfig, policy: Policy) -> int:
+    """The batch cap the server runs with: max_batch_size (0: the policy's own), never above the policy's."""
+    pmax = int(policy.max_batch_size())
+    return min(cfg.max_batch_size, pmax) if cfg.max_batch_size > 0 else pmax
+
+
 class ActionServer:
     """State behind the routes: the policy, the batcher, metrics, limits."""
 
@@ -68,8 +74,7 @@ class ActionServer:
         self.cfg = cfg
         self.policy = policy
         self.spec = policy.spec
-        pmax = int(policy.max_batch_size())
-        self.max_batch_size = min(cfg.max_batch_size, pmax) if cfg.max_batch_size > 0 else pmax
+        self.max_batch_size = served_max_batch(cfg, policy)
         self.max_body = int(cfg.max_body_mb * 1024 * 1024)
         self.limits = cfg.decode_limits()
         self.instance_id = os.environ.get(INSTANCE_ENV) or None
@@ -266,7 +271,7 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
         torch.set_num_threads(cfg.torch_threads or max(1, min(4, os.cpu_count() or 1)))
     if cfg.warmup:  # before uvicorn listens: /health answers only once the one-off work is done
         t0 = time.perf_counter()
-        done = policy.warmup(cfg.max_batch_size or policy.max_batch_size())
+        done = policy.warmup(served_max_batch(cfg, policy))
         if done:
             log.warning("warm-up done in %.1f s (%s)", time.perf_counter() - t0,
                         ", ".join(f"{k}: {v:.1f} s" for k, v in done.items()))
