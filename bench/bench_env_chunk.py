@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from wamkit.envs._runtime import setup_headless_gl  # noqa: E402
+from wamkit.envs.process_setup import setup_headless_gl  # noqa: E402
 
 setup_headless_gl()
 

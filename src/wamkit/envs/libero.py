@@ -17,7 +17,7 @@ import io
 
 import numpy as np
 
-from wamkit.envs._runtime import setup_headless_gl, setup_libero_paths
+from wamkit.envs.process_setup import setup_headless_gl, setup_libero_paths
 
 setup_headless_gl()
 setup_libero_paths()

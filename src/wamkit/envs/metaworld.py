@@ -16,7 +16,7 @@ import zlib
 
 import numpy as np
 
-from wamkit.envs._runtime import setup_headless_gl
+from wamkit.envs.process_setup import setup_headless_gl
 
 setup_headless_gl()
 

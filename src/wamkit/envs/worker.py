@@ -81,7 +81,7 @@ def _pack_obs(obs: Observation | None, layout, buf: np.ndarray | None):
 
 def _worker_main(conn, env_name: str, env_kwargs: dict, index: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    from wamkit.envs._runtime import setup_headless_gl
+    from wamkit.envs.process_setup import setup_headless_gl
 
     setup_headless_gl()
     shm = None
