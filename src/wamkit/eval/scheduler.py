@@ -2,7 +2,8 @@
 
 - serial:    one env, one observation per request, one request at a time (the single-batch baseline when it also
              renders every step and runs episodes to max steps).
-- pipelines: the reference design. Envs split into P groups; each group loops "simulate all its envs -> send its
+- pipelines: the reference design (RLinf's Cosmos3 + SGLang LIBERO evaluation; docs/evaluation.md). Envs split
+             into P groups; each group loops "simulate all its envs -> send its
              observations in requests of B, one after another, each awaited -> act", so one group simulates while
              another waits for inference.
 - auto:      asynchronous flow. Each env that finishes its chunk joins the next request batch without waiting for a
