@@ -17,7 +17,7 @@ VERBS = {
     "data": ("wamkit.cli.data_cmd", "inspect | stats | record LeRobot v3 datasets"),
     "bench": ("wamkit.cli.bench_cmd", "benchmarks (bench eval: the scheduler table)"),
     "report": ("wamkit.cli.report_cmd", "print the per-task table of an evaluation output dir (and draw its timeline)"),
-    "demo": ("wamkit.cli.demo_cmd", "the demo: a small pipelined LIBERO evaluation"),
+    "demo": ("wamkit.cli.demo_cmd", "the demo: pipelined LIBERO eval, MetaWorld learning loop"),
 }
 
 

@@ -24,7 +24,7 @@ from wamkit.eval.metrics import summarize
 from wamkit.eval.plan import plan_for_tasks
 from wamkit.eval.scheduler import EpisodeOutcome, Scheduler, SchedulerOptions
 from wamkit.eval.timeline import Timeline
-from wamkit.policies.registry import make_policy, policy_class
+from wamkit.policies.registry import is_export_dir, make_policy, policy_class
 
 # config keys that define *what* is evaluated; a resumed run must agree on them
 PLAN_KEYS = ("env", "suite", "tasks", "trials", "trial_start", "policy", "policy_args", "horizon", "max_steps",
@@ -47,7 +47,7 @@ def policy_kwargs(cfg: EvalConfig, action_dim: int) -> dict[str, Any]:
 
 def _check_names(cfg: EvalConfig) -> None:
     env_class(cfg.env)                     # raises "unknown env ...; valid choices: ..."
-    if not (Path(cfg.policy) / "wamkit_policy.json").exists():
+    if not is_export_dir(cfg.policy):
         policy_class(cfg.policy)
 
 

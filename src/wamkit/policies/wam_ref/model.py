@@ -410,4 +410,4 @@ def init_weights(module: nn.Module, std: float = 0.02, round_to: torch.dtype | N
         if isinstance(m, (Qwen3VLTextRotaryEmbedding, Qwen3VLVisionRotaryEmbedding)):
             fresh = type(m)(m.config)  # plain CPU recompute of inv_freq
             for name, buf in fresh.named_buffers(recurse=False):
-                getattr(m, name).copy_(buf.to(getattr(m, name).device))
+                getattr(m, name).copy_((buf if round_to is None else buf.to(round_to)).to(getattr(m, name).device))
