@@ -380,3 +380,24 @@ def test_pixel_values_match_per_image_preprocessing():
     torch.testing.assert_close(p[1, :16], img[0, 0:4, 4:8].reshape(-1))
     torch.testing.assert_close(p[1, 16:32], img[0, 0:4, 4:8].reshape(-1))   # the frame repeated (temporal 2)
     torch.testing.assert_close(p[2, :16], img[0, 4:8, 0:4].reshape(-1))
+
+
+def test_config_normalizes_cli_strings_and_rejects_bad_values():
+    """WamRefConfig: CLI strings become typed values; bad values fail naming the key; config= and kwargs build the
+    same policy."""
+    from wamkit.policies.wam_ref.config import WamRefConfig
+
+    c = WamRefConfig(cameras="image,wrist_image", cuda_graphs="true", compile="false", horizon="8",
+                     image_size="64", trainable_patterns=["gen.*", "und.*"], graph_buckets="4,1", max_batch=8)
+    assert c.cameras == ("image", "wrist_image") and c.cuda_graphs is True and c.compile is False
+    assert (c.horizon, c.image_size, c.trainable_patterns, c.buckets) == (8, 64, ("gen.*", "und.*"), (1, 4, 8))
+    for bad, key in (({"kv_layout": "cat"}, "kv_layout"), ({"dtype": "int8"}, "dtype"), ({"size": "huge"}, "huge"),
+                     ({"cuda_graphs": "maybe"}, "cuda_graphs")):
+        with pytest.raises(UserError, match=key):
+            WamRefConfig(**bad)
+    from wamkit.policies.wam_ref.policy import WamRefPolicy
+
+    a = WamRefPolicy(config=WamRefConfig(size="tiny", horizon=8, num_inference_steps=2))
+    b = make_policy("wam-ref", size="tiny", horizon="8", num_inference_steps=2)
+    assert a.spec == b.spec and a.export_config() == b.export_config()
+    np.testing.assert_array_equal(a.predict(_obs(2), [3, 4]), b.predict(_obs(2), [3, 4]))

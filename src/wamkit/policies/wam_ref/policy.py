@@ -18,6 +18,7 @@ trainer talk to.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import time
 from pathlib import Path
@@ -77,7 +78,7 @@ class WamRefPolicy(Policy):
     name = "wam-ref"
 
     def __init__(self, config: WamRefConfig | None = None, **kwargs):
-        cfg = config if config is not None else WamRefConfig.from_kwargs(**kwargs)
+        cfg = WamRefConfig.from_kwargs(**kwargs) if config is None else dataclasses.replace(config, **kwargs)
         self.config = cfg
         preset = get_size(cfg.size)
         self.placement = Placement(torch.device(cfg.device), cfg.torch_dtype)
