@@ -31,7 +31,7 @@ from wamkit.core.errors import UserError
 from wamkit.core.types import Observation
 from wamkit.policies.base import ActionSpec, InputSpec, Policy, PolicySpec
 from wamkit.policies.tokenizer import load_tokenizer
-from wamkit.policies.wam_ref import cost
+from wamkit.policies.wam_ref.cost import flops_per_observation as count_flops, num_parameters as count_parameters
 from wamkit.policies.wam_ref.build import (batch_vision_attention, build_model, generation_width, init_on,
                                           understanding_tower)
 from wamkit.policies.wam_ref.config import Placement, WamRefConfig, dtype_name, to_dtype
@@ -322,11 +322,11 @@ class WamRefPolicy(Policy):
 
     # ------------------------------------------------------------------ sizes and cost (cost.py)
     def num_parameters(self) -> dict[str, int]:
-        return cost.num_parameters(self.model)
+        return count_parameters(self.model)
 
     def flops_per_observation(self, num_inference_steps: int | None = None, prefix_len: int | None = None) -> dict:
         """Forward FLOPs per observation; see cost.flops_per_observation."""
-        return cost.flops_per_observation(
+        return count_flops(
             self.model, self.qwen_config.text_config, cameras=len(self.cameras), image_size=self.image_size,
             patch_size=self.inputs.patch_size, gen_tokens=self.gen_tokens,
             steps=int(num_inference_steps or self.num_inference_steps), prefix_len=int(prefix_len or self.prefix_len))
