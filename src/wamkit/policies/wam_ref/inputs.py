@@ -37,11 +37,12 @@ def patchify(img: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.
 class InputProcessor:
     """Builds model inputs for a batch (`prepare`); holds the prompt layout and the image geometry.
 
-    rope_index: the understanding tower's `get_rope_index` (called once, for the position template)."""
+    rope_index: the understanding tower's `get_rope_index` (called once, for the position template); may be set
+    after construction, once the model exists."""
 
     def __init__(self, *, cameras: Sequence[str], image_size: int, patch_size: int, merge: int, temporal: int,
                  max_text_len: int, state_dim: int, image_mean: Sequence[float], image_std: Sequence[float],
-                 tokenizer, rope_index: Callable, placement: Placement):
+                 tokenizer, placement: Placement, rope_index: Callable | None = None):
         self.cameras = tuple(cameras)
         self.patch_size, self.merge, self.temporal = patch_size, merge, temporal
         self.image_size = int(image_size)
@@ -52,7 +53,7 @@ class InputProcessor:
         self.max_text_len, self.state_dim = int(max_text_len), int(state_dim)
         self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)
         self.tokenizer = tokenizer
-        self._rope_index = rope_index
+        self.rope_index = rope_index
         self._position_template: torch.Tensor | None = None
         self.placement = placement
 
@@ -143,7 +144,7 @@ class InputProcessor:
             ids = torch.tensor([self._vision_ids() + [tok.vision_end_id] * self.max_text_len])  # only types matter
             types = (ids == tok.image_id).to(torch.int32)
             grid = torch.tensor([[1, g, g]] * len(self.cameras), dtype=torch.long)
-            tpl, _ = self._rope_index(ids, types, image_grid_thw=grid, attention_mask=torch.ones_like(ids))
+            tpl, _ = self.rope_index(ids, types, image_grid_thw=grid, attention_mask=torch.ones_like(ids))
             tpl = self._position_template = tpl[:, 0].to("cpu")
         m = attention_mask.to(torch.long).cpu()
         return tpl[:, None, :] * m[None]

@@ -98,10 +98,10 @@ class WamRefPolicy(Policy):
             cameras=cfg.cameras, image_size=cfg.image_size or preset.image_size, patch_size=vc.patch_size,
             merge=vc.spatial_merge_size, temporal=vc.temporal_patch_size,
             max_text_len=cfg.max_text_len or preset.max_text_len, state_dim=cfg.state_dim,
-            image_mean=cfg.image_mean, image_std=cfg.image_std, tokenizer=self.tokenizer,
-            rope_index=lambda *a, **kw: self.model.und.get_rope_index(*a, **kw), placement=self.placement)
+            image_mean=cfg.image_mean, image_std=cfg.image_std, tokenizer=self.tokenizer, placement=self.placement)
         self.gen_hidden, self.gen_ffn = generation_width(cfg, qcfg.text_config)
         self.model = build_model(cfg, towers, self.model_action_dim, self.placement.device)
+        self.inputs.rope_index = self.model.und.get_rope_index
         self.apply_trainable_patterns()
         self.batched_vision_attention = cfg.batched_vision_attention and batch_vision_attention(self.model)
         if cfg.und_path is None and self.device.type not in ("cpu", "meta"):
