@@ -279,7 +279,7 @@ def test_denoise_matches_step_by_step_velocity(layout):
     x = x0.clone()
     for k in range(5):
         x = x + m.velocity(p, x, torch.full((3,), k / 5), inp["state"]).float() / 5
-    heads = pol._kv_heads()
+    heads = pol.engine.kv_heads()
     out = m.gen.denoise(p.with_room(pol.gen_tokens, heads), x0, inp["state"], 5)
     torch.testing.assert_close(out, x, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pol.sample(inp, [1, 2, 3]), out, rtol=0, atol=0)
@@ -301,13 +301,13 @@ def test_position_ids_match_transformers_get_rope_index():
 
 
 def test_graph_buckets_and_warmup():
-    from wamkit.policies.wam_ref.policy import _buckets
+    from wamkit.policies.wam_ref.config import graph_buckets as _buckets
 
     assert _buckets(None, 64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
     assert _buckets(None, 6) == (1, 2, 4, 6)
     assert _buckets("3,1,40", 8) == (1, 3, 8)
     pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, max_batch=8)
-    assert pol._graph_bucket(5) == 8 and pol._graph_bucket(1) == 1
+    assert pol.engine.graph_bucket(5) == 8 and pol.engine.graph_bucket(1) == 1
     assert list(pol.warmup(8)) == ["1"]   # on the CPU: one predict (graphs are CUDA-only)
     with pytest.raises(UserError, match="kv_layout"):
         make_policy("wam-ref", size="tiny", kv_layout="cat")
@@ -359,7 +359,7 @@ def test_pixel_values_match_per_image_preprocessing():
     Qwen-VL patch order (checked element by element for one patch)."""
     import torch.nn.functional as F
 
-    from wamkit.policies.wam_ref.policy import patchify
+    from wamkit.policies.wam_ref.inputs import patchify
 
     pol = make_policy("wam-ref", size="tiny")
     rng = np.random.default_rng(3)
@@ -372,7 +372,7 @@ def test_pixel_values_match_per_image_preprocessing():
                 x = F.interpolate(x[None], size=(64, 64), mode="bilinear", align_corners=False,
                                   antialias=True)[0].clamp_(0.0, 1.0)
             ref.append(patchify((x - 0.5) / 0.5, 8, 2, 2))
-        torch.testing.assert_close(pol.pixel_values(imgs), torch.cat(ref), rtol=0, atol=0)
+        torch.testing.assert_close(pol.inputs.pixel_values(imgs), torch.cat(ref), rtol=0, atol=0)
     # patch order: patch 1 of image 0 is the merge window's second patch (row 0, column 1), channel 0 first
     img = torch.arange(3 * 16 * 16, dtype=torch.float32).reshape(3, 16, 16)
     p = patchify(img, 4, 2, 2)
@@ -380,3 +380,24 @@ def test_pixel_values_match_per_image_preprocessing():
     torch.testing.assert_close(p[1, :16], img[0, 0:4, 4:8].reshape(-1))
     torch.testing.assert_close(p[1, 16:32], img[0, 0:4, 4:8].reshape(-1))   # the frame repeated (temporal 2)
     torch.testing.assert_close(p[2, :16], img[0, 4:8, 0:4].reshape(-1))
+
+
+def test_config_normalizes_cli_strings_and_rejects_bad_values():
+    """WamRefConfig: CLI strings become typed values; bad values fail naming the key; config= and kwargs build the
+    same policy."""
+    from wamkit.policies.wam_ref.config import WamRefConfig
+
+    c = WamRefConfig(cameras="image,wrist_image", cuda_graphs="true", compile="false", horizon="8",
+                     image_size="64", trainable_patterns=["gen.*", "und.*"], graph_buckets="4,1", max_batch=8)
+    assert c.cameras == ("image", "wrist_image") and c.cuda_graphs is True and c.compile is False
+    assert (c.horizon, c.image_size, c.trainable_patterns, c.buckets) == (8, 64, ("gen.*", "und.*"), (1, 4, 8))
+    for bad, key in (({"kv_layout": "cat"}, "kv_layout"), ({"dtype": "int8"}, "dtype"), ({"size": "huge"}, "huge"),
+                     ({"cuda_graphs": "maybe"}, "cuda_graphs")):
+        with pytest.raises(UserError, match=key):
+            WamRefConfig(**bad)
+    from wamkit.policies.wam_ref.policy import WamRefPolicy
+
+    a = WamRefPolicy(config=WamRefConfig(size="tiny", horizon=8, num_inference_steps=2))
+    b = make_policy("wam-ref", size="tiny", horizon="8", num_inference_steps=2)
+    assert a.spec == b.spec and a.export_config() == b.export_config()
+    np.testing.assert_array_equal(a.predict(_obs(2), [3, 4]), b.predict(_obs(2), [3, 4]))

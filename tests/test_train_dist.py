@@ -1,13 +1,15 @@
 """Multi-process training (real torchrun + gloo ranks on CPU): 2 ranks == 1 rank, exact stop/resume on 2 ranks,
-a 2-rank checkpoint resumed on 1 rank."""
+a 2-rank checkpoint resumed on 1 rank, the meta-device build initialized shard by shard on 2 ranks."""
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from test_train_support import BASE_ARGS, losses, run_train
+from test_train_support import BASE_ARGS, TESTS, env, losses, run_train
 from wamkit.core.config import load_config
 from wamkit.train.config import TrainConfig
 from wamkit.train.trainer import train
@@ -49,3 +51,13 @@ def test_two_rank_stop_and_resume_is_exact(tmp_path):
     a, b = losses(full), losses(part)
     assert sorted(b) == list(range(1, 11))
     assert [a[s] for s in range(1, 11)] == [b[s] for s in range(1, 11)]
+
+
+def test_meta_build_sharded_on_two_ranks_equals_a_materialized_build():
+    """Each of 2 ranks initializes only its shards of a meta-built wam-ref; gathered, they are the weights of a
+    plain CPU build (check_meta_init in test_train_support)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(TESTS / "test_train_support.py"), "meta-init"]
+    p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert p.stdout.count("meta-init ok") == 2

@@ -183,3 +183,39 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess
 def losses(out: Path) -> dict[int, float]:
     rows = [json.loads(l) for l in (Path(out) / "train_log.jsonl").read_text().splitlines() if l.strip()]
     return {r["step"]: r["loss"] for r in rows}
+
+
+# ------------------------------------------------------------------------------------------------ meta-device build
+
+def check_meta_init(policy_args: dict) -> int:
+    """The trainer's build for large models (meta device -> parallelize -> init_weights on each rank) gives every
+    rank the weights and buffers of a materialized CPU build, bit for bit. Runs on one rank in-process, or on N
+    under torchrun (`python tests/test_train_support.py meta-init`). Returns how many tensors were compared."""
+    from wamkit.train.dist import close_distributed, init_distributed
+    from wamkit.train.parallelize import parallelize
+    from wamkit.train.trainer import build_for_training, build_policy
+
+    info = init_distributed("cpu")
+    try:
+        pol, deferred = build_for_training("wam-ref", dict(policy_args), info.device)
+        assert deferred and all(p.is_meta for p in pol.module.parameters())
+        pol.module.float()
+        parallelize(pol.module, list(pol.fsdp_units()), "cpu", info.world_size, mixed_precision="fp32")
+        pol.init_weights(info.device)
+        ref = build_policy("wam-ref", dict(policy_args), device="cpu").module.float()
+        want = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
+        got = {**dict(pol.module.named_parameters()), **dict(pol.module.named_buffers())}
+        assert sorted(got) == sorted(want)
+        for k, v in got.items():
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            assert torch.equal(full, want[k]), k
+        assert [n for n, p in got.items() if getattr(p, "requires_grad", False)] == \
+            [n for n, p in want.items() if getattr(p, "requires_grad", False)]
+        return len(got)
+    finally:
+        close_distributed(info)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["meta-init"]:
+    n = check_meta_init({"size": "tiny", "state_dim": 4})
+    print(f"meta-init ok: {n} tensors")

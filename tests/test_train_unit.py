@@ -193,3 +193,44 @@ def test_logger_wandb_offline(tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((tmp_path / "wandb").iterdir())
     assert sorted(losses(tmp_path)) == [1, 2, 3]                        # the JSONL log is still written
+# ------------------------------------------------------------------------------------------------ model build
+
+@pytest.mark.parametrize("args", [{"size": "tiny", "state_dim": 4}, {"size": "tiny", "dtype": "bfloat16"}])
+def test_wam_ref_is_built_on_meta_and_initialized_after_sharding(args):
+    """torchtitan's order (meta build -> fully_shard -> init): the weights of a materialized build, bit for bit
+    (bf16: rounded as a bf16 build followed by `.float()` is)."""
+    from test_train_support import check_meta_init
+
+    assert check_meta_init(args) > 0
+
+
+def test_only_policies_that_offer_it_are_built_on_meta():
+    from test_train_support import TinyPolicy
+    from wamkit.train.trainer import build_for_training
+
+    cpu = torch.device("cpu")
+    pol, deferred = build_for_training("test_train_support:TinyPolicy", {}, cpu)
+    assert not deferred and isinstance(pol, TinyPolicy)
+    pol, deferred = build_for_training("wam-ref", {"size": "tiny", "device": "cpu"}, cpu)  # device given: as asked
+    assert not deferred and not any(p.is_meta for p in pol.module.parameters())
+    assert not type(pol).can_init_after_sharding({"und_path": "/some/qwen3vl"})  # pretrained: loaded at build
+
+
+def test_checkpoint_policy_json_is_the_policy_manifest(tmp_path):
+    """A checkpoint's policy.json and an export's wamkit_policy.json are one format (wamkit.policies.manifest);
+    checkpoints written before it (policy + policy_args + spec) still export."""
+    from wamkit.policies.manifest import PolicyManifest
+    from wamkit.train.export import load_trained_policy
+
+    train(cfg_of(tmp_path, "steps=2", "batch_size=8", "policy_args.width=16"))
+    ck = tmp_path / "checkpoints" / "step-000002"
+    m = PolicyManifest.read(ck / "policy.json")
+    assert (m.format, m.policy, m.config, m.spec["name"]) == ("wamkit.policy", "test_train_support:TinyPolicy",
+                                                               {"width": 16}, "tiny-test")
+    (ck / "policy.json").write_text(json.dumps({"policy": m.policy, "policy_args": m.config, "spec": m.spec}))
+    pol, _, _ = load_trained_policy(tmp_path)
+    assert pol.width == 16
+    with pytest.raises(UserError, match="unknown format"):
+        PolicyManifest.from_dict({"format": "other", "policy": "zero"})
+    with pytest.raises(UserError, match="newer"):
+        PolicyManifest.from_dict({"format": "wamkit.policy", "version": 99, "policy": "zero"})

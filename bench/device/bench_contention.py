@@ -179,7 +179,7 @@ def split_times(pol, b: int, seconds: float) -> dict:
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         x = pol.noise(list(range(b))).to(pol.device)
-        pol._sample_graphed(prefix, x, inputs["state"], pol.num_inference_steps)
+        pol.engine.sample_graphed(prefix, x, inputs["state"], pol.num_inference_steps)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         pre.append((t1 - t0) * 1e3)

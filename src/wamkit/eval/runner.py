@@ -28,7 +28,7 @@ from wamkit.eval.progress import rate_text
 from wamkit.eval.report import write_report
 from wamkit.eval.scheduler import EpisodeOutcome, Scheduler, SchedulerOptions
 from wamkit.eval.timeline import Timeline
-from wamkit.policies.registry import make_policy, policy_class
+from wamkit.policies.registry import is_export_dir, make_policy, policy_class
 
 # config keys that define *what* is evaluated; a resumed run must agree on them
 PLAN_KEYS = ("env", "suite", "tasks", "trials", "trial_start", "policy", "policy_args", "horizon", "max_steps",
@@ -53,7 +53,7 @@ def served_elsewhere(name: str) -> bool:
     """True for a registered policy whose model runs in another server (it overrides Policy.remote_codec)."""
     from wamkit.policies.base import Policy
 
-    if (Path(name) / "wamkit_policy.json").exists():
+    if is_export_dir(name):
         return False
     return policy_class(name).remote_codec is not Policy.remote_codec
 
@@ -78,7 +78,7 @@ def server_options(cfg: EvalConfig):
 
 def _check_names(cfg: EvalConfig) -> None:
     env_class(cfg.env)                     # raises "unknown env ...; valid choices: ..."
-    if not (Path(cfg.policy) / "wamkit_policy.json").exists():
+    if not is_export_dir(cfg.policy):
         policy_class(cfg.policy)
 
 

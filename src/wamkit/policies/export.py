@@ -1,7 +1,7 @@
-"""The export directory: what `wamkit serve --checkpoint <dir>` and `make_policy(<dir>)` load.
+"""The export directory: what `make_policy(<dir>)`, `wamkit serve policy=<dir>` and `wamkit eval policy=<dir>` load.
 
-    <dir>/wamkit_policy.json    {"format": "wamkit.policy", "version": 1, "policy": <registry name>,
-                                 "config": <constructor kwargs>, "spec": <PolicySpec.to_dict()>, "files": {...}}
+    <dir>/wamkit_policy.json    the policy manifest (`manifest.py`): {"format": "wamkit.policy", "version": 1,
+                                "policy": <registry name>, "config": <constructor kwargs>, "spec": ..., "files": {...}}
     <dir>/model.safetensors     `policy.module.state_dict()` (safetensors only: no pickle is ever loaded)
     <dir>/action_pipeline.json  `policy.action_pipeline.to_dict()` (steps + normalizer stats)
     (<dir>/tokenizer/           only when the policy uses a local Hugging Face tokenizer)
@@ -13,15 +13,13 @@ constructor kwargs). Loading rebuilds the policy by registry name from that conf
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from wamkit.core.errors import UserError
-from wamkit.policies.registry import EXPORT_MARKER
+from wamkit.policies.catalog import policy_class, policy_names
+from wamkit.policies.manifest import EXPORT_MARKER, PolicyManifest, read_export_manifest
 
-FORMAT = "wamkit.policy"
-VERSION = 1
 WEIGHTS = "model.safetensors"
 PIPELINE = "action_pipeline.json"
 
@@ -49,8 +47,6 @@ def save_exported(policy, directory) -> Path:
     for attr in ("spec", "module", "action_pipeline", "export_config"):
         if not hasattr(policy, attr):
             raise UserError(f"policy {type(policy).__name__} cannot be exported: it has no `{attr}`")
-    from wamkit.policies.registry import policy_names
-
     name = policy.spec.name
     if name not in policy_names():
         raise UserError(f"policy name {name!r} is not registered; exported policies are rebuilt by registry name")
@@ -61,26 +57,9 @@ def save_exported(policy, directory) -> Path:
     config.update(extra_files)
     save_file(_state_dict_for_safetensors(policy.module), str(d / WEIGHTS), metadata={"format": "pt"})
     policy.action_pipeline.save(d / PIPELINE)
-    meta = {"format": FORMAT, "version": VERSION, "policy": name, "config": config, "spec": policy.spec.to_dict(),
-            "files": {"weights": WEIGHTS, "action_pipeline": PIPELINE, **extra_files}}
-    (d / EXPORT_MARKER).write_text(json.dumps(meta, indent=1, default=str))
+    PolicyManifest(policy=name, config=config, spec=policy.spec.to_dict(),
+                   files={"weights": WEIGHTS, "action_pipeline": PIPELINE, **extra_files}).write(d / EXPORT_MARKER)
     return d
-
-
-def read_export_meta(directory) -> dict[str, Any]:
-    d = Path(directory)
-    f = d / EXPORT_MARKER
-    if not f.exists():
-        raise UserError(f"{d} is not an export directory (no {EXPORT_MARKER})")
-    try:
-        meta = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{f} is not valid JSON: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise UserError(f"{f}: unknown format {meta.get('format')!r} (expected {FORMAT!r})")
-    if int(meta.get("version", 0)) > VERSION:
-        raise UserError(f"{f}: format version {meta['version']} is newer than this wamkit reads ({VERSION})")
-    return meta
 
 
 def load_exported(directory, **overrides):
@@ -89,19 +68,18 @@ def load_exported(directory, **overrides):
     from safetensors.torch import load_file
 
     from wamkit.data.transforms import ActionPipeline
-    from wamkit.policies.registry import policy_class
 
     d = Path(directory)
-    meta = read_export_meta(d)
-    cfg = dict(meta.get("config", {}))
+    meta = read_export_manifest(d)
+    cfg = dict(meta.config)
     if cfg.get("tokenizer_dir"):
         cfg["tokenizer_dir"] = str(d / cfg["tokenizer_dir"])
-    files = meta.get("files", {})
+    files = meta.files
     if "action_pipeline" not in overrides:
         pipe_file = d / files.get("action_pipeline", PIPELINE)
         overrides["action_pipeline"] = ActionPipeline.load(pipe_file) if pipe_file.exists() else None
     cfg.update(overrides)
-    policy = policy_class(meta["policy"])(**cfg)
+    policy = policy_class(meta.policy)(**cfg)
     wfile = d / files.get("weights", WEIGHTS)
     if not wfile.exists():
         raise UserError(f"{d}: weights file {wfile.name} is missing")

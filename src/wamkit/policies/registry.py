@@ -1,48 +1,18 @@
-"""Policies by name, imported lazily. A directory written by `wamkit export` is also a valid policy name."""
+"""Policies by name: `make_policy(name_or_export_dir, **kwargs)`. The names live in `catalog.py`; a directory
+written by `wamkit export` (it holds `wamkit_policy.json`, see `manifest.py`) is also a valid policy name."""
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
-
-from wamkit.core.errors import unknown_choice
 from wamkit.policies.base import Policy
-
-_REGISTRY: dict[str, str] = {
-    "zero": "wamkit.policies.simple:ZeroPolicy",
-    "random": "wamkit.policies.simple:RandomPolicy",
-    "metaworld-expert": "wamkit.policies.metaworld_expert:MetaWorldExpertPolicy",
-    "wam-ref": "wamkit.policies.wam_ref.policy:WamRefPolicy",
-    "cosmos3": "wamkit.policies.cosmos3.policy:Cosmos3Policy",
-    "cosmos3-standin": "wamkit.policies.cosmos3.standin:Cosmos3StandIn",
-    "fixed-cost": "wamkit.policies.simple:FixedCostPolicy",
-}
-
-EXPORT_MARKER = "wamkit_policy.json"
-
-
-def register_policy(name: str, target: str) -> None:
-    _REGISTRY[name] = target
-
-
-def policy_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def policy_class(name: str):
-    if name not in _REGISTRY:
-        raise unknown_choice("policy", name, policy_names() + ["<dir written by wamkit export>"])
-    mod, cls = _REGISTRY[name].split(":")
-    return getattr(importlib.import_module(mod), cls)
+from wamkit.policies.catalog import policy_class, policy_names, register_policy  # noqa: F401
+from wamkit.policies.export import load_exported
+from wamkit.policies.manifest import EXPORT_MARKER, is_export_dir  # noqa: F401
 
 
 def make_policy(name: str, **kwargs) -> Policy:
     """Build a policy by registered name or from an exported directory.
 
     Common kwargs (each policy ignores what it does not use): action_dim, horizon, device, plus its own options."""
-    p = Path(name)
-    if (p / EXPORT_MARKER).exists():
-        from wamkit.policies.export import load_exported
-
-        return load_exported(p, **kwargs)
+    if is_export_dir(name):
+        return load_exported(name, **kwargs)
     return policy_class(name)(**kwargs)

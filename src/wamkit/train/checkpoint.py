@@ -9,7 +9,7 @@ Layout of one checkpoint (`OUT/checkpoints/step-000500/`):
     trainer_state.json   step, LR-scheduler state, data-sampler state of every rank, world size, samples seen
     rng/rank-00000.json  torch (CPU and CUDA), numpy and python RNG states of each rank
     config.json          the TrainConfig of the run
-    policy.json          policy name + constructor args + spec (what export rebuilds the policy from)
+    policy.json          the policy manifest (wamkit.policies.manifest): policy name + constructor args + spec
     action_pipeline.json the policy's action pipeline with its normalizer stats
 
 A checkpoint is written to `step-XXXXXX.tmp` by all ranks and renamed by rank 0 after a barrier, so a directory

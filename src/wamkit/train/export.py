@@ -1,8 +1,9 @@
 """Training checkpoint -> servable directory, in one step and one process (no FSDP, no process group).
 
-The policy is rebuilt from the checkpoint's policy.json, the (EMA by default) weights are read from the sharded
-safetensors of the checkpoint (any number of ranks wrote them), the action pipeline with its normalizer stats is
-attached, and `wamkit.policies.export.save_exported` writes the directory `make_policy(dir)` loads.
+The policy is rebuilt from the checkpoint's policy.json (the policy manifest, `wamkit.policies.manifest`), the (EMA
+by default) weights are read from the sharded safetensors of the checkpoint (any number of ranks wrote them), the
+action pipeline with its normalizer stats is attached, and `wamkit.policies.export.save_exported` writes the
+directory `make_policy(dir)` loads.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 
 from wamkit.core.errors import UserError
+from wamkit.policies.manifest import CHECKPOINT_MANIFEST, PolicyManifest
 from wamkit.train.checkpoint import load_weights_into, resolve_checkpoint
 
 
@@ -20,15 +22,15 @@ def load_trained_policy(ckpt: str | Path, weights: str = "auto", device: str = "
     from wamkit.train.trainer import build_policy
 
     step_dir = resolve_checkpoint(ckpt)
-    meta_file = step_dir / "policy.json"
+    meta_file = step_dir / CHECKPOINT_MANIFEST
     if not meta_file.exists():
-        raise UserError(f"{step_dir} has no policy.json (not written by wamkit train?)")
-    meta = json.loads(meta_file.read_text())
-    pipe = ActionPipeline.load(step_dir / "action_pipeline.json")
-    args = dict(meta.get("policy_args", {}))
+        raise UserError(f"{step_dir} has no {CHECKPOINT_MANIFEST} (not written by wamkit train?)")
+    meta = PolicyManifest.read(meta_file)
+    pipe = ActionPipeline.load(step_dir / meta.files.get("action_pipeline", "action_pipeline.json"))
+    args = dict(meta.config)
     args["device"] = device
     args["action_pipeline"] = pipe            # the trained pipeline (with its stats), as load_exported passes it
-    policy = build_policy(meta["policy"], args)
+    policy = build_policy(meta.policy, args)
     policy.action_pipeline = pipe
     which = load_weights_into(policy.module, step_dir, weights)
     policy.module.eval()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from wamkit.core.config import to_dict
 from wamkit.core.errors import UserError
+from wamkit.policies.manifest import CHECKPOINT_MANIFEST, PolicyManifest
 from wamkit.train import checkpoint as C
 from wamkit.train.config import TrainConfig
 from wamkit.train.data import (BatchStream, build_source, ensure_action_stats, import_target, is_import_target,
@@ -39,6 +40,25 @@ def build_policy(name: str, args: dict, device: str | None = None):
     from wamkit.policies import make_policy
 
     return make_policy(name, **kwargs)
+
+
+def build_for_training(name: str, args: dict, device: torch.device):
+    """(policy, deferred): the policy to train, and whether its weights are still to be initialized after
+    `parallelize` (torchtitan's order: build on the meta device, shard, then initialize on each rank's device, so no
+    rank ever materializes the whole model). A policy class offers it with `init_weights(device)` and says when
+    (`can_init_after_sharding(args)`, e.g. not when it loads pretrained weights at construction); any other policy,
+    an exported directory, or a `policy_args.device` is built materialized on the rank's device."""
+    from wamkit.policies.registry import is_export_dir, policy_class
+
+    cls = None
+    if is_import_target(name):
+        cls = import_target(name)
+    elif not is_export_dir(name):
+        cls = policy_class(name)
+    can = getattr(cls, "can_init_after_sharding", None)
+    deferred = (can is not None and callable(getattr(cls, "init_weights", None)) and "device" not in args
+                and bool(can(args)))
+    return build_policy(name, args, device="meta" if deferred else str(device)), deferred
 
 
 def resolve_io(cfg: TrainConfig, policy) -> tuple[list[str], int]:
@@ -148,9 +168,10 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
                         f"{cfg.grad_accum}")
     micro = cfg.batch_size // per_step
 
-    # ---- policy (same init on every rank), trainable set, lr groups: all checked before any data is read
+    # ---- policy (same init on every rank; large ones on the meta device until sharded), trainable set, lr groups:
+    # all checked before any data is read
     C.seed_everything(cfg.seed)
-    policy = build_policy(cfg.policy, cfg.policy_args, device=str(info.device))
+    policy, deferred_init = build_for_training(cfg.policy, cfg.policy_args, info.device)
     cameras, horizon = resolve_io(cfg, policy)
     module = policy.module
     patterns = list(cfg.trainable) or list(getattr(policy, "trainable_patterns", None) or [])
@@ -172,12 +193,15 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
     check_sample(policy, samples, source.collate, cameras, horizon)
     sampler = source.make_sampler(len(samples), rank=rank, world_size=world, seed=cfg.seed)
 
-    # ---- numerics + parallelism: fp32 master weights, then AC -> compile -> fully_shard(units) -> fully_shard(root)
+    # ---- numerics + parallelism: fp32 master weights, then AC -> compile -> fully_shard(units) -> fully_shard(root),
+    # then (meta-built policies) each rank initializes its shards: the same weights as a materialized build
     module.float()
     module.train()
     precision = resolved_precision(cfg.mixed_precision, info.device.type)
     parallelize(module, list(policy.fsdp_units()), info.device.type, world, mixed_precision=cfg.mixed_precision,
                 activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+    if deferred_init:
+        policy.init_weights(info.device)
     optimizer = build_optimizer(module, cfg, multipliers)
     scheduler = build_scheduler(optimizer, cfg)
     ema = EMA(module, cfg.ema) if cfg.ema > 0 else None
@@ -212,8 +236,9 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
                  f"{world} rank(s) on {info.device.type} | {precision} | global batch {cfg.batch_size} = {world} x "
                  f"{cfg.grad_accum} x {micro} | steps {start}->{end}"
                  + (f" | resumed from {resumed_from}" if resumed_from else ""))
-    meta = {"config.json": to_dict(cfg),
-            "policy.json": {"policy": cfg.policy, "policy_args": cfg.policy_args, "spec": policy.spec.to_dict()},
+    manifest = PolicyManifest(policy=cfg.policy, config=cfg.policy_args, spec=policy.spec.to_dict(),
+                              files={"action_pipeline": "action_pipeline.json"})
+    meta = {"config.json": to_dict(cfg), CHECKPOINT_MANIFEST: manifest.to_dict(),
             "action_pipeline.json": policy.action_pipeline.to_dict()}
     if stats is not None:
         meta["action_stats.json"] = stats

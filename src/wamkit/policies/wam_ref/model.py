@@ -356,32 +356,58 @@ def use_batched_vision_attention(und) -> None:
     und.visual.config._attn_implementation = VISION_ATTENTION
 
 
+def _filler(round_to: torch.dtype | None):
+    """fill(tensor, init_fn): init_fn applied in place; for a sharded parameter (a DTensor, after `fully_shard`)
+    init_fn fills the full tensor on this rank's device and this rank keeps its shard. Every rank draws the same
+    random numbers in the same order as an unsharded init does, so a sharded init gives the unsharded weights
+    bit for bit, holding one full tensor at a time. round_to: round each full tensor through this dtype (what a
+    build in that dtype followed by `.float()` gives)."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor, distribute_tensor
+    else:  # a torch without distributed: nothing is sharded
+        DTensor = distribute_tensor = None
+
+    def fill(t: torch.Tensor, fn) -> None:
+        if DTensor is None or not isinstance(t, DTensor):
+            fn(t)
+            return
+        full = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
+        fn(full)
+        if round_to is not None and round_to != full.dtype:
+            full = full.to(round_to).to(t.dtype)
+        t.to_local().copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
+
+    return fill
+
+
 @torch.no_grad()
-def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """Deterministic init for every parameter and recomputed non-persistent buffers (works after `to_empty`)."""
+def init_weights(module: nn.Module, std: float = 0.02, round_to: torch.dtype | None = None) -> None:
+    """Deterministic init for every parameter and recomputed non-persistent buffers (works after `to_empty`, and
+    on parameters sharded by FSDP2: see _filler). Draws from torch's global RNG: seed it first."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import (Qwen3VLTextRotaryEmbedding,
                                                                 Qwen3VLVisionRotaryEmbedding)
 
+    fill = _filler(round_to)
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Conv3d, nn.Conv2d)):
-            nn.init.normal_(m.weight, 0.0, std)
+            fill(m.weight, lambda t: nn.init.normal_(t, 0.0, std))
             if m.bias is not None:
-                nn.init.zeros_(m.bias)
+                fill(m.bias, nn.init.zeros_)
         elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, 0.0, std)
+            fill(m.weight, lambda t: nn.init.normal_(t, 0.0, std))
         elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
             if getattr(m, "weight", None) is not None:
-                nn.init.ones_(m.weight)
+                fill(m.weight, nn.init.ones_)
             if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+                fill(m.bias, nn.init.zeros_)
         elif type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.Tensor):
-            nn.init.ones_(m.weight)
+            fill(m.weight, nn.init.ones_)
         if isinstance(m, GenBlock):
-            nn.init.normal_(m.modulation, 0.0, m.modulation.shape[-1] ** -0.5)
+            fill(m.modulation, lambda t: nn.init.normal_(t, 0.0, t.shape[-1] ** -0.5))
         if isinstance(m, GenerationTower):
-            nn.init.zeros_(m.time_mod[1].weight)  # modulation starts at the per-block tables
-            nn.init.zeros_(m.out_mod.weight)
+            fill(m.time_mod[1].weight, nn.init.zeros_)  # modulation starts at the per-block tables
+            fill(m.out_mod.weight, nn.init.zeros_)
         if isinstance(m, (Qwen3VLTextRotaryEmbedding, Qwen3VLVisionRotaryEmbedding)):
             fresh = type(m)(m.config)  # plain CPU recompute of inv_freq
             for name, buf in fresh.named_buffers(recurse=False):
-                getattr(m, name).copy_(buf.to(getattr(m, name).device))
+                getattr(m, name).copy_((buf if round_to is None else buf.to(round_to)).to(getattr(m, name).device))

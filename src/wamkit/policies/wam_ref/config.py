@@ -1,0 +1,130 @@
+"""`WamRefConfig`: every option of the reference WAM, its default and what it means (one place).
+
+    WamRefPolicy(size="tiny", horizon=8)                  # keyword arguments, as make_policy passes them
+    WamRefPolicy(config=WamRefConfig(size="tiny", horizon=8))
+
+Values arrive typed from Python or as strings from the CLI (`policy_args.cuda_graphs=true`,
+`policy_args.cameras=image,wrist_image`); `__post_init__` normalizes them and rejects bad ones (UserError naming the
+key). `None` means "the size preset's value" (image_size, max_text_len, gen_*).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from wamkit.core.config import parse_bool
+from wamkit.core.errors import UserError
+from wamkit.policies.wam_ref.sizes import get_size
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def to_dtype(d) -> torch.dtype:
+    """A torch dtype from a dtype or one of the names in DTYPES."""
+    if isinstance(d, torch.dtype):
+        return d
+    if str(d) not in DTYPES:
+        raise UserError(f"unknown dtype {d!r}; valid choices: {', '.join(DTYPES)}")
+    return DTYPES[str(d)]
+
+
+def dtype_name(d: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[d]
+
+
+def graph_buckets(spec, max_batch: int) -> tuple[int, ...]:
+    """CUDA-graph batch buckets: given (list or comma string) or 1, 2, 4, 8, 16, then steps of a quarter of the
+    next power of two (24, 32, 48, 64, 96, ...) up to max_batch, which is always a bucket."""
+    if spec:
+        vals = [int(v) for v in (spec.split(",") if isinstance(spec, str) else spec)]
+    else:
+        vals, b = [], 1
+        while b < max_batch:
+            vals.append(b)
+            b = b * 2 if b < 16 else b + (1 << (b.bit_length() - 1)) // 2
+    vals = sorted({v for v in vals if 0 < v < max_batch} | {max_batch})
+    return tuple(vals)
+
+
+@dataclass
+class WamRefConfig:
+    # ---- shape (export_config() writes these; they rebuild the same network)
+    size: str = "tiny"                          # size preset (sizes.SIZES): tiny | small | 1b | nano-shape
+    action_dim: int = 7                         # env action dimension (what predict returns)
+    horizon: int = 16                           # actions per chunk
+    cameras: tuple[str, ...] = ("image", "wrist_image")  # camera keys read from Observation.images, in prompt order
+    image_size: int | None = None               # square side every camera is resized to; None = the preset's
+    state_dim: int = 0                          # proprio state dims (one extra generation token); 0 = no state
+    action_pipeline: Any = None                 # env <-> model actions: None/"identity" | "rot6d" | dict | JSON path
+    und_path: str | None = None                 # local Qwen3-VL weights dir for the understanding tower (no download)
+    und_config: dict | None = None              # Qwen3VLConfig kwargs instead of the preset's (random weights)
+    gen_hidden_size: int | None = None          # generation tower width; None = the preset's / understanding tower's
+    gen_intermediate_size: int | None = None    # generation tower FFN width; None = the preset's / understanding's
+    max_text_len: int | None = None             # task text tokens (right-padded / truncated); None = the preset's
+    image_mean: Sequence[float] = (0.5, 0.5, 0.5)  # per-channel normalization of [0, 1] pixels
+    image_std: Sequence[float] = (0.5, 0.5, 0.5)
+    tokenizer_dir: str | None = None            # local HF tokenizer dir; None = und_path's, else byte-level
+    init_seed: int = 0                          # seed of the random initialization (same seed -> same weights)
+    # ---- training
+    trainable_patterns: Sequence[str] = ("gen.*",)  # globs over parameter names that train; the rest is frozen
+    action_lr_multiplier: float = 5.0           # lr multiplier of the action in/out projections
+    # ---- inference (none of these changes the arithmetic, only which kernels run)
+    num_inference_steps: int = 10               # Euler steps of the flow-matching sampler
+    device: str = "cpu"                         # cpu | cuda[:i] | meta (shapes only; materialize() later)
+    dtype: Any = "float32"                      # weights / activations: float32 | bfloat16 | float16
+    max_batch: int = 64                         # largest batch one model call gets (predict splits bigger ones)
+    cuda_graphs: bool = False                   # CUDA: the denoising loop is one CUDA graph per batch bucket
+    graph_buckets: Sequence[int] | str | None = None  # batch buckets of the graphs; None = 1,2,4,8,16,24,32,...
+    kv_layout: str = "expanded"                 # prefix K/V while denoising: expanded (all query heads) | room (kv)
+    compile: bool = False                       # torch.compile of generation blocks + understanding norms/MLPs
+    batched_vision_attention: bool = True       # one attention call over all (equal-size) images per vision layer
+
+    def __post_init__(self) -> None:
+        get_size(self.size)  # unknown size: UserError listing the sizes
+        if isinstance(self.cameras, str):
+            self.cameras = tuple(self.cameras.split(","))
+        self.cameras = tuple(self.cameras)
+        self.cuda_graphs = parse_bool(self.cuda_graphs, "cuda_graphs")
+        if self.kv_layout not in ("expanded", "room"):
+            raise UserError(f"kv_layout must be expanded or room, got {self.kv_layout!r}")
+        self.compile = parse_bool(self.compile, "compile")
+        self.batched_vision_attention = parse_bool(self.batched_vision_attention, "batched_vision_attention")
+        for k in ("action_dim", "horizon", "state_dim", "num_inference_steps", "init_seed", "max_batch"):
+            setattr(self, k, int(getattr(self, k)))
+        for k in ("image_size", "max_text_len", "gen_hidden_size", "gen_intermediate_size"):
+            if getattr(self, k) is not None:
+                setattr(self, k, int(getattr(self, k)))
+        self.action_lr_multiplier = float(self.action_lr_multiplier)
+        self.trainable_patterns = tuple(self.trainable_patterns)
+        self.image_mean = tuple(float(v) for v in self.image_mean)
+        self.image_std = tuple(float(v) for v in self.image_std)
+        to_dtype(self.dtype)  # unknown dtype: UserError listing the names
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "WamRefConfig":
+        """The config of these constructor kwargs. Keys that are not options are ignored, as every policy does
+        today (making them an error for every policy and verb is issue #18 item 1)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in kwargs.items() if k in names})
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return to_dtype(self.dtype)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return graph_buckets(self.graph_buckets, self.max_batch)
+
+
+@dataclass
+class Placement:
+    """Where the weights live now. One object shared by the policy, its input processor and its inference engine,
+    so that `materialize(device)` moves all three at once."""
+
+    device: torch.device
+    dtype: torch.dtype
