@@ -50,4 +50,4 @@ def test_wam_ref_reads_read_only_images_without_a_torch_warning():
     assert not img.flags.writeable
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pol.pixel_values([img])
+        pol.inputs.pixel_values([img])

@@ -370,3 +370,28 @@ def config_help(cls: type, usage: str, intro: str = "", footer: str = "") -> str
     if footer:
         out += ["", footer.strip()]
     return "\n".join(out)
+
+
+# ---- constructor options of registered classes (policies, envs) ---------------------------------------------------
+
+def option_names(cls: type) -> set[str]:
+    """The keyword options a registered class takes: the fields of its `config_class` dataclass when it has one,
+    else the named parameters of its __init__ (a `**_` catch-all adds none)."""
+    import inspect
+
+    cfg = getattr(cls, "config_class", None)
+    if cfg is not None and dataclasses.is_dataclass(cfg):
+        return {f.name for f in dataclasses.fields(cfg) if f.init}
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {p.name for p in params if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def check_options(kind: str, name: str, cls: type, kwargs: dict, common: tuple[str, ...] = ()) -> None:
+    """ConfigError naming the misspelled key(s) and every valid one, e.g. `policy_args.sise` for wam-ref. `common`:
+    keys callers pass to every class of this kind (each class ignores those it does not use)."""
+    valid = option_names(cls)
+    unknown = sorted(k for k in kwargs if k not in valid and k not in common)
+    if unknown:
+        keys = ", ".join(f"{kind}.{k}" for k in unknown)
+        raise ConfigError(f"{keys}: not an option of {name!r}; valid keys: {', '.join(sorted(valid))}")
+

@@ -98,5 +98,10 @@ def env_class(name: str):
 
 
 def make_env(name: str, **kwargs) -> Env:
-    """Build an env by registered name; kwargs go to its constructor (suite, image_size, ...)."""
-    return env_class(name)(**kwargs)
+    """Build an env by registered name; kwargs go to its constructor (suite, image_size, ...). A key that is not one of
+    its options is a ConfigError naming it (`env_args.foo`) and the valid keys."""
+    from wamkit.core.config import check_options
+
+    cls = env_class(name)
+    check_options("env_args", name, cls, kwargs)
+    return cls(**kwargs)

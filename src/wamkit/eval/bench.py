@@ -149,7 +149,10 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
     """runtime: run_eval keyword arguments placing the workers (wamkit.runtime.eval_runtime); None = local.
     share_server: with inference=server (and no server.url, local runtime), one set of local servers serves every
     row and the inference bound; false: each row starts its own (run_eval's default)."""
+    from wamkit.eval.runner import check_names
+
     console = console or Console(stderr=True)
+    check_names(base)                      # a misspelled name or option: one line before any row starts
     if share_server and not runtime:
         with shared_servers(base, console) as workers:
             return _bench_eval(base, out, console, rows, horizon, {"server_workers": workers} if workers else None)

@@ -67,6 +67,13 @@ def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:
     if cfg.max_steps is not None:
         kw["max_steps"] = cfg.max_steps
     worker = EnvWorker(cfg.env, kw, index=0)
+    from wamkit.core.config import check_options
+    from wamkit.envs.base import env_class
+    from wamkit.policies.registry import COMMON_KWARGS, is_export_dir, policy_class
+
+    if not is_export_dir(cfg.policy):       # a misspelled policy_args key: one line before the simulator is built
+        check_options("policy_args", cfg.policy, policy_class(cfg.policy), cfg.policy_args, common=COMMON_KWARGS)
+    check_options("env_args", cfg.env, env_class(cfg.env), cfg.env_args)
     t_build = time.time()
     if cfg.progress:
         with console.status(f"starting the {cfg.env} env worker (building its simulator) ..."):

@@ -76,10 +76,15 @@ def server_options(cfg: EvalConfig):
     return dataclasses.replace(cfg.server, serve_args={**cfg.server.serve_args, "device": cfg.device})
 
 
-def _check_names(cfg: EvalConfig) -> None:
-    env_class(cfg.env)                     # raises "unknown env ...; valid choices: ..."
+def check_names(cfg: EvalConfig) -> None:
+    """Names and option keys, before any process starts: unknown env/policy, or a key that is not one of their
+    options (`policy_args.sise`, `env_args.foo`), is one line naming it and the valid choices."""
+    from wamkit.core.config import check_options
+    from wamkit.policies.registry import COMMON_KWARGS
+
+    check_options("env_args", cfg.env, env_class(cfg.env), env_kwargs(cfg))
     if not is_export_dir(cfg.policy):
-        policy_class(cfg.policy)
+        check_options("policy_args", cfg.policy, policy_class(cfg.policy), cfg.policy_args, common=COMMON_KWARGS)
 
 
 def _prepare_out(cfg: EvalConfig) -> tuple[Path, Journal]:
@@ -145,7 +150,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
     the caller started and keeps (used instead of starting any, restarted if they stop answering, left running);
     cores: CPU cores the envs share (default: this machine's), used by the auto scheduler's cost model."""
     console = console or Console(stderr=True)
-    _check_names(cfg)
+    check_names(cfg)
     if cfg.logger == "wandb":
         from wamkit.core.tracking import require_wandb
 

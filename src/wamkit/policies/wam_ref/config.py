@@ -107,8 +107,8 @@ class WamRefConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "WamRefConfig":
-        """The config of these constructor kwargs. Keys that are not options are ignored, as every policy does
-        today (making them an error for every policy and verb is issue #18 item 1)."""
+        """The config of these constructor kwargs. Keys that are not options are left out here: make_policy has
+        already refused them (the common action_dim/horizon/device keys are options of wam-ref)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in kwargs.items() if k in names})
 

@@ -75,6 +75,8 @@ def _engine_option(name: str, doc: str) -> property:
 class WamRefPolicy(Policy):
     """The reference WAM. See the module docstring and docs/models.md; options: `WamRefConfig`."""
 
+    config_class = WamRefConfig      # its options (make_policy refuses any other key)
+
     name = "wam-ref"
 
     def __init__(self, config: WamRefConfig | None = None, **kwargs):
