@@ -11,7 +11,14 @@
 #                   gripper + mount meshes, the scenes/objects/textures of the two suites, their bddl and init files),
 #                   xz -9. PNG textures are stored as lossless WebP (*.png.webp, ~2x smaller than the PNGs, which xz
 #                   cannot shrink); setup_libero_slim.sh turns them back into PNGs with the same pixels.
-#   wheels/         gymnasium + farama-notifications (from .whl/; mujoco's cp312 wheel stays in .whl/).
+#   wheels/         gymnasium + farama-notifications (from .whl/), termcolor (PyPI); mujoco's cp312 wheel stays in .whl/.
+# Measured (2026-12-03): 3576 files, 239 MiB as installed -> libero.tar.xz 19.0 MiB (meshes .msh 76 -> ~14 MiB,
+# Panda .obj 37 -> ~3.4 MiB) + WebP textures 54.2 MiB (114 MiB as PNG) + wheels 0.5 MiB = 73.7 MiB: ~25 MiB more than
+# one call holds beside the repo, .gl and mujoco's wheel. So the textures are split: libero-tex-a.tar (29.3 MiB) goes
+# with libero.tar.xz and wheels/ (48.8 MiB together, MAX_MIB), libero-tex-b.tar (25.0 MiB) in the call before, on the
+# same warm machine (setup_libero_slim.sh says how).
+# Check (CHECK=1): all 20 tasks x trials 0,1 x (reset, one chunk): 160 images + 80 states np.array_equal to the full
+# install, in a bare python3.11 venv (numpy, scipy, pillow, ..., mujoco) + the bundle.
 # Usage: bash bench/device/fetch_libero_slim.sh   (CHECK=1 also proves it: see the end of this file; REUSE=1 keeps
 # an earlier trace in $W)
 set -euo pipefail
@@ -59,6 +66,7 @@ else:
     sys.exit(1 if bad or not keys else 0)
 PYEOF
 
+if [ "${CHECK:-0}" != only ]; then   # CHECK=only: just the check, of the bundle already built
 # 1. measure: both suites at once (2 envs), each under strace
 export PYTHONPATH=$ROOT/src MUJOCO_GL=${MUJOCO_GL:-egl} PYOPENGL_PLATFORM=${PYOPENGL_PLATFORM:-egl} LP_NUM_THREADS=1
 pids=()
@@ -135,6 +143,8 @@ print(f"{len(keep)} files, {raw / 2**20:.1f} MiB as installed; {sum(v is not Non
 PYEOF
 rm -f "$ROOT"/.libero-slim/libero*.tar*
 cp "$ROOT"/.whl/gymnasium-*.whl "$ROOT"/.whl/farama_notifications-*.whl "$ROOT/.libero-slim/wheels/"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux2014_x86_64 -d "$ROOT/.libero-slim/wheels" termcolor==3.3.0   # robosuite's logger, when imported
 nice -n 10 xz -9e -T2 -c "$W/libero.tar" > "$ROOT/.libero-slim/libero.tar.xz"
 # WebP textures: as many as fit beside libero.tar.xz + wheels/ in MAX_MIB (default 49: with mujoco's and
 # uvicorn/starlette's wheels, the repo and .gl that is one 64 MiB call) go to libero-tex-a.tar; the rest to
@@ -164,18 +174,26 @@ print(f"textures: {len(a)} in libero-tex-a.tar, {len(b)} in libero-tex-b.tar")
 PYEOF
 du -b "$ROOT"/.libero-slim/* "$ROOT"/.libero-slim/wheels/*
 echo "total .libero-slim: $(du -sb "$ROOT/.libero-slim" | cut -f1) bytes"
+fi
 
-# 3. CHECK=1: a bare venv with only what the device has (numpy, scipy, pillow, ..., mujoco 3.3.0 for this Python)
-# plus the bundle, through setup_libero_slim.sh; every observation must equal the full install's (np.array_equal).
-if [ "${CHECK:-0}" = 1 ]; then
+# 3. CHECK=1 (or only): a bare venv with only what the device has (numpy, scipy, pillow, ..., mujoco 3.3.0 for this
+# Python) plus the bundle through setup_libero_slim.sh, in two steps as on the device (first libero-tex-b.tar alone,
+# which must leave setup unfinished, then the rest); every observation must equal the full install's (np.array_equal).
+if [ "${CHECK:-0}" != 0 ]; then
   V=${V:-/tmp/slimcheck}
   [ -x "$V/bin/python" ] || { python3.11 -m venv "$V" && "$V/bin/pip" install -q numpy==2.4.6 scipy==1.17.1 \
     pillow==13.0.0 pyyaml==6.0.4 h5py imageio==2.38.2 opencv-python-headless numba==0.68.1 matplotlib==3.11.2 \
     tqdm==4.70.1 cloudpickle==3.1.3 networkx==3.6.1 packaging six typing-extensions mujoco==3.3.0; }
-  rm -rf /tmp/libero-slim-check
-  ( cd "$ROOT" && env -i PATH="$V/bin:/usr/bin:/bin" HOME=/tmp/slimcheck-home LIBERO_SLIM_DIR=/tmp/libero-slim-check \
-    bash -c "source bench/device/setup_libero_slim.sh || exit 1; export PYTHONPATH=$ROOT/src:\$PYTHONPATH
-             for s in $SUITES; do nice -n 10 python $W/probe.py check $W/ref.\$s.npz \$s > $W/check.\$s.log 2>&1 &
-             done; rc=0; for j in \$(jobs -p); do wait \$j || rc=1; done; exit \$rc" ) && rc=0 || rc=1
+  rm -rf /tmp/libero-slim-check "$W/first"; mkdir -p "$W/first"
+  ln -s "$ROOT/.libero-slim/libero-tex-b.tar" "$W/first/"
+  E=(env -i PATH="$V/bin:/usr/bin:/bin" HOME=/tmp/slimcheck-home LIBERO_SLIM_DIR=/tmp/libero-slim-check)
+  if (cd "$ROOT" && "${E[@]}" LIBERO_SLIM_BUNDLE="$W/first" bash -c "source bench/device/setup_libero_slim.sh"); then
+    echo "check: setup finished with libero-tex-b.tar alone"; exit 1
+  fi
+  ( cd "$ROOT" && "${E[@]}" bash -c "source bench/device/setup_libero_slim.sh || exit 1
+      export PYTHONPATH=$ROOT/src:\$PYTHONPATH
+      python -c 'import libero.libero, robosuite, mujoco, OpenGL; print(libero.libero.get_libero_path(\"assets\"))'
+      for s in $SUITES; do nice -n 10 python $W/probe.py check $W/ref.\$s.npz \$s > $W/check.\$s.log 2>&1 & done
+      rc=0; for j in \$(jobs -p); do wait \$j || rc=1; done; exit \$rc" ) && rc=0 || rc=1
   tail -n 1 "$W"/check.*.log; exit $rc
 fi

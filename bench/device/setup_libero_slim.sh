@@ -5,11 +5,17 @@
 # libero-tex-a.tar, libero-tex-b.tar) is unpacked once into $LIBERO_SLIM_DIR (default /tmp/libero-slim: outside the
 # synced tree, so a later call on the same warm machine finds it there; libero-tex-b.tar does not fit beside the rest
 # in one 64 MiB call, so carry it in the call before); WebP textures become PNGs again (same pixels). Installs
-# .libero-slim/wheels/*.whl (gymnasium, farama-notifications) and, when mujoco is not importable, a mujoco wheel for
+# .libero-slim/wheels/*.whl (gymnasium, farama-notifications, termcolor) and, when mujoco is not importable, a mujoco wheel for
 # this Python from .whl-lite/ or .whl/; writes LIBERO's path config (bddl files, init states, assets -> the bundle);
 # exports PYTHONPATH and LIBERO_CONFIG_PATH. Returns 1 (and says which) while a part in parts.txt is missing.
 # Needs from the machine: numpy, scipy, pillow, pyyaml, opencv, numba, matplotlib, cloudpickle, packaging (in the
 # device image); GL: the .gl packages (EGL) or setup_osmesa.sh.
+# On the device (the machine keeps /tmp/libero-slim only while warm: make call 2 right after call 1):
+#   call 1: carry [".libero-slim/libero-tex-b.tar"]; command: source bench/device/setup_libero_slim.sh || true; ...
+#           (unpacks part b, then says libero.tar.xz is missing: expected)
+#   call 2: carry [".gl", ".whl-lite", ".libero-slim/libero.tar.xz", ".libero-slim/libero-tex-a.tar",
+#           ".libero-slim/wheels", ".libero-slim/parts.txt"]; command:
+#           for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig; source bench/device/setup_libero_slim.sh || exit 1; ...
 _ls_main() {
   local D=${LIBERO_SLIM_DIR:-/tmp/libero-slim} B=${LIBERO_SLIM_BUNDLE:-$PWD/.libero-slim} PY=${PYTHON:-python3}
   local part stamp missing=""
@@ -36,13 +42,16 @@ PYEOF
     echo "$stamp" > "$D/stamps/$part"
     [ "$part" = libero.tar.xz ] && cp "$B/parts.txt" "$D/parts.txt"
   done
-  if [ ! -f "$D/stamps/wheels" ]; then
-    local whl=("$B"/wheels/*.whl) tag
+  if [ ! -f "$D/stamps/wheels" ] && [ -d "$B/wheels" ]; then
+    local whl=() tag
+    whl=($(ls "$B"/wheels/*.whl 2>/dev/null))
     if ! "$PY" -c 'import mujoco' 2>/dev/null; then
       tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
       whl+=($(ls "$PWD"/.whl-lite/mujoco-*-"$tag"-*.whl "$PWD"/.whl/mujoco-*-"$tag"-*.whl 2>/dev/null | head -n 1))
     fi
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$D/site" "${whl[@]}" || return 1
+    if [ ${#whl[@]} -gt 0 ]; then
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$D/site" "${whl[@]}" || return 1
+    fi
     touch "$D/stamps/wheels"
   fi
   mkdir -p "$D/config"
