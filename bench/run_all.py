@@ -22,8 +22,8 @@ SCRIPTS = {  # name -> (script, args)
     "ray": ("bench_ray.py", []),
     "eval": ("bench_eval.py", []),
 }
-ORDER = ["eval", "loop", "envs", "serve", "ws", "data", "policy", "train", "ray", "gpu"]
-TITLES = {"eval": "Evaluation scheduler (issue: pipelined evaluation)", "loop": "Learning loop (make demo)", "envs": "Environments",
+ORDER = ["cosmos3", "eval", "loop", "envs", "serve", "ws", "data", "policy", "train", "ray", "gpu"]
+TITLES = {"cosmos3": "The reference flow on LIBERO, CPU (Cosmos3 path, SGLang stand-in)", "eval": "Evaluation scheduler (issue: pipelined evaluation)", "loop": "Learning loop (make demo)", "envs": "Environments",
           "serve": "Action serving", "ws": "Websocket vs HTTP serving (openpi, SGLang realtime)",
           "data": "Data loading", "policy": "Models (CPU inference)", "train": "Training (CPU)", "ray": "Ray runtime",
           "gpu": "GPU measurements (H200, device)"}

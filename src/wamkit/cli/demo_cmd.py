@@ -233,7 +233,7 @@ def _record_settings(cfg: DemoConfig) -> dict[str, Any]:
 
 def learn_stage(cfg: DemoConfig, out: Path, console: Console) -> dict:
     from wamkit.eval.record import RecordConfig, record
-    from wamkit.eval.report import load_summary
+    from wamkit.eval.metrics import load_summary
     from wamkit.eval.runner import run_eval
     from wamkit.train.config import TrainConfig
     from wamkit.train.export import export_checkpoint

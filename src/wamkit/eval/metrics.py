@@ -47,3 +47,17 @@ def summarize(records: list[dict[str, Any]], *, wall_s: float, config: dict[str,
 def outcome_view(records: list[dict[str, Any]]) -> dict[str, tuple[bool, int]]:
     """key -> (success, steps): what must not depend on the schedule."""
     return {r["key"]: (bool(r["success"]), int(r["steps"])) for r in records}
+
+
+def load_summary(out) -> dict:
+    """OUT/summary.json of an evaluation output directory (UserError naming the directory when there is none)."""
+    import json
+    from pathlib import Path
+
+    from wamkit.core.errors import UserError
+
+    p = Path(out) / "summary.json"
+    if not p.exists():
+        raise UserError(f"no summary.json in {out} (is it an evaluation output directory?)")
+    return json.loads(p.read_text())
+

@@ -3,20 +3,12 @@ report.html (see report_html)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from wamkit.core.errors import UserError
-
-
-def load_summary(out: str | Path) -> dict:
-    p = Path(out) / "summary.json"
-    if not p.exists():
-        raise UserError(f"no summary.json in {out} (is it an evaluation output directory?)")
-    return json.loads(p.read_text())
+from wamkit.eval.metrics import load_summary  # noqa: F401  (the results contract; kept importable from here)
 
 
 def task_table(summary: dict) -> Table:

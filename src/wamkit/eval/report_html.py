@@ -169,7 +169,7 @@ def _videos(out: Path, records: list[dict[str, Any]]) -> str:
 
 def render_html(out: str | Path) -> str:
     """The page for evaluation output directory `out` (needs OUT/summary.json)."""
-    from wamkit.eval.report import load_summary
+    from wamkit.eval.metrics import load_summary
 
     out = Path(out)
     s = load_summary(out)

@@ -42,10 +42,10 @@ from wamkit.protocol.messages import ActionRequest
 from wamkit.serve.batcher import Batcher, QueueFull
 from wamkit.serve.config import INSTANCE_ENV, ServeConfig
 from wamkit.serve.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics, wants_prometheus
+from wamkit.serve.errors import OFFLOAD_BYTES, error_response
 from wamkit.serve.ws import websocket_routes
 
 log = logging.getLogger("wamkit.serve")
-_OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are decoded in a helper thread, not on the event loop
 
 
 class _HTTPError(Exception):
@@ -54,11 +54,6 @@ class _HTTPError(Exception):
         self.status, self.message, self.path, self.headers = status, message, path, headers or {}
 
 
-def _error(status: int, message: str, path: str = "", headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = {401: "authentication_error", 408: "request_timeout", 413: "request_too_large",
-            415: "unsupported_media_type", 503: "server_busy", 500: "server_error"}.get(status, "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "path": path, "code": status},
-                         "detail": message}, status_code=status, headers=headers)
 
 
 def served_max_batch(cfg: ServeConfig, policy: Policy) -> int:
@@ -239,7 +234,7 @@ class ActionServer:
         body = await self._read_body(request)
         ct = request.headers.get("content-type", "")
         binary = is_msgpack(ct) or "msgpack" in request.headers.get("accept", "").lower()
-        if len(body) > _OFFLOAD_BYTES:
+        if len(body) > OFFLOAD_BYTES:
             req = await asyncio.get_running_loop().run_in_executor(self.decode_pool, self._decode, body, ct)
         else:
             req = self._decode(body, ct)
@@ -282,15 +277,15 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
             try:
                 return await fn(request)
             except ProtocolError as e:
-                resp = _error(e.status, str(e), e.path)
+                resp = error_response(e.status, str(e), e.path)
             except _HTTPError as e:
-                resp = _error(e.status, e.message, e.path, e.headers)
+                resp = error_response(e.status, e.message, e.path, e.headers)
             except QueueFull as e:
                 srv.metrics.count("rejected_busy")
-                resp = _error(503, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
+                resp = error_response(503, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
             except Exception as e:  # the policy failed: answer 500, keep serving
                 log.exception("request failed")
-                resp = _error(500, f"{type(e).__name__}: {e}")
+                resp = error_response(500, f"{type(e).__name__}: {e}")
             srv.metrics.response(resp.status_code)
             return resp
         return handler

@@ -25,7 +25,7 @@ import hmac
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from starlette.requests import Request
@@ -38,9 +38,8 @@ from wamkit.protocol.messages import ActionRequest
 from wamkit.protocol.openpi import (bytes_keyed_marker, is_action_request, observation_from_openpi, packb,
                                     unpackb)
 from wamkit.serve.batcher import QueueFull
+from wamkit.serve.errors import OFFLOAD_BYTES, error_response
 
-if TYPE_CHECKING:
-    from wamkit.serve.app import ActionServer
 
 log = logging.getLogger("wamkit.serve.ws")
 OPENPI_PATHS = ("/openpi/policy", "/")
@@ -54,15 +53,13 @@ class _FrameError(Exception):
 
 
 def _error_body(status: int, message: str, path: str = "", retry_after_s: float | None = None) -> dict[str, Any]:
-    from wamkit.serve.app import _error  # the HTTP API's error body: one layout for both transports
-
-    body = json.loads(_error(status, message, path).body)
+    body = json.loads(error_response(status, message, path).body)   # the HTTP API's layout, for both transports
     if retry_after_s is not None:
         body["error"]["retry_after_s"] = retry_after_s
     return body
 
 
-def _token_ok(srv: ActionServer, ws: WebSocket) -> bool:
+def _token_ok(srv: Any, ws: WebSocket) -> bool:
     if srv.token is None:
         return True
     scheme, _, given = ws.headers.get("authorization", "").partition(" ")
@@ -90,7 +87,7 @@ class _Connection:
     """One websocket client: reads frames one at a time and answers each (requests of one connection are answered in
     order; concurrency comes from several connections, whose observations meet in the batcher)."""
 
-    def __init__(self, srv: ActionServer, ws: WebSocket, envelope: bool):
+    def __init__(self, srv: Any, ws: WebSocket, envelope: bool):
         self.srv, self.ws, self.envelope = srv, ws, envelope
         self.prev_total_ms: float | None = None
 
@@ -156,9 +153,7 @@ class _Connection:
         if len(data) > srv.max_body:
             raise _FrameError(413, f"frame of {len(data)} bytes exceeds the cap of {srv.max_body} bytes "
                                    f"(max_body_mb={srv.cfg.max_body_mb})")
-        from wamkit.serve.app import _OFFLOAD_BYTES  # as HTTP bodies: larger frames are decoded off the event loop
-
-        if len(data) > _OFFLOAD_BYTES:
+        if len(data) > OFFLOAD_BYTES:
             body = await asyncio.get_running_loop().run_in_executor(srv.decode_pool, unpackb, data)
         else:
             body = unpackb(data)
@@ -201,7 +196,7 @@ class _Connection:
         return packb(out)
 
 
-def websocket_routes(srv: ActionServer) -> list:
+def websocket_routes(srv: Any) -> list:
     """The websocket routes (and openpi's /healthz) over the ActionServer `srv`."""
 
     async def openpi(ws: WebSocket) -> None:

@@ -1,0 +1,15 @@
+"""The error body of every route, HTTP and websocket: one layout, `{"error": {message, type, path, code}, "detail"}`,
+and the size above which a request body or frame is decoded off the event loop."""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are decoded in a helper thread, not on the event loop
+
+
+def error_response(status: int, message: str, path: str = "", headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = {401: "authentication_error", 408: "request_timeout", 413: "request_too_large",
+            415: "unsupported_media_type", 503: "server_busy", 500: "server_error"}.get(status, "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "path": path, "code": status},
+                         "detail": message}, status_code=status, headers=headers)
