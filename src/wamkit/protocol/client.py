@@ -193,11 +193,7 @@ class ActionClient:
                       parameters: dict[str, Any] | None = None) -> np.ndarray:
         """(N, H, D) float32 action chunks for N observations, in order."""
         n = len(observations)
-        if n == 0:
-            raise ValueError("predict needs at least one observation")
-        seeds = list(range(n)) if seeds is None else [int(s) for s in seeds]
-        if len(seeds) != n:
-            raise ValueError(f"{len(seeds)} seeds for {n} observations")
+        seeds = checked_seeds(n, seeds)
         params = {**self.parameters, **(parameters or {})}
         rad = params.get("raw_action_dim", self.raw_action_dim)
         if self.mode == "sglang":
@@ -207,13 +203,7 @@ class ActionClient:
         timings: list[dict[str, Any]] = []
         results = await asyncio.gather(*(self._send([observations[i] for i in idx], [seeds[i] for i in idx],
                                                     params, rad, timings) for idx in plan))
-        out: np.ndarray | None = None
-        for idx, acts in zip(plan, results):
-            if out is None:
-                out = np.empty((n,) + acts.shape[1:], np.float32)
-            elif acts.shape[1:] != out.shape[1:]:
-                raise ActionClientError(f"requests returned chunks of shapes {acts.shape[1:]} and {out.shape[1:]}")
-            out[idx] = acts
+        out = scatter_chunks(n, plan, results)
         timings.sort(key=lambda t: t["t_send"])
         self.last_timings = timings
         if self.postprocess is not None:
@@ -247,6 +237,28 @@ class ActionClient:
         if self.on_timing is not None:
             self.on_timing(rec)
         return resp.actions
+
+
+def checked_seeds(n: int, seeds: Sequence[int] | None) -> list[int]:
+    """One integer seed per observation (0..n-1 when none are given)."""
+    if n == 0:
+        raise ValueError("predict needs at least one observation")
+    seeds = list(range(n)) if seeds is None else [int(s) for s in seeds]
+    if len(seeds) != n:
+        raise ValueError(f"{len(seeds)} seeds for {n} observations")
+    return seeds
+
+
+def scatter_chunks(n: int, plan: list[list[int]], results: Sequence[np.ndarray]) -> np.ndarray:
+    """The chunks of each request (`plan[k]`: the observation indices of request k) back in observation order."""
+    out: np.ndarray | None = None
+    for idx, acts in zip(plan, results):
+        if out is None:
+            out = np.empty((n,) + acts.shape[1:], np.float32)
+        elif acts.shape[1:] != out.shape[1:]:
+            raise ActionClientError(f"requests returned chunks of shapes {acts.shape[1:]} and {out.shape[1:]}")
+        out[idx] = acts
+    return out
 
 
 def _error_message(r: httpx.Response) -> str:

@@ -36,7 +36,7 @@ import numpy as np
 from wamkit.core.types import Observation
 from wamkit.protocol import ProtocolError, parse_response
 from wamkit.protocol.openpi import build_ws_request, decode_openpi_actions, observation_to_openpi, packb, unpackb
-from wamkit.protocol.client import RETRY_STATUS, ActionClientError
+from wamkit.protocol.client import RETRY_STATUS, ActionClientError, checked_seeds, scatter_chunks
 
 PROTOCOLS = ("openpi", "sglang-ws")
 DEFAULT_PATHS = {"openpi": "/openpi/policy", "sglang-ws": "/v1/actions/realtime"}
@@ -289,11 +289,7 @@ class WebsocketActionClient:
                       parameters: dict[str, Any] | None = None) -> np.ndarray:
         """(N, H, D) float32 action chunks for N observations, in order."""
         n = len(observations)
-        if n == 0:
-            raise ValueError("predict needs at least one observation")
-        seeds = list(range(n)) if seeds is None else [int(s) for s in seeds]
-        if len(seeds) != n:
-            raise ValueError(f"{len(seeds)} seeds for {n} observations")
+        seeds = checked_seeds(n, seeds)
         params = {**self.parameters, **(parameters or {})}
         rad = params.get("raw_action_dim", self.raw_action_dim)
         await self.server_max_batch()
@@ -301,13 +297,7 @@ class WebsocketActionClient:
         timings: list[dict[str, Any]] = []
         results = await asyncio.gather(*(self._send([observations[i] for i in idx], [seeds[i] for i in idx],
                                                     params, rad, timings) for idx in plan))
-        out: np.ndarray | None = None
-        for idx, acts in zip(plan, results):
-            if out is None:
-                out = np.empty((n,) + acts.shape[1:], np.float32)
-            elif acts.shape[1:] != out.shape[1:]:
-                raise ActionClientError(f"frames returned chunks of shapes {acts.shape[1:]} and {out.shape[1:]}")
-            out[idx] = acts
+        out = scatter_chunks(n, plan, results)
         timings.sort(key=lambda t: t["t_send"])
         self.last_timings = timings
         if self.action_horizon:
