@@ -19,7 +19,8 @@ SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.wamkit-sglang
 SGLANG_PKGS := sglang==0.5.23 fastapi==0.165.0 orjson==3.13.0 pybase64==1.5.1 msgspec==0.23.0 pyzmq==27.3.0 \
   psutil==7.2.2 einops==0.8.2 dill==0.4.1 sentencepiece==0.2.3 compressed-tensors==0.20.1 gguf==0.19.0 \
-  diffusers==0.42.1 addict==2.4.0 imageio-ffmpeg==0.8.1 cache-dit==1.5.3 openai==3.57.0 partial-json-parser==0.2.1.1.post7
+  diffusers==0.42.1 addict==2.4.0 imageio-ffmpeg==0.8.1 cache-dit==1.5.3 openai==3.57.0 partial-json-parser==0.2.1.1.post7 \
+  loguru==0.7.3 sniffio==1.3.1
 
 .PHONY: setup sglang-env apt demo test test-fast bench clean
 
@@ -46,7 +47,7 @@ $(STAMP): pyproject.toml
 
 sglang-env: $(SGLANG_STAMP)
 
-$(SGLANG_STAMP): $(STAMP)
+$(SGLANG_STAMP): $(STAMP) Makefile
 	@[ -x $(SGLANG_VENV)/bin/python ] || $(PY) -m venv $(SGLANG_VENV)
 	@echo "import site; site.addsitedir('$$($(BIN)/python -c 'import site; print(site.getsitepackages()[0])')')" \
 	  > "$$($(SGLANG_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/wamkit-venv.pth"
