@@ -267,7 +267,8 @@ def learn_stage(cfg: DemoConfig, out: Path, console: Console) -> dict:
     exported = out / "policy"
     export_checkpoint(out / "train" / "checkpoints", exported)
     rows = {}
-    for name, policy, pargs in (("untrained", "wam-ref", {**policy_args, "seed": 0}), ("trained", str(exported), {})):
+    untrained = {**policy_args, "init_seed": 0}    # (was "seed": 0, a key wam-ref silently ignored; same weights)
+    for name, policy, pargs in (("untrained", "wam-ref", untrained), ("trained", str(exported), {})):
         ev = EvalConfig(env="metaworld", suite="mt", env_args=env_args, trials=cfg.trials, trial_start=0,
                         image_size=cfg.mw_image_size, max_steps=cfg.mw_max_steps, policy=policy, policy_args=pargs,
                         horizon=cfg.horizon, mode="auto", num_envs=cfg.eval_envs, inference="server",
