@@ -59,7 +59,7 @@ class LiberoEnv(Env):
 
     def __init__(self, suite: str = default_suite, image_size: int = 256,
                  cameras: tuple[str, ...] = ("image", "wrist_image"), max_steps: int | None = None,
-                 seed: int = 0, **_):
+                 seed: int = 0):
         default_max = C.suite_max_steps(suite)
         cameras = tuple(cameras)
         bad = [c for c in cameras if c not in C.CAMERAS]

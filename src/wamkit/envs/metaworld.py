@@ -67,7 +67,7 @@ class MetaWorldEnv(Env):
 
     def __init__(self, suite: str = default_suite, tasks: tuple[str, ...] | list[str] = DEFAULT_TASKS, image_size: int = 224,
                  cameras: tuple[str, ...] = ("image",), max_steps: int = 150, seed: int = 0,
-                 render_quality: str = "model", **_):
+                 render_quality: str = "model"):
         if suite != "mt":
             raise ConfigError(f"unknown MetaWorld suite {suite!r}; valid choices: mt")
         # CLI overrides give one name as a plain string (`env_args.tasks=reach-v3`)

@@ -32,7 +32,7 @@ def task_from_instruction(text: str) -> str:
 
 
 class MetaWorldExpertPolicy(Policy):
-    def __init__(self, action_dim: int = 4, horizon: int = DEFAULT_HORIZON, **_):
+    def __init__(self, action_dim: int = 4, horizon: int = DEFAULT_HORIZON):
         if int(action_dim) != 4:
             raise UserError(f"metaworld-expert produces 4-D actions, got action_dim={action_dim}")
         if int(horizon) < 1:

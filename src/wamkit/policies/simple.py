@@ -18,7 +18,7 @@ GRIPPER_OPEN = -1.0
 class ZeroPolicy(Policy):
     """Holds still: zero deltas, gripper open (last channel = GRIPPER_OPEN)."""
 
-    def __init__(self, action_dim: int = 7, horizon: int = 16, **_):
+    def __init__(self, action_dim: int = 7, horizon: int = 16):
         self.spec = PolicySpec(name="zero", action=ActionSpec(dim=action_dim, horizon=horizon))
 
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
@@ -33,7 +33,7 @@ class ZeroPolicy(Policy):
 class RandomPolicy(Policy):
     """Uniform actions in [-scale, scale]; the chunk for an observation depends only on its seed."""
 
-    def __init__(self, action_dim: int = 7, horizon: int = 16, scale: float = 1.0, **_):
+    def __init__(self, action_dim: int = 7, horizon: int = 16, scale: float = 1.0):
         self.scale = float(scale)
         self.spec = PolicySpec(name="random", action=ActionSpec(dim=action_dim, horizon=horizon))
 
@@ -55,7 +55,7 @@ class FixedCostPolicy(RandomPolicy):
     `scale` defaults to 0.3 so episodes do not fly off; actions depend only on the seed (deterministic)."""
 
     def __init__(self, action_dim: int = 7, horizon: int = 16, base_ms: float = 200.0, per_obs_ms: float = 5.0,
-                 mode: str = "sleep", scale: float = 0.3, max_batch: int = 64, **_):
+                 mode: str = "sleep", scale: float = 0.3, max_batch: int = 64):
         super().__init__(action_dim=action_dim, horizon=horizon, scale=scale)
         self.base_ms, self.per_obs_ms, self.mode, self.max_batch = float(base_ms), float(per_obs_ms), mode, max_batch
         self.spec = PolicySpec(name="fixed-cost", action=ActionSpec(dim=action_dim, horizon=horizon),

@@ -54,7 +54,39 @@ class ActionClientError(RuntimeError):
         self.status, self.body = status, body
 
 
-class ActionClient:
+class RetryingClient:
+    """What both transports (this HTTP client, wamkit.serve.ws_client's websocket one) share: backoff between
+    attempts and restarting their local server (`worker`) when it cannot be reached, one restart at a time."""
+
+    backoff: float
+    backoff_max: float
+    worker: Any = None
+    _restart_lock: asyncio.Lock | None = None
+
+    def _delay(self, attempt: int, retry_after: float | None) -> float:
+        """Seconds before attempt+1: the server's Retry-After (+ jitter), else exponential backoff with jitter."""
+        if retry_after is not None:
+            return max(0.0, float(retry_after)) + random.uniform(0, 0.1)
+        return min(self.backoff_max, self.backoff * (2 ** attempt)) * random.uniform(0.5, 1.5)
+
+    async def _maybe_restart_worker(self) -> None:
+        if self.worker is None:
+            return
+        if self._restart_lock is None:
+            self._restart_lock = asyncio.Lock()
+        async with self._restart_lock:
+            await asyncio.to_thread(self.worker.ensure_healthy)
+
+
+def retry_after_s(header: str | None) -> float | None:
+    """A Retry-After header in seconds (None when absent or not a number)."""
+    try:
+        return float(header) if header else None
+    except ValueError:
+        return None
+
+
+class ActionClient(RetryingClient):
     def __init__(self, url: str, token: str | None = None, max_batch: int | None = None, timeout_s: float = 120.0,
                  retries: int = 4, backoff: float = 0.25, backoff_max: float = 10.0, mode: str = "wamkit",
                  binary: bool = True, parameters: dict[str, Any] | None = None,
@@ -99,22 +131,6 @@ class ActionClient:
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
-    def _delay(self, attempt: int, retry_after: str | None) -> float:
-        if retry_after:
-            try:
-                return max(0.0, float(retry_after)) + random.uniform(0, 0.1)
-            except ValueError:
-                pass
-        return min(self.backoff_max, self.backoff * (2 ** attempt)) * random.uniform(0.5, 1.5)
-
-    async def _maybe_restart_worker(self) -> None:
-        if self.worker is None:
-            return
-        if self._restart_lock is None:
-            self._restart_lock = asyncio.Lock()
-        async with self._restart_lock:
-            await asyncio.to_thread(self.worker.ensure_healthy)
-
     async def _request(self, method: str, path: str, content: bytes | None = None,
                        headers: dict[str, str] | None = None) -> tuple[httpx.Response, int]:
         """One HTTP exchange with retries. Returns (response with status < 400, attempts)."""
@@ -136,7 +152,7 @@ class ActionClient:
                     raise ActionClientError(f"{method} {path} -> {status}: {last}", status, r.content)
                 retry_after = r.headers.get("retry-after")
             if attempt < self.retries:
-                await asyncio.sleep(self._delay(attempt, retry_after))
+                await asyncio.sleep(self._delay(attempt, retry_after_s(retry_after)))
         raise ActionClientError(f"{method} {path} failed after {self.retries + 1} attempts: {last}", status)
 
     # ------------------------------------------------------------------ API

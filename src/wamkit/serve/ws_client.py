@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit, urlunsplit
@@ -36,7 +35,7 @@ import numpy as np
 from wamkit.core.types import Observation
 from wamkit.protocol import ProtocolError, parse_response
 from wamkit.protocol.openpi import build_ws_request, decode_openpi_actions, observation_to_openpi, packb, unpackb
-from wamkit.protocol.client import RETRY_STATUS, ActionClientError, checked_seeds, scatter_chunks
+from wamkit.protocol.client import RETRY_STATUS, ActionClientError, RetryingClient, checked_seeds, scatter_chunks
 
 PROTOCOLS = ("openpi", "sglang-ws")
 DEFAULT_PATHS = {"openpi": "/openpi/policy", "sglang-ws": "/v1/actions/realtime"}
@@ -83,7 +82,7 @@ def _error_reply(reply: Any) -> _Refused | None:
     return _Refused(str(err)[-2000:], 500)
 
 
-class WebsocketActionClient:
+class WebsocketActionClient(RetryingClient):
     def __init__(self, url: str, protocol: str = "openpi", token: str | None = None, max_batch: int | None = None,
                  max_connections: int = 32, timeout_s: float = 120.0, connect_timeout_s: float = 10.0,
                  retries: int = 4, backoff: float = 0.25, backoff_max: float = 10.0,
@@ -176,18 +175,6 @@ class WebsocketActionClient:
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
-    async def _maybe_restart_worker(self) -> None:
-        if self.worker is None:
-            return
-        if self._restart_lock is None:
-            self._restart_lock = asyncio.Lock()
-        async with self._restart_lock:
-            await asyncio.to_thread(self.worker.ensure_healthy)
-
-    def _delay(self, attempt: int, retry_after: float | None) -> float:
-        if retry_after is not None:
-            return max(0.0, float(retry_after)) + random.uniform(0, 0.1)
-        return min(self.backoff_max, self.backoff * (2 ** attempt)) * random.uniform(0.5, 1.5)
 
     async def _checkout(self):
         """(connection, None), or (None, why) after a failure worth retrying (the worker restarted if it stopped

@@ -198,7 +198,7 @@ class Cosmos3Policy(Policy):
                  framework_module: str = "cosmos_framework",
                  experiment: str = DEFAULT_EXPERIMENT, model_path: str | None = None,
                  keys_to_select: Sequence[str] = DEFAULT_KEYS_TO_SELECT, keys_to_skip_loading: Sequence[str] = (),
-                 ema: bool = False, vae_path: str | None = None, device: str = "cpu", client: Any = None, **_):
+                 ema: bool = False, vae_path: str | None = None, device: str = "cpu", client: Any = None):
         if action_dim != 7:
             raise UserError(f"cosmos3 (LIBERO) produces 7-D env actions, got action_dim={action_dim}")
         if horizon != C.ACTION_HORIZON:

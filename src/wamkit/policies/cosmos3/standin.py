@@ -43,8 +43,7 @@ def task_of_prompt(prompt: str) -> str:
 
 class Cosmos3StandIn(Policy):
     def __init__(self, inner: str = "fixed-cost", inner_args: dict[str, Any] | None = None, action_stats: Any = None,
-                 padded_action_dim: int = 64, max_batch: int = 8, action_dim: int = 7, horizon: int = C.ACTION_HORIZON,
-                 **_):
+                 padded_action_dim: int = 64, max_batch: int = 8):
         from wamkit.policies.registry import make_policy
 
         if action_stats is None:

@@ -10,7 +10,6 @@ key). `None` means "the size preset's value" (image_size, max_text_len, gen_*).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -107,10 +106,11 @@ class WamRefConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "WamRefConfig":
-        """The config of these constructor kwargs. Keys that are not options are left out here: make_policy has
-        already refused them (the common action_dim/horizon/device keys are options of wam-ref)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in kwargs.items() if k in names})
+        """The config of these constructor kwargs; a key that is not an option is a ConfigError naming it."""
+        from wamkit.core.config import check_options
+
+        check_options("policy_args", "wam-ref", cls, kwargs)
+        return cls(**kwargs)
 
     @property
     def torch_dtype(self) -> torch.dtype:
