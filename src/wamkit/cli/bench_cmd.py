@@ -1,7 +1,8 @@
 """`wamkit bench eval [config.yaml] key=value ...`: the scheduler table (see wamkit.eval.bench).
 
 Extra keys: rows=single-batch;auto (subset of rows); share_server=true|false (inference=server: one set of local
-servers for every row, default true). `out=` is the bench directory (one sub-directory per row)."""
+servers for every row, default true); rounds=N (every row N times, interleaved; median and min-max spread, default 1);
+bound=true|false (measure the stage bound after the rows, default true). `out=` is the bench directory (one sub-directory per row)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from wamkit.eval.config import EvalConfig
 def help_text(argv: list[str]) -> str:
     from wamkit.cli.eval_cmd import names_footer
 
-    return config_help(EvalConfig, "usage: wamkit bench eval [config.yaml] [rows=ROW;ROW] [share_server=true|false] "
+    return config_help(EvalConfig, "usage: wamkit bench eval [config.yaml] [rows=ROW;ROW] [share_server=true|false] [rounds=N] "
+                       "[bound=true|false] "
                        "[key=value ...]", __doc__ + "\nEvery `wamkit eval` key below applies to each row.",
                        names_footer())
 
@@ -25,18 +27,27 @@ def main(argv: list[str]) -> int:
         raise UserError("usage: wamkit bench eval [config.yaml] key=value ... (other benchmarks live in bench/)")
     path, overrides = split_args(argv[1:])
     rows = None
-    share = True
+    share = bound = True
+    rounds = 1
     rest = []
     for o in overrides:
         if o.startswith("rows="):
             rows = [r.strip() for r in o.split("=", 1)[1].split(";") if r.strip()]
         elif o.startswith("share_server="):
             share = parse_bool(o.split("=", 1)[1], "share_server")
+        elif o.startswith("bound="):
+            bound = parse_bool(o.split("=", 1)[1], "bound")
+        elif o.startswith("rounds="):
+            try:
+                rounds = int(o.split("=", 1)[1])
+            except ValueError:
+                raise UserError(f"rounds: expected an integer >= 1, got {o.split('=', 1)[1]!r}") from None
         else:
             rest.append(o)
     cfg = load_config(EvalConfig, path, rest)
     from wamkit.eval.bench import bench_eval
     from wamkit.runtime import eval_runtime
 
-    bench_eval(cfg, Path(cfg.out), rows=rows, horizon=cfg.horizon or 16, runtime=eval_runtime(cfg), share_server=share)
+    bench_eval(cfg, Path(cfg.out), rows=rows, horizon=cfg.horizon or 16, runtime=eval_runtime(cfg), share_server=share,
+               rounds=rounds, bound=bound)
     return 0

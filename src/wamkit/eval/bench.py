@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from wamkit.core.errors import ConfigError
 from wamkit.eval.config import EvalConfig
 
 
@@ -91,8 +93,7 @@ def _slug(row: str) -> str:
 def _first_task(out: Path, configs) -> str | None:
     """The instruction of the first episode the rows ran (the bound's synthetic observations use it)."""
     for name, _ in configs:
-        p = out / _slug(name) / "results.jsonl"
-        if p.exists():
+        for p in sorted((out / _slug(name)).glob("**/results.jsonl")):
             for line in p.read_text().splitlines():
                 with contextlib.suppress(ValueError, KeyError):
                     return json.loads(line)["task"]
@@ -145,22 +146,50 @@ def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0, task: st
 
 
 def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows: list[str] | None = None,
-               horizon: int = 16, runtime: dict[str, Any] | None = None, share_server: bool = True) -> dict[str, Any]:
+               horizon: int = 16, runtime: dict[str, Any] | None = None, share_server: bool = True,
+               rounds: int = 1, bound: bool = True) -> dict[str, Any]:
     """runtime: run_eval keyword arguments placing the workers (wamkit.runtime.eval_runtime); None = local.
     share_server: with inference=server (and no server.url, local runtime), one set of local servers serves every
-    row and the inference bound; false: each row starts its own (run_eval's default)."""
+    row and the inference bound; false: each row starts its own (run_eval's default).
+    rounds: every row `rounds` times, interleaved (round 1 runs each row once, then round 2 ...), so slow drifts of
+    the machine touch every row alike; a row reports its median env steps/s and the min-max spread.
+    bound: measure the stage bound after the rows (false: rows only, e.g. a long single-batch row run apart)."""
     from wamkit.eval.runner import check_names
 
     console = console or Console(stderr=True)
     check_names(base)                      # a misspelled name or option: one line before any row starts
-    if share_server and not runtime:
-        with shared_servers(base, console) as workers:
-            return _bench_eval(base, out, console, rows, horizon, {"server_workers": workers} if workers else None)
-    return _bench_eval(base, out, console, rows, horizon, runtime)
+    if rounds < 1:
+        raise ConfigError(f"rounds must be >= 1, got {rounds}")
+    if runtime:
+        return _bench_eval(base, out, console, rows, horizon, runtime, rounds, with_bound=bound)
+    # local: one set of env workers for every row (the simulators start once), and shared servers
+    from wamkit.eval.kept_envs import KeptEnvs
+
+    envs = KeptEnvs()
+    try:
+        with shared_servers(base, console) if share_server else contextlib.nullcontext([]) as workers:
+            rt: dict[str, Any] = {"env_workers": envs}
+            if workers:
+                rt["server_workers"] = workers
+            return _bench_eval(base, out, console, rows, horizon, rt, rounds, with_bound=bound)
+    finally:
+        envs.close()
+
+
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row over its rounds: the run with the median env steps/s, plus every round's rate and the spread."""
+    order = sorted(runs, key=lambda x: x["env_steps_per_s"])
+    med = dict(order[(len(order) - 1) // 2]) if len(order) % 2 else dict(order[len(order) // 2 - 1])
+    rates = [x["env_steps_per_s"] for x in runs]
+    med["env_steps_per_s"] = statistics.median(rates)
+    med["episodes_per_hour"] = statistics.median(x["episodes_per_hour"] for x in runs)
+    med["rounds"] = rates
+    med["spread"] = (max(rates) - min(rates)) / med["env_steps_per_s"] if med["env_steps_per_s"] else 0.0
+    return med
 
 
 def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] | None, horizon: int,
-                runtime: dict[str, Any] | None) -> dict[str, Any]:
+                runtime: dict[str, Any] | None, rounds: int = 1, with_bound: bool = True) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     m = base.num_envs
     r = dataclasses.replace
@@ -177,28 +206,37 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     configs.append(("auto+", r(base, mode="auto", num_envs=m, render_every_step=False, run_to_max_steps=False,
                                **common)))
     if rows:
+        unknown = [x for x in rows if x not in {c[0] for c in configs}]
+        if unknown:
+            raise ConfigError(f"rows: unknown row(s) {unknown}; rows of this plan: {'; '.join(c[0] for c in configs)}")
         configs = [c for c in configs if c[0] in rows]
-    results = []
-    for name, cfg in configs:
-        slug = _slug(name)
-        cfg = r(cfg, out=str(out / slug))
-        console.print(f"[bold]bench eval[/] {name}: mode={cfg.mode} envs={cfg.num_envs} B={cfg.batch} "
-                      f"P={cfg.pipelines}")
-        s = _run(cfg, console, runtime)
-        results.append(_row(name, s, horizon))
-        # rows so far, in case the run is cut short (bound and ratios come at the end)
-        (out / "bench_eval.partial.json").write_text(json.dumps({"rows": results}, indent=2))
-        console.print(f"  {results[-1]['episodes_per_hour']:.0f} episodes/h, "
-                      f"{results[-1]['env_steps_per_s']:.1f} env steps/s")
-    # stage bound: simulation alone and inference alone, same envs and plan
-    sim = _run(r(base, out=str(out / "bound_sim"), mode="auto", policy="zero", policy_args={},
-                 inference="inprocess", run_to_max_steps=True, render_every_step=False, **common), console, runtime)
-    sim_steps = sim["throughput"]["env_steps_per_s"]
-    auto_rows = [x for x in results if x["row"] == "auto"]
-    batch = max(1, round(auto_rows[0]["mean_batch"])) if auto_rows else max(1, m // 2)
-    inf_obs = inference_bound(base, batch, task=_first_task(out, configs) or "bench",
-                              workers=(runtime or {}).get("server_workers"))
-    bound = min(sim_steps, inf_obs * horizon)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
+    for k in range(rounds):
+        for name, cfg in configs:
+            slug = _slug(name) if rounds == 1 else f"{_slug(name)}/round{k + 1}"
+            cfg = r(cfg, out=str(out / slug))
+            console.print(f"[bold]bench eval[/] {name}{'' if rounds == 1 else f' (round {k + 1}/{rounds})'}: "
+                          f"mode={cfg.mode} envs={cfg.num_envs} B={cfg.batch} P={cfg.pipelines}")
+            s = _run(cfg, console, runtime)
+            runs[name].append(_row(name, s, horizon))
+            # rows so far, in case the run is cut short (bound and ratios come at the end)
+            (out / "bench_eval.partial.json").write_text(json.dumps({"rows": [x for v in runs.values() for x in v]},
+                                                                    indent=2))
+            console.print(f"  {runs[name][-1]['episodes_per_hour']:.0f} episodes/h, "
+                          f"{runs[name][-1]['env_steps_per_s']:.1f} env steps/s")
+    results = [_median_row(v) if rounds > 1 else v[0] for v in runs.values() if v]
+    sim_steps = inf_obs = bound = batch = None
+    if with_bound:
+        # stage bound: simulation alone and inference alone, same envs and plan
+        sim = _run(r(base, out=str(out / "bound_sim"), mode="auto", policy="zero", policy_args={},
+                     inference="inprocess", run_to_max_steps=True, render_every_step=False, **common), console,
+                   runtime)
+        sim_steps = sim["throughput"]["env_steps_per_s"]
+        auto_rows = [x for x in results if x["row"] == "auto"]
+        batch = max(1, round(auto_rows[0]["mean_batch"])) if auto_rows else max(1, m // 2)
+        inf_obs = inference_bound(base, batch, task=_first_task(out, configs) or "bench",
+                                  workers=(runtime or {}).get("server_workers"))
+        bound = min(sim_steps, inf_obs * horizon)
     base_rate = results[0]["env_steps_per_s"] if results and results[0]["row"] == "single-batch" else None
     base_eph = results[0]["episodes_per_hour"] if base_rate else None
     for x in results:
@@ -208,6 +246,7 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     report = {"rows": results, "bound": {"sim_env_steps_per_s": sim_steps, "inference_obs_per_s": inf_obs,
                                          "inference_batch": batch, "horizon": horizon,
                                          "bound_env_steps_per_s": bound},
+              "rounds": rounds,
               "plan": {"env": base.env, "suite": base.suite, "tasks": base.tasks, "trials": base.trials,
                        "num_envs": m, "max_steps": base.max_steps, "policy": base.policy,
                        "policy_args": base.policy_args,
@@ -222,10 +261,12 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
 def markdown(report: dict[str, Any]) -> str:
     # per-call times only when the rows have them (reports written before they were recorded do not)
     calls = any(x.get("request_ms_mean") for x in report["rows"])
+    rounds = report.get("rounds", 1) > 1
     lines = ["| obs/request (B) x pipelines (P) | episodes | episodes/h | env steps/s | inference obs/s | mean batch "
              "| x single-batch (steps/s) | x single-batch (episodes/h) | of bound |"
-             + (" request ms | server compute ms |" if calls else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if calls else "")]
+             + (" request ms | server compute ms |" if calls else "")
+             + (f" spread over {report['rounds']} rounds |" if rounds else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if calls else "") + ("---|" if rounds else "")]
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
@@ -234,9 +275,12 @@ def markdown(report: dict[str, Any]) -> str:
                     if calls else "")
         lines.append(f"| {x['row']} | {x['episodes']} | {x['episodes_per_hour']:.0f} | {x['env_steps_per_s']:.1f} | "
                      f"{x['inference_obs_per_s']:.2f} | {x['mean_batch']:.1f} | {f(x['ratio_steps'], '.2f')} | "
-                     f"{f(x['ratio_episodes'], '.2f')} | {f(x['of_bound'], '.2f')} |" + per_call)
+                     f"{f(x['ratio_episodes'], '.2f')} | {f(x['of_bound'], '.2f')} |" + per_call
+                     + (f" {100 * x.get('spread', 0.0):.1f}% |" if rounds else ""))
     b = report["bound"]
     lines.append("")
+    if b["bound_env_steps_per_s"] is None:
+        return "\n".join(lines + ["Stage bound: not measured in this run (bound=false)."]) + "\n"
     lines.append(f"Stage bound: simulation alone {b['sim_env_steps_per_s']:.1f} env steps/s; inference alone "
                  f"{b['inference_obs_per_s']:.2f} obs/s at batch {b['inference_batch']} = "
                  f"{b['inference_obs_per_s'] * b['horizon']:.1f} env steps/s (horizon {b['horizon']}); "
