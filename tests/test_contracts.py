@@ -216,3 +216,15 @@ def test_writer_finalizes_on_success_and_discards_on_error(tmp_path):
             w.add_frame({"action": np.zeros(2, np.float32)})
             raise ValueError("recording failed")
     assert not (tmp_path / "bad/meta").exists() and not list((tmp_path / "bad").glob(".wamkit_episode_*"))
+
+
+def test_ray_server_worker_ensure_healthy_restarts_only_an_unhealthy_server(monkeypatch):
+    """The clients' `worker=` calls ensure_healthy() when the server stops answering; the Ray worker has it too
+    (checked without Ray: health and restart stubbed)."""
+    w = RayServerWorker.__new__(RayServerWorker)
+    restarts = []
+    monkeypatch.setattr(w, "restart", lambda timeout=None: restarts.append(timeout), raising=False)
+    monkeypatch.setattr(w, "healthy", lambda timeout=2.0: True, raising=False)
+    assert w.ensure_healthy() is False and restarts == []
+    monkeypatch.setattr(w, "healthy", lambda timeout=2.0: False, raising=False)
+    assert w.ensure_healthy(5.0) is True and restarts == [5.0]

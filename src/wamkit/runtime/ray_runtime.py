@@ -1,4 +1,5 @@
-"""Env workers and action-server workers as Ray actors, behind the same interfaces as the local ones.
+"""Env workers and action-server workers as Ray actors, behind the same contracts as the local ones
+(`wamkit.envs.contracts.EnvWorkerLike`, `wamkit.serve.contracts.ServerWorkerLike`).
 
     workers = make_ray_env_workers("metaworld", {"suite": "mt"}, n=8, ray_opts={"placement": "spread"})
     # each: start(), .spec, .tasks, await reset(task_id, trial), await execute(chunk, ...), sync twins,
@@ -15,8 +16,9 @@
   bundle on a node with room) and re-runs the episode.
 
 Action servers: `make_ray_server_worker(ray_opts, **kw)` -> a `RayServerWorker` with the ServerWorker interface (start(),
-wait_healthy(timeout), url, healthy(), stop(), restart()). Each is an actor holding one GPU (num_gpus_per_server)
-that runs `wamkit.serve.workers.WamkitServerWorker` (the `wamkit serve` process) on its node and reports the URL.
+wait_healthy(timeout), url, healthy(), stop(), restart(), ensure_healthy()). Each is an actor holding one GPU
+(num_gpus_per_server) that runs `wamkit.serve.workers.WamkitServerWorker` (the `wamkit serve` process) on its node
+and reports the URL.
 The server binds 127.0.0.1 when its node is on the driver's host, else the node's IP (the driver must reach it over
 HTTP; use a server token on shared networks).
 """
