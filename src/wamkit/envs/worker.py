@@ -153,8 +153,9 @@ def _close_all() -> None:
 
 
 class EnvWorker(StartClosingContext):
-    """One env in its own spawned process (the `wamkit.envs.contracts.EnvWorkerLike` contract). Not safe for concurrent calls on the same worker (one call at a time);
-    many workers may be driven concurrently from one asyncio loop."""
+    """One env in its own spawned process (the `wamkit.envs.contracts.EnvWorkerLike` contract). Not safe for
+    concurrent calls on the same worker (one call at a time); many workers may be driven concurrently from one asyncio
+    loop."""
 
     def __init__(self, env: str, env_kwargs: dict | None = None, index: int = 0, start_timeout: float = 300.0):
         self.env_name, self.env_kwargs, self.index = env, dict(env_kwargs or {}), int(index)

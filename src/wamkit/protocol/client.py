@@ -321,4 +321,3 @@ class SyncActionClient(ClosingContext):
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
         self._loop.close()
-
