@@ -202,7 +202,7 @@ def test_websocket_client_equals_http_client(server, protocol):
             per = await c.server_max_batch()
             a = await c.predict(obs, seeds)
             b = await c.predict(obs[:2], seeds[:2], {"raw_action_dim": 4} if protocol == "sglang-ws" else None)
-            return per, a, b, len(c._open)
+            return per, a, b, len(c.pool.open)
     per, a, b, n_open = asyncio.run(go())
     assert np.array_equal(a, http) and a.dtype == np.float32
     if protocol == "openpi":            # one observation per frame: 6 frames went over 3 connections at once

@@ -26,6 +26,7 @@ from multiprocessing.connection import wait as mp_wait
 
 import numpy as np
 
+from wamkit.core.lifecycle import StartClosingContext
 from wamkit.core.types import ChunkResult, Observation
 from wamkit.envs.base import EnvSpec, TaskInfo
 
@@ -151,9 +152,10 @@ def _close_all() -> None:
             pass
 
 
-class EnvWorker:
-    """One env in its own spawned process. Not safe for concurrent calls on the same worker (one call at a time);
-    many workers may be driven concurrently from one asyncio loop."""
+class EnvWorker(StartClosingContext):
+    """One env in its own spawned process (the `wamkit.envs.contracts.EnvWorkerLike` contract). Not safe for
+    concurrent calls on the same worker (one call at a time); many workers may be driven concurrently from one asyncio
+    loop."""
 
     def __init__(self, env: str, env_kwargs: dict | None = None, index: int = 0, start_timeout: float = 300.0):
         self.env_name, self.env_kwargs, self.index = env, dict(env_kwargs or {}), int(index)
@@ -253,12 +255,6 @@ class EnvWorker:
             self._shm = None
         self._busy = self._stale = False
         _LIVE.discard(self)
-
-    def __enter__(self) -> "EnvWorker":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # ---- calls ---------------------------------------------------------------------------------------------------
     def reset_sync(self, task_id: int, trial: int) -> Observation:

@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import httpx
 import numpy as np
 
+from wamkit.core.lifecycle import ClosingContext
 from wamkit.core.types import Observation
 from wamkit.protocol import (MSGPACK, ProtocolError, build_request, build_sglang_request, check_sglang_request,
                              decode_body, encode_body, parse_response, sglang_parameters)
@@ -291,7 +292,7 @@ def _error_message(r: httpx.Response) -> str:
     return r.text[:500]
 
 
-class SyncActionClient:
+class SyncActionClient(ClosingContext):
     """Blocking twin of ActionClient: owns an event loop in a background thread (keeps the connection pool)."""
 
     def __init__(self, url: str, **kwargs: Any):
@@ -320,9 +321,3 @@ class SyncActionClient:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
         self._loop.close()
-
-    def __enter__(self) -> "SyncActionClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -1,4 +1,5 @@
-"""Env workers and action-server workers as Ray actors, behind the same interfaces as the local ones.
+"""Env workers and action-server workers as Ray actors, behind the same contracts as the local ones
+(`wamkit.envs.contracts.EnvWorkerLike`, `wamkit.serve.contracts.ServerWorkerLike`).
 
     workers = make_ray_env_workers("metaworld", {"suite": "mt"}, n=8, ray_opts={"placement": "spread"})
     # each: start(), .spec, .tasks, await reset(task_id, trial), await execute(chunk, ...), sync twins,
@@ -15,8 +16,9 @@
   bundle on a node with room) and re-runs the episode.
 
 Action servers: `make_ray_server_worker(ray_opts, **kw)` -> a `RayServerWorker` with the ServerWorker interface (start(),
-wait_healthy(timeout), url, healthy(), stop(), restart()). Each is an actor holding one GPU (num_gpus_per_server)
-that runs `wamkit.serve.workers.WamkitServerWorker` (the `wamkit serve` process) on its node and reports the URL.
+wait_healthy(timeout), url, healthy(), stop(), restart(), ensure_healthy()). Each is an actor holding one GPU
+(num_gpus_per_server) that runs `wamkit.serve.workers.WamkitServerWorker` (the `wamkit serve` process) on its node
+and reports the URL.
 The server binds 127.0.0.1 when its node is on the driver's host, else the node's IP (the driver must reach it over
 HTTP; use a server token on shared networks).
 """
@@ -32,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from wamkit.core.errors import UserError
+from wamkit.core.lifecycle import StartClosingContext, StartStopContext
 from wamkit.core.types import ChunkResult, Observation
 from wamkit.runtime import ray_session
 from wamkit.runtime.ray_session import RayOptions
@@ -201,8 +204,9 @@ class RayEnvPool:
             ray_session.release(self.session)
 
 
-class RayEnvWorker:
-    """An env worker backed by a Ray actor; the interface of `wamkit.envs.worker.EnvWorker`."""
+class RayEnvWorker(StartClosingContext):
+    """An env worker backed by a Ray actor (the `wamkit.envs.contracts.EnvWorkerLike` contract, as the local
+    `wamkit.envs.worker.EnvWorker`)."""
 
     def __init__(self, env: str, env_kwargs: dict[str, Any], index: int, pool: RayEnvPool):
         self.env_name, self.env_kwargs, self.index, self.pool = env, dict(env_kwargs), index, pool
@@ -331,12 +335,6 @@ class RayEnvWorker:
         if self._actor is None or self._dead:
             raise _crashed(self.index, "its Ray actor is not running (restart() it)")
 
-    def __enter__(self) -> "RayEnvWorker":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _fix_obs(self, obs: Observation | None) -> Observation | None:
         if obs is not None and self.pool.opts.copy_obs:
             obs = Observation({k: np.array(v) for k, v in obs.images.items()},
@@ -412,8 +410,9 @@ def make_ray_env_workers(env: str, env_kwargs: dict[str, Any], n: int,
 # action-server workers
 
 
-class RayServerWorker:
-    """An action server (`wamkit serve`) launched by a Ray actor holding one GPU; the ServerWorker interface.
+class RayServerWorker(StartStopContext):
+    """An action server (`wamkit serve`) launched by a Ray actor holding one GPU (the
+    `wamkit.serve.contracts.ServerWorkerLike` contract, as the local ServerWorker).
 
     Holds the Ray session from construction until stop()."""
 
@@ -428,6 +427,7 @@ class RayServerWorker:
         self.host: str | None = None
         self.gpu_ids: list = []
         self.starts = 0
+        self.default_start_timeout = self.opts.startup_timeout_s   # wait_healthy(None); the eval may raise it
         self._released = False
         self._crash_types = _crash_exceptions()
 
@@ -477,7 +477,7 @@ class RayServerWorker:
     def wait_healthy(self, timeout: float | None = None) -> "RayServerWorker":
         import ray
 
-        timeout = self.opts.startup_timeout_s if timeout is None else float(timeout)
+        timeout = self.default_start_timeout if timeout is None else float(timeout)
         if self._actor is None:
             raise RuntimeError("server was not started")
         try:
@@ -514,6 +514,13 @@ class RayServerWorker:
         self.start()
         return self.wait_healthy(timeout)
 
+    def ensure_healthy(self, timeout: float | None = None) -> bool:
+        """Restart the server if it died or stopped answering (as seen from here); True if a restart happened."""
+        if self.healthy():
+            return False
+        self.restart(timeout)
+        return True
+
     def stop(self) -> None:
         import ray
 
@@ -540,18 +547,6 @@ class RayServerWorker:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
-
-    def __enter__(self) -> "RayServerWorker":
-        self.start()
-        try:
-            self.wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         return f"RayServerWorker(url={self._url!r}, node={self.node_ip}, gpus={self.gpu_ids})"

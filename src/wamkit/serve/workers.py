@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import httpx
 
 from wamkit.core.errors import UserError
+from wamkit.core.lifecycle import StartStopContext
 from wamkit.serve.config import INSTANCE_ENV
 
 
@@ -90,8 +91,9 @@ def _stop_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
         pass
 
 
-class ServerWorker(abc.ABC):
-    """A server process: start(), wait_healthy(timeout), url, healthy(), stop(), restart(); a context manager."""
+class ServerWorker(StartStopContext, abc.ABC):
+    """A server process: start(), wait_healthy(timeout), url, healthy(), stop(), restart(), ensure_healthy(); a
+    context manager (the `wamkit.serve.contracts.ServerWorkerLike` contract)."""
 
     health_path = "/health"
     default_start_timeout = 60.0
@@ -235,18 +237,6 @@ class ServerWorker(abc.ABC):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
-
-    def __enter__(self) -> "ServerWorker":
-        self.start()
-        try:
-            self.wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(url={self.url!r}, pid={self.pid}, running={self.running()})"

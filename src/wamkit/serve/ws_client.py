@@ -20,6 +20,9 @@
   example does with replan_steps=5; `wamkit eval horizon=5` passes it).
 - Timing: each frame's record (``t_send``, ``t_recv``, ``client_ms``, ``attempts``, byte counts, ``server``: the
   reply's ``server_timing`` merged with wamkit's ``timing``) goes to `last_timings` and to `on_timing`.
+
+Parts: `ws_codec` (each protocol's frames, routes, auth, error replies), `ws_pool` (the connections); this module
+holds the client: retries, batching observations into frames, timing.
 """
 
 from __future__ import annotations
@@ -33,13 +36,11 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from wamkit.core.types import Observation
-from wamkit.protocol import ProtocolError, parse_response
-from wamkit.protocol.openpi import build_ws_request, decode_openpi_actions, observation_to_openpi, packb, unpackb
+from wamkit.protocol import ProtocolError
 from wamkit.protocol.client import RETRY_STATUS, ActionClientError, RetryingClient, checked_seeds, scatter_chunks
-
-PROTOCOLS = ("openpi", "sglang-ws")
-DEFAULT_PATHS = {"openpi": "/openpi/policy", "sglang-ws": "/v1/actions/realtime"}
-_WRITE_LIMIT = 4 * 1024 * 1024
+from wamkit.protocol.openpi import unpackb
+from wamkit.serve.ws_codec import CODECS, DEFAULT_PATHS, PROTOCOLS, Refused, error_reply  # noqa: F401
+from wamkit.serve.ws_pool import ConnectionPool
 
 
 def websocket_url(url: str, protocol: str) -> str:
@@ -54,34 +55,6 @@ def websocket_url(url: str, protocol: str) -> str:
     return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
 
 
-class _Refused(Exception):
-    """The server answered with an error (status: HTTP-like code; None when the server said nothing more)."""
-
-    def __init__(self, message: str, status: int | None, retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.retry_after = status, retry_after
-
-
-def _error_reply(reply: Any) -> _Refused | None:
-    """A reply that reports an error -> _Refused (wamkit: the HTTP error body; openpi: a text frame, usually a
-    traceback; SGLang: {"error": traceback})."""
-    if isinstance(reply, str):
-        try:
-            reply = json.loads(reply)
-        except ValueError:
-            return _Refused(reply.strip()[-2000:], 500)
-        if not isinstance(reply, dict):
-            return _Refused(str(reply)[:2000], 500)
-    err = reply.get("error")
-    if err is None:
-        return None
-    if isinstance(err, dict):
-        code = err.get("code")
-        return _Refused(str(err.get("message") or reply.get("detail") or err), int(code) if isinstance(code, int)
-                        else 500, err.get("retry_after_s"))
-    return _Refused(str(err)[-2000:], 500)
-
-
 class WebsocketActionClient(RetryingClient):
     def __init__(self, url: str, protocol: str = "openpi", token: str | None = None, max_batch: int | None = None,
                  max_connections: int = 32, timeout_s: float = 120.0, connect_timeout_s: float = 10.0,
@@ -94,12 +67,14 @@ class WebsocketActionClient(RetryingClient):
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
-        self.protocol = protocol
+        self.protocol, self.codec = protocol, CODECS[protocol]
         self.url = websocket_url(url, protocol)
         self.token = token
         self.max_batch = max_batch
         self.max_connections = int(max_connections)
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
+        headers = {"Authorization": f"{self.codec.auth_scheme} {token}"} if token else {}
+        self.pool = ConnectionPool(self.url, headers, self.max_connections, self.connect_timeout_s, self.timeout_s)
         self.retries, self.backoff, self.backoff_max = int(retries), float(backoff), float(backoff_max)
         self.parameters = dict(parameters or {})
         self.send_seed = bool(send_seed)          # openpi frames carry "seed" (wamkit and SGLang servers read it)
@@ -107,67 +82,15 @@ class WebsocketActionClient(RetryingClient):
         self.action_horizon = action_horizon      # keep the first H actions of longer chunks (openpi's replan_steps)
         self.worker = worker
         self.last_timings: list[dict[str, Any]] = []
-        self._metadata: dict[str, Any] | None = None
         self._per_frame: int | None = None        # observations per frame
-        self._idle: list = []
-        self._open: set = set()
-        self._slots: asyncio.Semaphore | None = None
         self._restart_lock: asyncio.Lock | None = None
 
     # ------------------------------------------------------------------ connections
-    async def _connect(self):
-        from websockets.asyncio.client import connect
-
-        headers = {}
-        if self.token:  # openpi's client sends "Api-Key <key>"; wamkit accepts it and "Bearer <token>"
-            headers["Authorization"] = f"{'Api-Key' if self.protocol == 'openpi' else 'Bearer'} {self.token}"
-        # write_limit: a whole observation frame (~400 kB for 2 cameras 256x256) is handed to the socket at once
-        # instead of draining in 32 kB steps (a few event-loop round trips per frame)
-        ws = await connect(self.url, additional_headers=headers or None, compression=None, max_size=None,
-                           open_timeout=self.connect_timeout_s, write_limit=_WRITE_LIMIT)
-        try:
-            first = await asyncio.wait_for(ws.recv(), self.timeout_s)
-            if isinstance(first, str):
-                raise _Refused(f"server sent text instead of the metadata frame: {first[:500]}", 500)
-            md = unpackb(first)
-        except BaseException:
-            await ws.close()
-            raise
-        if self._metadata is None:
-            self._metadata = md
-        self._open.add(ws)
-        return ws
-
-    async def _acquire(self):
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.max_connections)
-        await self._slots.acquire()
-        try:
-            while self._idle:
-                ws = self._idle.pop()
-                if ws.state.name == "OPEN":
-                    return ws
-                self._open.discard(ws)
-            return await self._connect()
-        except BaseException:
-            self._slots.release()
-            raise
-
-    async def _release(self, ws, reusable: bool) -> None:
-        if self._slots is not None:
-            self._slots.release()
-        if reusable and ws in self._open and ws.state.name == "OPEN":
-            self._idle.append(ws)
-        else:
-            self._open.discard(ws)
-            await _close_quietly(ws)
-
     async def aclose(self) -> None:
         """Close every connection (call it with no request in flight); the client may be used again afterwards,
         also from another event loop."""
-        conns, self._idle, self._open = list(self._open), [], set()
-        self._slots = self._restart_lock = None
-        await asyncio.gather(*(_close_quietly(ws) for ws in conns))
+        self._restart_lock = None
+        await self.pool.close()
 
     async def __aenter__(self) -> "WebsocketActionClient":
         return self
@@ -175,21 +98,20 @@ class WebsocketActionClient(RetryingClient):
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
-
     async def _checkout(self):
         """(connection, None), or (None, why) after a failure worth retrying (the worker restarted if it stopped
         answering); a refused handshake that retrying cannot fix (401 bad token, 404 no such route) raises."""
         from websockets.exceptions import InvalidStatus, WebSocketException
 
         try:
-            return await self._acquire(), None
+            return await self.pool.acquire(), None
         except InvalidStatus as e:
             status = e.response.status_code
             why = f"handshake refused with HTTP {status}: {_denial_text(e.response)}"
             if status not in RETRY_STATUS:
                 raise ActionClientError(f"{self.url}: {why}", status) from None
             return None, why
-        except (OSError, asyncio.TimeoutError, TimeoutError, WebSocketException, ProtocolError, _Refused) as e:
+        except (OSError, asyncio.TimeoutError, TimeoutError, WebSocketException, ProtocolError, Refused) as e:
             await self._maybe_restart_worker()
             return None, f"connect: {type(e).__name__}: {e}"
 
@@ -214,7 +136,7 @@ class WebsocketActionClient(RetryingClient):
                     last = f"{type(e).__name__}: {e}"
                     raw = None
                 finally:
-                    await self._release(ws, reusable)
+                    await self.pool.release(ws, reusable)
                 t_recv = time.time()
                 if raw is None:
                     await self._maybe_restart_worker()
@@ -225,7 +147,7 @@ class WebsocketActionClient(RetryingClient):
                             reply = unpackb(raw)
                         except ProtocolError as e:
                             raise ActionClientError(f"bad reply from {self.url}: {e}") from None
-                    err = _error_reply(reply)
+                    err = error_reply(reply)
                     if err is None:
                         return reply, attempt + 1, len(raw), t_send, t_recv
                     last = f"{err.status}: {err}"
@@ -241,22 +163,20 @@ class WebsocketActionClient(RetryingClient):
         """The server's metadata frame (the first connection's)."""
         last = ""
         for attempt in range(self.retries + 1):
-            if self._metadata is not None:
-                return self._metadata
+            if self.pool.metadata is not None:
+                return self.pool.metadata
             ws, last = await self._checkout()
             if ws is not None:
-                await self._release(ws, True)
+                await self.pool.release(ws, True)
             elif attempt < self.retries:
                 await asyncio.sleep(self._delay(attempt, None))
-        if self._metadata is None:
+        if self.pool.metadata is None:
             raise ActionClientError(f"{self.url} failed after {self.retries + 1} attempts: {last}")
-        return self._metadata
+        return self.pool.metadata
 
     async def server_max_batch(self) -> int:
         if self._per_frame is None:
-            caps = (await self.metadata()).get("capabilities") or {}
-            batched = self.protocol == "sglang-ws" and caps.get("batch_inputs") and caps.get("max_batch_size")
-            self._per_frame = int(caps["max_batch_size"]) if batched else 1
+            self._per_frame = self.codec.per_frame((await self.metadata()).get("capabilities") or {})
         if not self.max_batch:
             self.max_batch = self._per_frame if self._per_frame > 1 else self.max_connections
         return int(self.max_batch)
@@ -295,21 +215,10 @@ class WebsocketActionClient(RetryingClient):
 
     async def _send(self, obs: list[Observation], seeds: list[int], params: dict[str, Any], rad: int | None,
                     timings: list[dict[str, Any]]) -> np.ndarray:
-        if self.protocol == "openpi":
-            frame = packb(observation_to_openpi(obs[0], seeds[0] if self.send_seed else None))
-            rid = ""
-        else:
-            body = build_ws_request(obs, seeds, params)
-            frame, rid = packb(body), body["request_id"]
+        frame, rid = self.codec.encode(obs, seeds, params, self.send_seed)
         reply, attempts, nbytes, t_send, t_recv = await self._exchange(frame)
         try:
-            if self.protocol == "openpi":
-                actions = decode_openpi_actions(reply, rad)[None]
-                server = dict(reply.get("server_timing") or {})
-            else:
-                resp = parse_response(reply, raw_action_dim=rad, expect_n=len(obs))
-                actions = resp.actions
-                server = {**(reply.get("server_timing") or {}), **(resp.timing or {})}
+            actions, server = self.codec.decode(reply, rad, len(obs))
         except ProtocolError as e:
             raise ActionClientError(f"bad reply from {self.url}: {e}") from None
         rec = {"request_id": rid, "n": len(obs), "t_send": t_send, "t_recv": t_recv,
@@ -330,10 +239,3 @@ def _denial_text(response: Any) -> str:
     except ValueError:
         pass
     return body[:300].decode("utf-8", "replace")
-
-
-async def _close_quietly(ws) -> None:
-    try:
-        await asyncio.wait_for(ws.close(), 5.0)
-    except Exception:  # already gone: nothing to tidy
-        pass

@@ -1,0 +1,118 @@
+"""The rows of a LeRobot dataset: its data parquet files loaded into numpy columns (video features excluded), checked
+against info.json's feature shapes, ordered by `index`, with each row's episode bounds for action chunks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from wamkit.data.errors import DatasetError, FeatureMissingError
+from wamkit.data.metadata import read_parquet
+
+
+def column_to_numpy(col, shape: Sequence[int] | None = None) -> np.ndarray | list:
+    """A pyarrow column -> numpy (fixed/variable lists become (N, ...) arrays); strings -> list[str]."""
+    import pyarrow as pa
+
+    arr = col.combine_chunks() if hasattr(col, "combine_chunks") else col
+    t = arr.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return arr.to_pylist()
+    if pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+        n = len(arr)
+        flat = arr
+        while pa.types.is_fixed_size_list(flat.type) or pa.types.is_list(flat.type) or \
+                pa.types.is_large_list(flat.type):
+            flat = flat.flatten()
+        vals = flat.to_numpy(zero_copy_only=False)
+        if shape is not None and int(np.prod(shape)) * n == vals.size:
+            return vals.reshape(n, *shape)
+        return vals.reshape(n, -1)
+    return arr.to_numpy(zero_copy_only=False)
+
+
+
+class DataColumns:
+    """Every non-video column of the data files, as numpy (strings: lists), in `index` order."""
+
+    def __init__(self, root: Path, info: dict, files: list[Path]):
+        import pyarrow as pa
+
+        self.root = root
+        features: dict[str, dict] = info["features"]
+        tables = [read_parquet(p, "data file") for p in files]
+        try:
+            table = pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
+        except pa.ArrowInvalid as e:
+            raise DatasetError(f"{root}: data files have incompatible schemas: {e}") from None
+        self.columns: dict[str, Any] = {}
+        info_path = root / "meta" / "info.json"
+        for name in table.column_names:
+            feat = features.get(name, {})
+            if feat.get("dtype") in ("video",):
+                continue
+            shape = feat.get("shape")
+            try:
+                col = column_to_numpy(table.column(name), shape if shape and shape != [1] else None)
+            except ValueError:   # rows of different lengths
+                raise DatasetError(f"{info_path}: field 'features.{name}.shape' declares {shape} but the rows of "
+                                   f"column {name!r} in the data files differ in length") from None
+            if shape and isinstance(col, np.ndarray) and feat.get("dtype") != "image":
+                got = [int(d) for d in col.shape[1:]] or [1]
+                if got != list(shape) and not (list(shape) == [1] and got == [1]):
+                    raise DatasetError(f"{info_path}: field 'features.{name}.shape' declares {shape} but the data "
+                                       f"files hold {got} per row")
+            self.columns[name] = col
+        absent = [k for k, f in features.items() if f["dtype"] != "video" and k not in self.columns]
+        if absent:
+            raise DatasetError(f"{info_path}: field 'features.{absent[0]}' is declared but the data files have no "
+                               f"such column")
+        for need in ("episode_index", "frame_index", "timestamp", "index"):
+            if need not in self.columns:
+                raise DatasetError(f"{root}: data files lack the {need!r} column")
+        order = np.argsort(self.columns["index"], kind="stable")
+        if not np.all(order == np.arange(len(order))):
+            self.columns = {k: (v[order] if isinstance(v, np.ndarray) else [v[i] for i in order])
+                            for k, v in self.columns.items()}
+        ep = np.asarray(self.columns["episode_index"])
+        n = len(ep)
+        # last row of each row's episode (episodes are contiguous runs of rows)
+        change = np.flatnonzero(np.diff(ep) != 0)
+        ends = np.append(change, n - 1)
+        run_id = np.concatenate([[0], np.cumsum(np.diff(ep) != 0)]) if n else np.zeros(0, int)
+        self.ep_last_row = ends[run_id] if n else np.zeros(0, int)
+        self.num_rows = n
+        expected = info.get("total_frames")
+        if expected is not None and int(expected) != n:
+            raise DatasetError(f"{root}: info.json says total_frames={expected} but the data files hold {n} rows")
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.columns
+
+    def column(self, name: str) -> np.ndarray:
+        if name not in self.columns:
+            raise FeatureMissingError(f"{self.root}: column {name!r} not in dataset; available: "
+                                      f"{', '.join(self.columns)}")
+        return self.columns[name]
+
+    def action_chunk(self, i: int, horizon: int, key: str = "action") -> tuple[np.ndarray, np.ndarray]:
+        """Rows i .. i+horizon-1 of column `key` within i's episode: (horizon, D) and a bool mask (False = padding,
+        which repeats the episode's last row)."""
+        i = int(i)
+        last = int(self.ep_last_row[i])
+        want = np.arange(i, i + int(horizon))
+        rows = np.minimum(want, last)
+        return self.column(key)[rows], want <= last
+
+    def episode_rows(self, episode_index: int) -> tuple[int, int]:
+        """[start, end) rows of an episode."""
+        ep = np.asarray(self.columns["episode_index"])
+        rows = np.flatnonzero(ep == int(episode_index))
+        if rows.size == 0:
+            raise DatasetError(f"{self.root}: no episode {episode_index}")
+        return int(rows[0]), int(rows[-1]) + 1

@@ -1,0 +1,89 @@
+"""Frames of the two websocket action protocols the client speaks, one codec each: what a request frame holds, how a
+reply decodes, how a refusal reads, which route and auth scheme the server expects.
+
+- `openpi`: one observation per frame (openpi's observation dict, plus ``seed``), reply ``{"actions": (H, D)}``;
+  route /openpi/policy; ``Authorization: Api-Key <key>``.
+- `sglang-ws`: SGLang's ``/v1/actions/realtime``: action requests, envelope replies; several observations per frame
+  when the server's metadata says ``capabilities.batch_inputs``; ``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+
+from wamkit.core.types import Observation
+from wamkit.protocol import parse_response
+from wamkit.protocol.openpi import build_ws_request, decode_openpi_actions, observation_to_openpi, packb
+
+
+class Refused(Exception):
+    """The server answered with an error (status: HTTP-like code; None when the server said nothing more)."""
+
+    def __init__(self, message: str, status: int | None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
+
+
+def error_reply(reply: Any) -> Refused | None:
+    """A reply that reports an error -> Refused (wamkit: the HTTP error body; openpi: a text frame, usually a
+    traceback; SGLang: {"error": traceback})."""
+    if isinstance(reply, str):
+        try:
+            reply = json.loads(reply)
+        except ValueError:
+            return Refused(reply.strip()[-2000:], 500)
+        if not isinstance(reply, dict):
+            return Refused(str(reply)[:2000], 500)
+    err = reply.get("error")
+    if err is None:
+        return None
+    if isinstance(err, dict):
+        code = err.get("code")
+        return Refused(str(err.get("message") or reply.get("detail") or err), int(code) if isinstance(code, int)
+                       else 500, err.get("retry_after_s"))
+    return Refused(str(err)[-2000:], 500)
+
+
+class OpenpiCodec:
+    name = "openpi"
+    path = "/openpi/policy"
+    auth_scheme = "Api-Key"   # openpi's client sends "Api-Key <key>"; wamkit accepts it and "Bearer <token>"
+
+    def per_frame(self, capabilities: dict[str, Any]) -> int:
+        return 1
+
+    def encode(self, obs: Sequence[Observation], seeds: Sequence[int], params: dict[str, Any],
+               send_seed: bool) -> tuple[bytes, str]:
+        """(frame, request id) for one observation."""
+        return packb(observation_to_openpi(obs[0], seeds[0] if send_seed else None)), ""
+
+    def decode(self, reply: dict[str, Any], raw_action_dim: int | None, n: int) -> tuple[np.ndarray, dict[str, Any]]:
+        """(actions (1, H, D), server timing); ProtocolError when the reply is malformed."""
+        return decode_openpi_actions(reply, raw_action_dim)[None], dict(reply.get("server_timing") or {})
+
+
+class SglangWsCodec:
+    name = "sglang-ws"
+    path = "/v1/actions/realtime"
+    auth_scheme = "Bearer"
+
+    def per_frame(self, capabilities: dict[str, Any]) -> int:
+        batched = capabilities.get("batch_inputs") and capabilities.get("max_batch_size")
+        return int(capabilities["max_batch_size"]) if batched else 1
+
+    def encode(self, obs: Sequence[Observation], seeds: Sequence[int], params: dict[str, Any],
+               send_seed: bool) -> tuple[bytes, str]:
+        body = build_ws_request(obs, seeds, params)
+        return packb(body), body["request_id"]
+
+    def decode(self, reply: dict[str, Any], raw_action_dim: int | None, n: int) -> tuple[np.ndarray, dict[str, Any]]:
+        resp = parse_response(reply, raw_action_dim=raw_action_dim, expect_n=n)
+        return resp.actions, {**(reply.get("server_timing") or {}), **(resp.timing or {})}
+
+
+CODECS = {c.name: c for c in (OpenpiCodec(), SglangWsCodec())}
+PROTOCOLS = tuple(CODECS)
+DEFAULT_PATHS = {name: c.path for name, c in CODECS.items()}
