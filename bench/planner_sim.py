@@ -1,0 +1,280 @@
+"""A cost model of an evaluation for the scheduler's planner: envs that cost a fixed simulation time per chunk on C
+cores, and one accelerator that runs one batch at a time in a + b*n seconds. The real Scheduler runs on it (its
+modes, the AutoBatcher, the same code as `wamkit eval`); only time is modelled: the event loop runs on a virtual
+clock that jumps to the next timer whenever nothing is ready (the scheduler's own clock reads are pointed at it), so
+a run of thousands of chunks takes well under a second, gives the same numbers every time, and does not depend on
+how busy this machine is.
+
+Used by bench/bench_planner.py (the table over regimes) and tests/test_scheduler_planner.py (auto is never the slow
+choice)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import random
+import selectors
+from dataclasses import dataclass
+
+import numpy as np
+
+from wamkit.core.types import ChunkResult, Observation
+from wamkit.eval import inference as inference_mod
+from wamkit.eval import scheduler as scheduler_mod
+from wamkit.eval.inference import Inference
+from wamkit.eval.plan import make_plan
+from wamkit.eval.scheduler import Scheduler, SchedulerOptions
+
+
+class _VirtualSelector(selectors.BaseSelector):
+    """No real I/O: select(timeout) advances the loop's virtual clock by timeout and reports nothing ready."""
+
+    def __init__(self, loop: "VirtualTimeLoop"):
+        self.loop = loop
+        self._keys: dict = {}
+
+    def register(self, fileobj, events, data=None):
+        key = selectors.SelectorKey(fileobj, fileobj if isinstance(fileobj, int) else fileobj.fileno(), events, data)
+        self._keys[fileobj] = key
+        return key
+
+    def unregister(self, fileobj):
+        return self._keys.pop(fileobj)
+
+    def select(self, timeout=None):
+        if timeout is None:
+            raise RuntimeError("virtual-time loop: nothing scheduled and nothing ready (a deadlock in the model)")
+        self.loop.now += max(0.0, timeout)
+        return []
+
+    def close(self):
+        self._keys.clear()
+
+    def get_map(self):
+        return self._keys
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    def __init__(self):
+        self.now = 0.0
+        super().__init__(selector=_VirtualSelector(self))
+
+    def time(self) -> float:
+        return self.now
+
+
+class _Clock:
+    """Stands in for the `time` module inside the scheduler and inference modules while a model runs."""
+
+    def __init__(self, loop: VirtualTimeLoop):
+        self.loop = loop
+
+    def monotonic(self) -> float:
+        return self.loop.now
+
+    def perf_counter(self) -> float:
+        return self.loop.now
+
+    def time(self) -> float:
+        return 1.7e9 + self.loop.now
+
+
+@contextlib.contextmanager
+def _virtual_clock(loop: VirtualTimeLoop):
+    saved = scheduler_mod.time, inference_mod.time
+    scheduler_mod.time = inference_mod.time = _Clock(loop)
+    try:
+        yield
+    finally:
+        scheduler_mod.time, inference_mod.time = saved
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str
+    envs: int
+    cores: int
+    sim_s: float          # one env's simulation time per chunk on a free core
+    infer_a: float        # accelerator time per batch: a + b * n
+    infer_b: float
+    net_s: float = 0.002  # transport each way, overlapping other requests
+    jitter: float = 0.2   # chunk time x U(1 - jitter, 1 + jitter)
+    reset_s: float = 0.0
+    chunks: int = 6       # chunks per episode (run to max steps)
+    episodes: int = 64
+    horizon: int = 16
+    max_batch: int = 64
+    share_gain: float = 0.0  # 0: one batch at a time; g > 0: c overlapping calls run at (1 + g (c - 1)) / c speed each
+                             # (a GPU running small batches from several threads: the H200 runs ~2.6x more b=1 calls
+                             # per second with ~4 in flight than one at a time, so g ~ 0.5 there)
+
+
+class SimEnv:
+    """An env worker whose chunks cost sim_s (jittered, seeded per env and chunk) on one of `cores` cores."""
+
+    def __init__(self, index: int, r: Regime, cores: asyncio.Semaphore):
+        self.index, self.r, self.cores = index, r, cores
+        self.rng = random.Random(1000 + index)
+        self.steps = 0
+
+    def _obs(self) -> Observation:
+        return Observation(images={}, state=np.zeros(4, np.float32), task="t")
+
+    async def _busy(self, seconds: float) -> None:
+        async with self.cores:
+            await asyncio.sleep(seconds)
+
+    async def reset(self, task_id, trial):
+        self.steps = 0
+        if self.r.reset_s:
+            await self._busy(self.r.reset_s)
+        return self._obs()
+
+    async def execute(self, actions, render_every_step=False, run_to_max_steps=False):
+        j = self.r.jitter
+        await self._busy(self.r.sim_s * self.rng.uniform(1 - j, 1 + j))
+        self.steps += len(actions)
+        done = self.steps >= self.r.chunks * self.r.horizon
+        return ChunkResult(None if done else self._obs(), False, done, len(actions), self.steps)
+
+    def kill(self):
+        pass
+
+    def restart(self):
+        pass
+
+
+class SimAccelerator(Inference):
+    """One device: a batch of n needs a + b * n seconds of it, plus transport each way (not serialized). With
+    share_gain 0 it runs one batch at a time (FIFO); with g > 0 overlapping calls share it (processor sharing at
+    total speed 1 + g (c - 1) for c calls)."""
+
+    name = "sim"
+
+    def __init__(self, r: Regime):
+        super().__init__()
+        self.r = r
+        self.max_batch = r.max_batch
+        self.busy_s = 0.0
+        self._lock: asyncio.Lock | None = None
+        self._calls: dict[int, list] = {}   # id -> [work left, future]
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def _predict(self, observations, seeds):
+        await asyncio.sleep(self.r.net_s)
+        t = self.r.infer_a + self.r.infer_b * len(observations)
+        if self.r.share_gain > 0:
+            await self._shared(t)
+        else:
+            if self._lock is None:
+                self._lock = asyncio.Lock()
+            async with self._lock:
+                await asyncio.sleep(t)
+                self.busy_s += t
+        await asyncio.sleep(self.r.net_s)
+        return np.zeros((len(observations), self.r.horizon, 4), np.float32)
+
+    # processor sharing on the virtual clock
+    def _speed(self) -> float:
+        c = len(self._calls)
+        return (1 + self.r.share_gain * (c - 1)) / c if c else 0.0
+
+    def _advance(self, loop) -> None:
+        now = loop.time()
+        if self._calls:
+            self.busy_s += now - self._last
+            done = (now - self._last) * self._speed()
+            for c in self._calls.values():
+                c[0] -= done
+        self._last = now
+
+    def _reschedule(self, loop) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._calls:
+            left = min(c[0] for c in self._calls.values())
+            self._timer = loop.call_at(loop.time() + max(0.0, left) / self._speed(), self._finish, loop)
+
+    def _finish(self, loop) -> None:
+        self._timer = None
+        self._advance(loop)
+        for k in [k for k, c in self._calls.items() if c[0] <= 1e-9]:
+            self._calls.pop(k)[1].set_result(None)
+        self._reschedule(loop)
+
+    async def _shared(self, work: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._advance(loop)
+        fut = loop.create_future()
+        self._calls[id(fut)] = [work, fut]
+        self._reschedule(loop)
+        await fut
+
+
+def run(r: Regime, mode: str, batch: int = 1, pipelines: int = 1) -> dict:
+    """One evaluation of the regime's plan under one schedule: env steps/s, mean batch, episodes done."""
+
+    async def go():
+        cores = asyncio.Semaphore(r.cores)
+        n = 1 if mode == "serial" else r.envs
+        envs = [SimEnv(i, r, cores) for i in range(n)]
+        inf = SimAccelerator(r)
+        done = []
+        opts = SchedulerOptions(mode=mode, batch=batch, pipelines=pipelines, cores=r.cores, run_to_max_steps=True,
+                                env_timeout_min_s=600)
+        sched = Scheduler(envs, inf, make_plan("sim", [0], r.episodes), opts, done.append)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await sched.run()
+        wall = loop.time() - t0
+        steps = sum(o.env_steps for o in done)
+        return {"mode": mode, "batch": batch, "pipelines": pipelines, "episodes": len(done), "wall_s": wall,
+                "env_steps_per_s": steps / wall, "mean_batch": inf.observations / max(1, inf.requests),
+                "accelerator_busy": inf.busy_s / wall}
+
+    loop = VirtualTimeLoop()
+    try:
+        with _virtual_clock(loop):
+            return loop.run_until_complete(go())
+    finally:
+        loop.close()
+
+
+def grid_rows(r: Regime) -> list[tuple[str, str, int, int]]:
+    rows = [(f"B={r.envs // p}, P={p}", "pipelines", r.envs // p, p) for p in range(1, r.envs + 1) if r.envs % p == 0]
+    return rows + [("auto", "auto", 1, 1)]
+
+
+def bounds(r: Regime) -> dict:
+    """Stage bounds in env steps/s: simulation alone (cores), the accelerator alone at its best batch, and the
+    dependency bound (each env waits for its own batch: envs x horizon / (chunk + one call at batch 1))."""
+    per_chunk = r.sim_s + r.reset_s / r.chunks          # a reset every `chunks` chunks
+    sim = min(r.envs, r.cores) * r.horizon / per_chunk
+    acc = r.max_batch * r.horizon / (r.infer_a + r.infer_b * r.max_batch)
+    dep = r.envs * r.horizon / (per_chunk + r.infer_a + r.infer_b + 2 * r.net_s)
+    return {"sim": sim, "accelerator": acc, "dependency": dep, "bound": min(sim, acc, dep)}
+
+
+REGIMES = {
+    # the H200 MetaWorld run of issue 19 (16 envs, 16 cores, chunk ~160 ms, wam-ref small ~50 ms + 1.5 ms/obs) / 4
+    "gpu-metaworld-16": Regime("gpu-metaworld-16", 16, 16, 0.040, 0.0125, 0.0004),
+    "gpu-metaworld-32": Regime("gpu-metaworld-32", 32, 16, 0.040, 0.0125, 0.0004),
+    # the CPU Cosmos3 run (2 envs on 2 cores, chunk ~1.7 s, 800 ms + 20 ms/obs) / 20
+    "cpu-cosmos3-2": Regime("cpu-cosmos3-2", 2, 2, 0.085, 0.040, 0.001, episodes=16),
+    # inference-heavy: a call costs as much as a chunk
+    "inference-bound-16": Regime("inference-bound-16", 16, 16, 0.030, 0.030, 0.001),
+    # the H200 LIBERO run (16 envs, chunk 16 x 15.5 ms, a reset of ~4.5 s every 10 chunks, b=1 calls ~45 ms that
+    # overlap on the GPU) / 4
+    "gpu-libero-16": Regime("gpu-libero-16", 16, 16, 0.062, 0.011, 0.00015, reset_s=1.1, chunks=10,
+                            share_gain=0.5),
+    "gpu-metaworld-shared-16": Regime("gpu-metaworld-shared-16", 16, 16, 0.040, 0.0125, 0.0004, share_gain=0.5),
+    # simulation-heavy: calls are cheap
+    "sim-bound-8": Regime("sim-bound-8", 8, 8, 0.060, 0.004, 0.0002, episodes=48),
+}
+
+
+def with_(r: Regime, **kw) -> Regime:
+    return dataclasses.replace(r, **kw)

@@ -1,0 +1,66 @@
+"""auto's planner against the fixed (B, P) grid, on modelled costs (bench/planner_sim.py): the real Scheduler and
+AutoBatcher run on a virtual clock, so these numbers are exact and repeatable, independent of this machine's load."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import planner_sim as ps  # noqa: E402
+
+# the regimes' spread between the best and the worst fixed row is wide (up to 6x), so a planner that picked a
+# poor row would fall far below this line; auto's measured minimum over the regimes is 0.91 (bench/bench_planner.py)
+AUTO_VS_BEST = 0.88
+
+
+def _rows(r: ps.Regime) -> dict[str, dict]:
+    return {label: ps.run(r, mode, b, p) for label, mode, b, p in ps.grid_rows(r)}
+
+
+def test_model_is_exact_and_runs_every_episode_once():
+    r = ps.REGIMES["gpu-metaworld-16"]
+    a, b = ps.run(r, "auto"), ps.run(r, "auto")
+    assert a == b                                   # virtual time: the same numbers every run
+    assert a["episodes"] == r.episodes
+    assert ps.run(r, "pipelines", 4, 4)["episodes"] == r.episodes
+
+
+@pytest.mark.parametrize("name", sorted(ps.REGIMES))
+def test_auto_is_not_slower_than_the_best_fixed_row(name):
+    r = ps.REGIMES[name]
+    rows = _rows(r)
+    auto = rows.pop("auto")["env_steps_per_s"]
+    best = max(x["env_steps_per_s"] for x in rows.values())
+    worst = min(x["env_steps_per_s"] for x in rows.values())
+    assert auto >= AUTO_VS_BEST * best, (name, auto, best)
+    if worst < 0.7 * best:                           # a grid with poor rows: auto is far from them
+        assert auto >= 1.3 * worst, (name, auto, worst)
+    assert auto <= ps.bounds(r)["bound"] * 1.01     # the model's stage bound holds
+
+
+def test_the_check_catches_a_poor_plan():
+    """The same check fails for a schedule that ignores the costs (every observation sent alone, all in flight):
+    the inference-bound regime punishes it ~6x."""
+    r = ps.REGIMES["inference-bound-16"]
+    rows = _rows(r)
+    rows.pop("auto")
+    best = max(x["env_steps_per_s"] for x in rows.values())
+    naive = ps.run(r, "pipelines", 1, r.envs)["env_steps_per_s"]
+    assert naive < 0.5 * AUTO_VS_BEST * best
+
+
+def test_auto_follows_the_regime():
+    """Where calls are expensive auto batches; where they are cheap it sends nearly every observation alone."""
+    heavy = ps.run(ps.REGIMES["inference-bound-16"], "auto")
+    light = ps.run(ps.REGIMES["sim-bound-8"], "auto")
+    assert heavy["mean_batch"] >= 4 and light["mean_batch"] <= 2
+
+
+def test_a_slower_accelerator_gets_larger_batches():
+    r = ps.REGIMES["gpu-metaworld-16"]
+    slow = dataclasses.replace(r, infer_a=3 * r.infer_a)
+    assert ps.run(slow, "auto")["mean_batch"] > ps.run(r, "auto")["mean_batch"]
