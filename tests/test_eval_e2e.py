@@ -302,3 +302,27 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     bench_eval(cfg, tmp_path / "bench2", rows=["auto"], horizon=4, share_server=False)
     assert len(starts) == 2          # the row's own server, then the inference bound's
     assert outcome_view(results(tmp_path / "bench2" / "auto")) == shared
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_bench_eval_rounds_and_contended_bound(mw_serial, tmp_path):
+    """rounds=2 runs each row twice (interleaved) and reports the median with both rounds' rates; the contended
+    bound runs simulation while the server is loaded, and is reported beside the separate one; outcomes unchanged."""
+    from wamkit.eval.bench import bench_eval, markdown
+
+    cfg = mw_cfg(tmp_path, "bench", "inference=server", "num_envs=2", "mode=auto")
+    rep = bench_eval(cfg, tmp_path / "bench", rows=["B=2, P=1", "auto"], horizon=4, rounds=2, bound="contended")
+    assert rep["rounds"] == 2 and [r["row"] for r in rep["rows"]] == ["B=2, P=1", "auto"]
+    for r in rep["rows"]:
+        assert len(r["rounds"]) == 2 and min(r["rounds"]) <= r["env_steps_per_s"] <= max(r["rounds"])
+        assert r["of_contended_bound"] > 0
+    c = rep["bound"]["contended"]
+    assert c["sim_env_steps_per_s"] > 0 and c["inference_obs_per_s"] > 0
+    assert c["bound_env_steps_per_s"] == min(c["sim_env_steps_per_s"], c["inference_obs_per_s"] * 4)
+    assert "Contended" in markdown(rep) and "spread over 2 rounds" in markdown(rep)
+    serial = {k: s for k, (s, _) in outcome_view(mw_serial).items()}
+    for row in ("B2_P1", "auto"):
+        for k in (1, 2):
+            got = outcome_view(results(tmp_path / "bench" / row / f"round{k}"))
+            assert {key: s for key, (s, _) in got.items()} == serial

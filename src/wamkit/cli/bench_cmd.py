@@ -2,7 +2,8 @@
 
 Extra keys: rows=single-batch;auto (subset of rows); share_server=true|false (inference=server: one set of local
 servers for every row, default true); rounds=N (every row N times, interleaved; median and min-max spread, default 1);
-bound=true|false (measure the stage bound after the rows, default true). `out=` is the bench directory (one sub-directory per row)."""
+bound=true|false|contended (measure the stage bound after the rows, default true; contended: also both stages at
+once, the simulation-alone run while the inference side serves back-to-back batches). `out=` is the bench directory (one sub-directory per row)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def help_text(argv: list[str]) -> str:
     from wamkit.cli.eval_cmd import names_footer
 
     return config_help(EvalConfig, "usage: wamkit bench eval [config.yaml] [rows=ROW;ROW] [share_server=true|false] [rounds=N] "
-                       "[bound=true|false] "
+                       "[bound=true|false|contended] "
                        "[key=value ...]", __doc__ + "\nEvery `wamkit eval` key below applies to each row.",
                        names_footer())
 
@@ -36,7 +37,8 @@ def main(argv: list[str]) -> int:
         elif o.startswith("share_server="):
             share = parse_bool(o.split("=", 1)[1], "share_server")
         elif o.startswith("bound="):
-            bound = parse_bool(o.split("=", 1)[1], "bound")
+            v = o.split("=", 1)[1]
+            bound = "contended" if v == "contended" else parse_bool(v, "bound")
         elif o.startswith("rounds="):
             try:
                 rounds = int(o.split("=", 1)[1])

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -101,10 +102,10 @@ def _first_task(out: Path, configs) -> str | None:
 
 
 def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0, task: str = "bench",
-                    workers: list | None = None) -> float:
+                    workers: list | None = None, stop: threading.Event | None = None) -> float:
     """Observations/s of the inference side alone under back-to-back batches of `batch` (synthetic observations in
     the env's layout; `task`: their instruction, a real one when the policy reads it; `workers`: servers already
-    running, for inference=server)."""
+    running, for inference=server). stop: run until it is set (at least one round) instead of for `seconds`."""
     import numpy as np
 
     from wamkit.core.types import Observation
@@ -135,9 +136,11 @@ def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0, task: st
             await inf.predict(obs, list(range(batch)))   # warm-up
             t0 = time.perf_counter()
             n = 0
-            while time.perf_counter() - t0 < seconds:
+            while True:
                 await asyncio.gather(*(inf.predict(obs, list(range(batch))) for _ in range(depth)))
                 n += depth * batch
+                if stop.is_set() if stop is not None else time.perf_counter() - t0 >= seconds:
+                    break
             return n / (time.perf_counter() - t0)
         finally:
             await inf.close()
@@ -145,15 +148,43 @@ def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0, task: st
     return asyncio.run(go())
 
 
+def contended_bound(base: EvalConfig, out: Path, console: Console, runtime: dict[str, Any] | None, batch: int,
+                    horizon: int, task: str, common: dict[str, Any]) -> dict[str, Any]:
+    """Both stages at once: the simulation-alone run while the inference side serves back-to-back batches of
+    `batch` (the same envs and plan; the same servers). When simulation and inference share a machine (rendering on
+    the model's GPU, the server's CPU threads beside the env processes), each is slower than alone: this bound is
+    what both can do together, the honest ceiling for a row."""
+    stop = threading.Event()
+    got: dict[str, float] = {}
+
+    def load() -> None:
+        got["inf"] = inference_bound(base, batch, task=task, workers=(runtime or {}).get("server_workers"), stop=stop)
+
+    th = threading.Thread(target=load, name="bench-inference-load", daemon=True)
+    th.start()
+    try:
+        sim = _run(dataclasses.replace(base, out=str(out / "bound_sim_contended"), mode="auto", policy="zero",
+                                       policy_args={}, inference="inprocess", run_to_max_steps=True,
+                                       render_every_step=False, **common), console, runtime)
+    finally:
+        stop.set()
+        th.join()
+    sim_steps = sim["throughput"]["env_steps_per_s"]
+    inf = got.get("inf", 0.0)
+    return {"sim_env_steps_per_s": sim_steps, "inference_obs_per_s": inf, "inference_batch": batch,
+            "bound_env_steps_per_s": min(sim_steps, inf * horizon)}
+
+
 def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows: list[str] | None = None,
                horizon: int = 16, runtime: dict[str, Any] | None = None, share_server: bool = True,
-               rounds: int = 1, bound: bool = True) -> dict[str, Any]:
+               rounds: int = 1, bound: bool | str = True) -> dict[str, Any]:
     """runtime: run_eval keyword arguments placing the workers (wamkit.runtime.eval_runtime); None = local.
     share_server: with inference=server (and no server.url, local runtime), one set of local servers serves every
     row and the inference bound; false: each row starts its own (run_eval's default).
     rounds: every row `rounds` times, interleaved (round 1 runs each row once, then round 2 ...), so slow drifts of
     the machine touch every row alike; a row reports its median env steps/s and the min-max spread.
-    bound: measure the stage bound after the rows (false: rows only, e.g. a long single-batch row run apart)."""
+    bound: measure the stage bound after the rows (false: rows only, e.g. a long single-batch row run apart;
+    "contended": also both stages at once, see contended_bound)."""
     from wamkit.eval.runner import check_names
 
     console = console or Console(stderr=True)
@@ -189,7 +220,7 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] | None, horizon: int,
-                runtime: dict[str, Any] | None, rounds: int = 1, with_bound: bool = True) -> dict[str, Any]:
+                runtime: dict[str, Any] | None, rounds: int = 1, with_bound: bool | str = True) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     m = base.num_envs
     r = dataclasses.replace
@@ -226,6 +257,7 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
                           f"{runs[name][-1]['env_steps_per_s']:.1f} env steps/s")
     results = [_median_row(v) if rounds > 1 else v[0] for v in runs.values() if v]
     sim_steps = inf_obs = bound = batch = None
+    contended: dict[str, Any] | None = None
     if with_bound:
         # stage bound: simulation alone and inference alone, same envs and plan
         sim = _run(r(base, out=str(out / "bound_sim"), mode="auto", policy="zero", policy_args={},
@@ -237,15 +269,20 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
         inf_obs = inference_bound(base, batch, task=_first_task(out, configs) or "bench",
                                   workers=(runtime or {}).get("server_workers"))
         bound = min(sim_steps, inf_obs * horizon)
+        if with_bound == "contended":
+            contended = contended_bound(base, out, console, runtime, batch, horizon,
+                                        task=_first_task(out, configs) or "bench", common=common)
     base_rate = results[0]["env_steps_per_s"] if results and results[0]["row"] == "single-batch" else None
     base_eph = results[0]["episodes_per_hour"] if base_rate else None
     for x in results:
         x["ratio_steps"] = x["env_steps_per_s"] / base_rate if base_rate else None
         x["ratio_episodes"] = x["episodes_per_hour"] / base_eph if base_eph else None
         x["of_bound"] = x["env_steps_per_s"] / bound if bound else None
+        if contended:
+            x["of_contended_bound"] = x["env_steps_per_s"] / contended["bound_env_steps_per_s"]
     report = {"rows": results, "bound": {"sim_env_steps_per_s": sim_steps, "inference_obs_per_s": inf_obs,
                                          "inference_batch": batch, "horizon": horizon,
-                                         "bound_env_steps_per_s": bound},
+                                         "bound_env_steps_per_s": bound, "contended": contended},
               "rounds": rounds,
               "plan": {"env": base.env, "suite": base.suite, "tasks": base.tasks, "trials": base.trials,
                        "num_envs": m, "max_steps": base.max_steps, "policy": base.policy,
@@ -285,6 +322,11 @@ def markdown(report: dict[str, Any]) -> str:
                  f"{b['inference_obs_per_s']:.2f} obs/s at batch {b['inference_batch']} = "
                  f"{b['inference_obs_per_s'] * b['horizon']:.1f} env steps/s (horizon {b['horizon']}); "
                  f"bound {b['bound_env_steps_per_s']:.1f} env steps/s.")
+    c = b.get("contended")
+    if c:
+        lines.append(f"Contended (both at once): simulation {c['sim_env_steps_per_s']:.1f} env steps/s while "
+                     f"inference serves {c['inference_obs_per_s']:.2f} obs/s at batch {c['inference_batch']}; "
+                     f"bound {c['bound_env_steps_per_s']:.1f} env steps/s.")
     return "\n".join(lines) + "\n"
 
 
