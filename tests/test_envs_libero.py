@@ -91,3 +91,23 @@ def test_render_skipping_equals_render_every_step_then_max_steps(env, skipped_ru
     assert env.renders == n0
     with pytest.raises(RuntimeError):
         env.execute(_actions(1))
+
+
+def test_soft_reset_of_a_loaded_task_equals_a_hard_reset(env, skipped_run):
+    """The next episode of the task already loaded takes robosuite's soft reset (no scene rebuild); its observations
+    and trajectory are bit-identical to a hard reset's, even after an episode that closed the gripper (the one
+    piece of state a soft reset would otherwise carry over)."""
+    closing = _actions(seed=3)
+    closing[:, -1] = 1.0
+    env.reset(0, 0)
+    env.execute(closing)
+    hard0, soft0 = env.resets
+    o_soft = env.reset(0, 1)                       # same task: soft
+    r_soft = env.execute(_actions(seed=4))
+    assert env.resets == [hard0, soft0 + 1]
+    env.reset(1, 0)                                # another task: hard
+    o_hard = env.reset(0, 1)                       # back to task 0: hard again
+    r_hard = env.execute(_actions(seed=4))
+    assert env.resets == [hard0 + 2, soft0 + 1]
+    _same_obs(o_soft, o_hard)
+    _same_obs(r_soft.obs, r_hard.obs)
