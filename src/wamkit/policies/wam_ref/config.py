@@ -78,6 +78,8 @@ class WamRefConfig:
     dtype: Any = "float32"                      # weights / activations: float32 | bfloat16 | float16
     max_batch: int = 64                         # largest batch one model call gets (predict splits bigger ones)
     cuda_graphs: bool = False                   # CUDA: the denoising loop is one CUDA graph per batch bucket
+    prefix_graphs: bool = True                  # with cuda_graphs: the prefix pass (vision + und) is one too
+    fused: bool = True                          # q/k/v and gate/up as one GEMM each (derived weights; off: reference)
     graph_buckets: Sequence[int] | str | None = None  # batch buckets of the graphs; None = 1,2,4,8,16,24,32,...
     kv_layout: str = "expanded"                 # prefix K/V while denoising: expanded (all query heads) | room (kv)
     compile: bool = False                       # torch.compile of generation blocks + understanding norms/MLPs
@@ -89,6 +91,8 @@ class WamRefConfig:
             self.cameras = tuple(self.cameras.split(","))
         self.cameras = tuple(self.cameras)
         self.cuda_graphs = parse_bool(self.cuda_graphs, "cuda_graphs")
+        self.prefix_graphs = parse_bool(self.prefix_graphs, "prefix_graphs")
+        self.fused = parse_bool(self.fused, "fused")
         if self.kv_layout not in ("expanded", "room"):
             raise UserError(f"kv_layout must be expanded or room, got {self.kv_layout!r}")
         self.compile = parse_bool(self.compile, "compile")
