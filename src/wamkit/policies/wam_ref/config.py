@@ -11,6 +11,7 @@ key). `None` means "the size preset's value" (image_size, max_text_len, gen_*).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -48,6 +49,32 @@ def graph_buckets(spec, max_batch: int) -> tuple[int, ...]:
             b = b * 2 if b < 16 else b + (1 << (b.bit_length() - 1)) // 2
     vals = sorted({v for v in vals if 0 < v < max_batch} | {max_batch})
     return tuple(vals)
+
+
+def as_action_pipeline(p):
+    """None / "identity" -> identity pipeline; "rot6d" -> [Rot6dStep]; dict / JSON path / ActionPipeline."""
+    from wamkit.data.transforms import ActionPipeline
+
+    if p is None or p == "identity":
+        return ActionPipeline([])
+    if p == "rot6d":  # 7-D env actions, 10-D model actions
+        from wamkit.data.transforms import Rot6dStep
+
+        return ActionPipeline([Rot6dStep()])
+    if isinstance(p, ActionPipeline):
+        return p
+    if isinstance(p, dict):
+        return ActionPipeline.from_dict(p)
+    if isinstance(p, (str, Path)):
+        return ActionPipeline.load(p)
+    raise UserError(f"action_pipeline must be an ActionPipeline, a dict or a path, got {type(p).__name__}")
+
+
+def model_action_dim(pipe, env_dim: int) -> int:
+    try:
+        return int(pipe.out_dim(env_dim))
+    except ValueError as e:
+        raise UserError(f"action pipeline does not fit action_dim={env_dim}: {e}") from None
 
 
 @dataclass
