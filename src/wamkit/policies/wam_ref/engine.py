@@ -19,6 +19,7 @@ One understanding-tower pass per observation (the prefix K/V), then the whole Eu
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -45,6 +46,7 @@ class InferenceEngine:
         self.prefix_pass = PrefixPass(model, image_slots)
         self.emulate_graphs = False   # tests: run the graph plumbing (static buffers, buckets) eagerly on the CPU
         self.prefix_graph_errors: dict[tuple, str] = {}
+        self.phase_ms: dict[str, float] | None = None   # set to {} (bench): sample() fills in prefix / denoise ms
         self._graphs: dict[tuple, _DenoiseGraph] = {}
         self._prefix_graphs: dict[tuple, _PrefixGraph | None] = {}
         self._graph_pool = None
@@ -92,13 +94,30 @@ class InferenceEngine:
         """Model-space action chunks (N, horizon, model_action_dim) float32: one prefix pass, then Euler steps."""
         fw = self.fused_weights()
         x = self.noise(seeds).to(self.placement.device, torch.float32)
+        marks = [self._mark()]
         if self.graphed():
-            return self.sample_graphed(inputs, x, inputs.get("state"), steps, fw)
-        with torch.profiler.record_function("wamkit.prefix"):
-            prefix = self.encode(inputs, fw)
-        with torch.profiler.record_function("wamkit.denoise"):
-            room = prefix.with_room(self.gen_tokens, self.kv_heads())
-            return self.model.gen.denoise(room, x, inputs.get("state"), steps, None if fw is None else fw.gen)
+            out = self.sample_graphed(inputs, x, inputs.get("state"), steps, fw, marks)
+        else:
+            with torch.profiler.record_function("wamkit.prefix"):
+                prefix = self.encode(inputs, fw)
+            marks.append(self._mark())
+            with torch.profiler.record_function("wamkit.denoise"):
+                room = prefix.with_room(self.gen_tokens, self.kv_heads())
+                out = self.model.gen.denoise(room, x, inputs.get("state"), steps, None if fw is None else fw.gen)
+        marks.append(self._mark())
+        if self.phase_ms is not None:
+            self.phase_ms = dict(zip(("prefix", "denoise"), _elapsed_ms(marks)))
+        return out
+
+    def _mark(self):
+        """A phase boundary for phase_ms: a recorded CUDA event (device time), or the host clock on the CPU."""
+        if self.phase_ms is None:
+            return None
+        if self.placement.device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
 
     # ------------------------------------------------------------------ CUDA graphs
     def graph_bucket(self, n: int) -> int:
@@ -107,7 +126,8 @@ class InferenceEngine:
                 return b
         return n
 
-    def sample_graphed(self, inputs, x: torch.Tensor, state, steps: int, fw: FusedWeights | None) -> torch.Tensor:
+    def sample_graphed(self, inputs, x: torch.Tensor, state, steps: int, fw: FusedWeights | None,
+                       marks: list | None = None) -> torch.Tensor:
         """The Euler loop (and with prefix_graphs the prefix pass) replayed from CUDA graphs: the batch is padded
         to a bucket (`buckets`), its inputs copied into static buffers shared by every bucket's graph. Same
         arithmetic as the eager path; which GPU kernels run (and so the last bits) can differ from eager and
@@ -119,15 +139,15 @@ class InferenceEngine:
         if g is None:
             g = self._graphs[key] = _DenoiseGraph(self, bucket, steps, s, fw)
         pg = self.prefix_graph(bucket, s, fw) if self.prefix_graphs else None
-        if pg is not None:
-            with torch.profiler.record_function("wamkit.prefix"):
-                pg.run(inputs, n)
-            with torch.profiler.record_function("wamkit.denoise"):
-                return g.run_prefilled(x, state)
+        marks = [] if marks is None else marks
         with torch.profiler.record_function("wamkit.prefix"):
-            prefix = self.encode(inputs, fw)
+            if pg is not None:
+                pg.run(inputs, n)
+            else:
+                g.fill(self.encode(inputs, fw), n)
+        marks.append(self._mark())
         with torch.profiler.record_function("wamkit.denoise"):
-            return g.run(prefix, x, state)
+            return g.run_prefilled(x, state)
 
     def prefix_graph(self, bucket: int, s: int, fw: FusedWeights | None) -> "_PrefixGraph | None":
         """The prefix graph of a bucket (captured on first use); None when its capture failed (eager prefix)."""
@@ -196,6 +216,14 @@ class InferenceEngine:
                 mod.compile()
 
 
+def _elapsed_ms(marks: list) -> list[float]:
+    """Milliseconds between consecutive marks (CUDA events: waits for the last one)."""
+    if isinstance(marks[-1], torch.cuda.Event):
+        marks[-1].synchronize()
+        return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    return [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+
+
 class _Captured:
     """fn captured in a CUDA graph (warmed up first on a side stream: library handles, kernel selection,
     compilation), or, with the engine's emulate_graphs (CPU tests), kept and called eagerly at each replay."""
@@ -245,17 +273,16 @@ class _DenoiseGraph:
 
         self.graph = _Captured(eng, loop)
 
-    def run(self, prefix: Prefix, x: torch.Tensor, state) -> torch.Tensor:
-        n = x.shape[0]
+    def fill(self, prefix: Prefix, n: int) -> None:
+        """The prefix of n observations into the static buffers (what a _PrefixGraph does inside its graph)."""
         for dsts, srcs in ((self.keys, prefix.keys), (self.values, prefix.values)):
             for dst, src in zip(dsts, srcs):
                 write_heads(dst, src, 0)
         self.key_mask[:n, :self.s].copy_(prefix.key_mask)
         self.next_pos[:n].copy_(prefix.next_pos)
-        return self.run_prefilled(x, state)
 
     def run_prefilled(self, x: torch.Tensor, state) -> torch.Tensor:
-        """Replay with the prefix buffers already filled (by `run` or a _PrefixGraph). Rows past n keep whatever
+        """Replay with the prefix buffers already filled (by `fill` or a _PrefixGraph). Rows past n keep whatever
         they held (finite values from an earlier call or the initial zeros/ones): every row is computed
         independently, so they cannot change rows < n."""
         n = x.shape[0]
