@@ -118,8 +118,11 @@ def _text_attention(attn, x, cos, sin, mask, fw: TextLayerWeights | None):
     k = attn.k_norm(k.view(b, s, -1, hd)).transpose(1, 2)
     v = v.view(b, s, -1, hd).transpose(1, 2)
     q, k = rope(q, k, cos, sin)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling,
-                                       enable_gqa=q.shape[1] != k.shape[1])
+    rep = q.shape[1] // k.shape[1]
+    # K/V repeated to the query heads, as transformers' SDPA path does with a mask (the fused masked kernels take
+    # no GQA); the cache keeps the kv heads
+    ka, va = (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
+    o = F.scaled_dot_product_attention(q, ka, va, attn_mask=mask, scale=attn.scaling)
     return attn.o_proj(o.transpose(1, 2).reshape(b, s, -1)), k, v
 
 
