@@ -94,10 +94,12 @@ def _project(h: torch.Tensor, w, sizes: tuple[int, ...]) -> tuple[torch.Tensor, 
 def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int,
               head_dim: int, eps: float):
     """GenBlock up to attention: AdaLN modulation, q/k/v projections (w_qkv: (wq, wk, wv) or fused [wq; wk; wv]),
-    q/k norms, rotary. Pure function of its tensors (weights passed in), so one torch.compile serves every block
-    (see GenBlock.compiled)."""
+    q/k norms, rotary. modulation None: tmod already holds this block's modulation (denoise precomputes it for
+    every step and block). Pure function of its tensors (weights passed in), so one torch.compile serves every
+    block (see GenBlock.compiled)."""
     b, n, hidden = x.shape
-    sh1, sc1, g1, sh2, sc2, g2 = (tmod + modulation.to(tmod.dtype)).unbind(1)  # each (B, hidden)
+    mod = tmod if modulation is None else tmod + modulation.to(tmod.dtype)
+    sh1, sc1, g1, sh2, sc2, g2 = mod.unbind(1)  # each (B, hidden)
     h = F.rms_norm(x, (hidden,), eps=eps) * (1 + sc1[:, None]) + sh1[:, None]
     q, k, v = _project(h, w_qkv, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim))
     q = F.rms_norm(q.view(b, n, heads, head_dim), (head_dim,), q_norm_w, eps).transpose(1, 2)
@@ -149,16 +151,18 @@ class GenBlock(nn.Module):
         # never copies the whole K/V buffer (Inductor writes mutated inputs back in full)
         self.compiled = False
 
-    def forward(self, x, tmod, cos, sin, prefix_k, prefix_v, attn_mask, kv_room: bool = False, fused=None):
+    def forward(self, x, tmod, cos, sin, prefix_k, prefix_v, attn_mask, kv_room: bool = False, fused=None,
+                own_mod: bool = False):
         """kv_room=False (training): prefix_k/v are (B, kv_heads, S, hd) and the action tokens' K/V are concatenated
         to them. kv_room=True (inference, no autograd): prefix_k/v are `Prefix.with_room` buffers (B, heads or
         kv_heads, S + n, hd) whose last n slots this block overwrites with its own K/V. Same values either way.
-        fused: None (one GEMM per projection) or this block's (w_qkv, w_gate_up) from fused.FusedWeights."""
+        fused: None (one GEMM per projection) or this block's (w_qkv, w_gate_up) from fused.FusedWeights.
+        own_mod: tmod is this block's modulation already (shared time modulation + self.modulation)."""
         b, n, _ = x.shape
         fin, fout = (_compiled("in"), _compiled("out")) if self.compiled else (_block_in, _block_out)
         w_qkv, w_gu = fused if fused is not None else (
             (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight), (self.gate_proj.weight, self.up_proj.weight))
-        q, k, v, g1, sh2, sc2, g2 = fin(x, tmod, self.modulation, w_qkv, self.q_norm.weight, self.k_norm.weight,
+        q, k, v, g1, sh2, sc2, g2 = fin(x, tmod, None if own_mod else self.modulation, w_qkv, self.q_norm.weight, self.k_norm.weight,
                                         cos, sin, self.heads, self.kv_heads, self.head_dim, self.eps)
         if kv_room:  # this step's K/V into the scratch slots, in place
             write_heads(prefix_k, k, prefix_k.shape[2] - n)
@@ -221,10 +225,12 @@ class GenerationTower(nn.Module):
 
     def run_blocks(self, tok, tmod, out_mod, cos, sin, prefix: Prefix, attn_mask, kv_room: bool, horizon: int,
                    fused=None):
+        """tmod: the shared time modulation (B, 6, hidden), or a list of each block's own (see denoise)."""
         h = tok
+        own = isinstance(tmod, list)
         for i, blk in enumerate(self.blocks):
-            h = blk(h, tmod, cos, sin, prefix.keys[i], prefix.values[i], attn_mask, kv_room,
-                    None if fused is None else fused[i])
+            h = blk(h, tmod[i] if own else tmod, cos, sin, prefix.keys[i], prefix.values[i], attn_mask, kv_room,
+                    None if fused is None else fused[i], own)
         shift, scale = out_mod.chunk(2, dim=-1)
         h = self.norm_out(h) * (1 + scale[:, None]) + shift[:, None]
         return self.action_out(h)[:, h.shape[1] - horizon:]
@@ -252,7 +258,8 @@ class GenerationTower(nn.Module):
                 fused=None) -> torch.Tensor:
         """The whole Euler sampler (t: 0 -> 1 in `steps` steps) from noise x (B, H, action_dim) float32, with the
         prefix in the `Prefix.with_room` layout. What does not change between steps is computed once: the time
-        conditioning of every step (one GEMM over `steps` rows, shared by all observations), the state token, the
+        conditioning of every step (one GEMM over `steps` rows, shared by all observations) and of every block at
+        every step (one add: shared modulation + each block's table), the state token, the
         rotary tables and the attention mask; the loop itself only launches device work (no host reads, no tensors
         built from Python values). Returns the final x (float32); no host synchronisation inside, so it can be
         captured in a CUDA graph. fused: per-block fused weights (fused.FusedWeights.gen) or None."""
@@ -266,7 +273,11 @@ class GenerationTower(nn.Module):
         n = horizon + (0 if st is None else 1)
         cos, sin = self.rope(prefix, n, x.to(dtype))
         attn_mask = prefix.key_mask[:, None, None, :]
-        per_step = [(tmods[k:k + 1].expand(b, -1, -1), outs[k:k + 1].expand(b, -1)) for k in range(steps)]  # views
+        # every block's modulation at every step in one op (steps, blocks, 6, hidden); the loop takes views
+        mods = torch.stack([blk.modulation for blk in self.blocks]).to(tmods.dtype)
+        block_mods = tmods[:, None] + mods[None]
+        per_step = [([block_mods[k, i][None].expand(b, -1, -1) for i in range(len(self.blocks))],
+                     outs[k:k + 1].expand(b, -1)) for k in range(steps)]
         for tmod, out_mod in per_step:
             tok = self.action_in(x.to(dtype))
             if st is not None:
