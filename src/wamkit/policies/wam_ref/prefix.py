@@ -93,7 +93,10 @@ class PrefixPass:
             a, k, v = _text_attention(layer.self_attn, layer.input_layernorm(h), cos, sin, attn_mask, fw)
             h = h + a
             x = layer.post_attention_layernorm(h)
-            h = h + (layer.mlp(x) if fw is None else mlp_fn(layer.mlp, x, fw.gate_up))
+            if fw is None or getattr(layer.mlp.config, "hidden_act", "silu") != "silu":
+                h = h + layer.mlp(x)
+            else:
+                h = h + mlp_fn(x, fw.gate_up, layer.mlp.down_proj.weight)
             if i < len(deep):
                 for c, (start, n) in enumerate(self.image_slots):
                     h[:, start:start + n] += deep[i][:, c].to(h.dtype)
@@ -126,7 +129,8 @@ def _text_attention(attn, x, cos, sin, mask, fw: TextLayerWeights | None):
     return attn.o_proj(o.transpose(1, 2).reshape(b, s, -1)), k, v
 
 
-def _text_mlp(mlp, x, gate_up: torch.Tensor):
-    """transformers' Qwen3-VL text MLP (down(act(gate(x)) * up(x))) with gate and up as one GEMM."""
-    g, u = F.linear(x, gate_up).split(mlp.gate_proj.out_features, dim=-1)
-    return mlp.down_proj(mlp.act_fn(g) * u)
+def _text_mlp(x, gate_up: torch.Tensor, down: torch.Tensor):
+    """transformers' Qwen3-VL text MLP (down(silu(gate(x)) * up(x)), no biases) with gate and up as one GEMM; a
+    pure function of its tensors, so one torch.compile serves every layer."""
+    g, u = F.linear(x, gate_up).split(down.shape[1], dim=-1)
+    return F.linear(F.silu(g) * u, down)
