@@ -137,3 +137,33 @@ def test_graph_plumbing_matches_eager(prefix_graphs):
     assert sorted(k[0] for k in pol.engine._graphs) == [1, 4, 8]
     assert (sorted(k[0] for k in pol.engine._prefix_graphs) == [1, 4, 8]) == prefix_graphs
     assert not pol.engine.prefix_graph_errors
+
+
+@torch.no_grad()
+def test_prefix_pass_and_denoise_read_no_device_data_on_the_host():
+    """What a CUDA graph capture needs: once the vision geometry is computed (host work, once per image count),
+    the prefix pass and the denoising loop never read tensor values on the host (.item(), .tolist(), boolean
+    masks, nonzero). Checked by running them on the meta device, where any such read raises (transformers' own
+    forward does not get through)."""
+    import copy
+
+    from wamkit.policies.wam_ref.fused import FusedWeights
+    from wamkit.policies.wam_ref.prefix import PrefixPass
+
+    pol = make_policy("wam-ref", size="tiny", state_dim=8)
+    inp = _inputs(pol, 2)
+    pol.engine.prefix_pass(inp)                       # computes the geometry for 2 x 2 images on the CPU
+    meta = copy.deepcopy(pol.model).to("meta")
+    mp = PrefixPass(meta, pol.engine.prefix_pass.image_slots)
+    for (n, grid, _), geo in pol.engine.prefix_pass._geometry.items():
+        mp._geometry[(n, grid, "meta")] = {k: v.to("meta") if k in ("interp_indices", "interp_weights",
+                                                                     "position_ids") else v for k, v in geo.items()}
+    minp = {k: v.to("meta") for k, v in inp.items()}
+    fw = FusedWeights(meta).get()
+    for w in (fw, None):
+        p = mp(minp, w)
+        assert p.keys[0].device.type == "meta" and len(p.keys) == len(meta.gen.blocks)
+        room = p.with_room(pol.gen_tokens, pol.engine.kv_heads())
+        x = torch.zeros(2, pol.horizon, pol.model_action_dim, device="meta")
+        out = meta.gen.denoise(room, x, minp["state"], 3, None if w is None else w.gen)
+        assert out.shape == x.shape

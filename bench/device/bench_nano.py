@@ -216,6 +216,8 @@ def profile(pol, b: int, rows: int = 25) -> dict:
                                  "fused": pol.fused, "compile": pol.compile, "kv_layout": pol.kv_layout},
             "phases_ms": ph, "kernel_ms_by_kind": {k: round(v, 3) for k, v in sorted(kinds.items())},
             "kernel_ms_total": round(sum(kinds.values()), 3), "kernel_launches": kernels,
+            # device time of the phases not covered by kernels: launch gaps, host work between graph replays
+            "idle_ms": round(sum(ph.values()) - sum(kinds.values()), 3) if on_cuda() else None,
             "table": events.table(sort_by=sort, row_limit=rows, max_name_column_width=70)}
 
 
