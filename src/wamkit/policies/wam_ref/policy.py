@@ -149,9 +149,10 @@ class WamRefPolicy(WamRefTraining, Policy):
         self.engine.enable_compile()
 
     def warmup(self, max_batch: int | None = None) -> dict[str, float]:
-        """Do the one-off work before serving: with cuda_graphs on a CUDA device, capture the denoising graph of
-        every bucket up to `max_batch` (compiling first when compile=true); otherwise one predict of a single
-        observation (library handles, kernel selection). Returns seconds per bucket."""
+        """Do the one-off work before serving: with cuda_graphs on a CUDA device, capture the denoising graph (and
+        with prefix_graphs the prefix graph) of every bucket up to `max_batch` (compiling first when compile=true);
+        otherwise one predict of a single observation (library handles, kernel selection, fused weights). Returns
+        seconds per bucket."""
         top = min(int(max_batch or self.max_batch), self.max_batch)
         sizes = [b for b in self.graph_buckets if b <= top] if self.engine.graphed() else [1]
         g = np.random.default_rng(0)
