@@ -191,13 +191,35 @@ def kernel_kind(name: str) -> str:
 def profile(pol, b: int, rows: int = 25) -> dict:
     """One sample() at batch b in the policy's current mode under torch.profiler: the top kernels and where each
     millisecond goes (phase times from CUDA events; device kernel time summed by kind)."""
-    from torch.profiler import ProfilerActivity, profile as prof
-
     obs, seeds = observations(b, seed=100 + b), list(range(b))
     inputs = pol.prepare_inputs([o.images for o in obs], [o.task for o in obs])
     pol.sample(inputs, seeds)        # capture / compile outside the profile
     ph = phases(pol, inputs, seeds)
     sync()
+    events, kinds, kernels = _trace(pol, inputs, seeds)
+    out = {"batch": b, "mode": {"cuda_graphs": pol.cuda_graphs, "prefix_graphs": pol.prefix_graphs,
+                                "fused": pol.fused, "compile": pol.compile, "kv_layout": pol.kv_layout},
+           "phases_ms": ph, "kernel_ms_by_kind": kinds, "kernel_ms_total": round(sum(kinds.values()), 3),
+           "kernel_launches": kernels,
+           # device time of the phases not covered by kernels: launch gaps, host work between graph replays
+           "idle_ms": round(sum(ph.values()) - sum(kinds.values()), 3) if on_cuda() else None,
+           "table": events.table(sort_by="cuda_time_total" if on_cuda() else "cpu_time_total", row_limit=rows,
+                                 max_name_column_width=70)}
+    if on_cuda() and pol.cuda_graphs and kernels == 0:   # this profiler did not trace inside graph replays
+        pol.cuda_graphs = False
+        try:
+            pol.sample(inputs, seeds)
+            ev, out["kernel_ms_by_kind_eager"], out["kernel_launches_eager"] = _trace(pol, inputs, seeds)
+            out["table_eager"] = ev.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+        finally:
+            pol.cuda_graphs = True
+    return out
+
+
+def _trace(pol, inputs, seeds):
+    """torch.profiler over one sample(): (key averages, device kernel ms by kind, kernel launches)."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda() else [])
     with prof(activities=acts) as p:
         pol.sample(inputs, seeds)
@@ -205,20 +227,12 @@ def profile(pol, b: int, rows: int = 25) -> dict:
     events = p.key_averages()
     kinds: dict[str, float] = {}
     kernels = 0
-    device_type = "cuda" if on_cuda() else "cpu"
     for e in events:
-        if str(getattr(e, "device_type", "")).lower().endswith(device_type) and on_cuda():
+        if on_cuda() and str(getattr(e, "device_type", "")).lower().endswith("cuda"):
             ms = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / 1e3
             kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + ms
             kernels += e.count
-    sort = "cuda_time_total" if on_cuda() else "cpu_time_total"
-    return {"batch": b, "mode": {"cuda_graphs": pol.cuda_graphs, "prefix_graphs": pol.prefix_graphs,
-                                 "fused": pol.fused, "compile": pol.compile, "kv_layout": pol.kv_layout},
-            "phases_ms": ph, "kernel_ms_by_kind": {k: round(v, 3) for k, v in sorted(kinds.items())},
-            "kernel_ms_total": round(sum(kinds.values()), 3), "kernel_launches": kernels,
-            # device time of the phases not covered by kernels: launch gaps, host work between graph replays
-            "idle_ms": round(sum(ph.values()) - sum(kinds.values()), 3) if on_cuda() else None,
-            "table": events.table(sort_by=sort, row_limit=rows, max_name_column_width=70)}
+    return events, {k: round(v, 3) for k, v in sorted(kinds.items())}, kernels
 
 
 def check(pol, batches: list[int]) -> dict:

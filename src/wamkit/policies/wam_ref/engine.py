@@ -49,7 +49,7 @@ class InferenceEngine:
         self.phase_ms: dict[str, float] | None = None   # set to {} (bench): sample() fills in prefix / denoise ms
         self._graphs: dict[tuple, _DenoiseGraph] = {}
         self._prefix_graphs: dict[tuple, _PrefixGraph | None] = {}
-        self._graph_pool = None
+        self._graph_pool: dict[str, Any] = {}
         self._graph_weights = 0
         self._buffers: dict[tuple, dict[str, Any]] = {}
 
@@ -162,10 +162,14 @@ class InferenceEngine:
                 self._prefix_graphs[key] = None
         return self._prefix_graphs[key]
 
-    def graph_pool(self):
-        if self._graph_pool is None and not self.emulate_graphs:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        return self._graph_pool
+    def graph_pool(self, kind: str = "denoise"):
+        """The memory pool shared by the graphs of one kind (denoise | prefix: apart, so that a prefix capture that
+        fails cannot leave the denoising graphs' pool half-used)."""
+        if self.emulate_graphs:
+            return None
+        if kind not in self._graph_pool:
+            self._graph_pool[kind] = torch.cuda.graph_pool_handle()
+        return self._graph_pool[kind]
 
     def static_buffers(self, s: int) -> dict[str, Any]:
         """The graphs' input/output buffers at the largest bucket (allocated once per prefix length and layout)."""
@@ -192,7 +196,7 @@ class InferenceEngine:
         self._graphs.clear()
         self._prefix_graphs.clear()
         self.prefix_graph_errors.clear()
-        self._graph_pool = None
+        self._graph_pool = {}
         self._buffers.clear()
 
     # ------------------------------------------------------------------ compile
@@ -228,7 +232,7 @@ class _Captured:
     """fn captured in a CUDA graph (warmed up first on a side stream: library handles, kernel selection,
     compilation), or, with the engine's emulate_graphs (CPU tests), kept and called eagerly at each replay."""
 
-    def __init__(self, eng: InferenceEngine, fn: Callable[[], None]):
+    def __init__(self, eng: InferenceEngine, fn: Callable[[], None], pool: str):
         self.fn, self.graph = fn, None
         if eng.emulate_graphs:
             return
@@ -239,7 +243,7 @@ class _Captured:
             fn()
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=eng.graph_pool()):
+        with torch.cuda.graph(self.graph, pool=eng.graph_pool(pool)):
             fn()
 
     def replay(self) -> None:
@@ -271,7 +275,7 @@ class _DenoiseGraph:
         def loop():
             self.out.copy_(m.gen.denoise(self.prefix, self.x, self.state, steps, gen_fused))
 
-        self.graph = _Captured(eng, loop)
+        self.graph = _Captured(eng, loop, "denoise")
 
     def fill(self, prefix: Prefix, n: int) -> None:
         """The prefix of n observations into the static buffers (what a _PrefixGraph does inside its graph)."""
@@ -322,7 +326,7 @@ class _PrefixGraph:
             key_mask.copy_(p.key_mask)
             next_pos.copy_(p.next_pos)
 
-        self.graph = _Captured(eng, prefix)
+        self.graph = _Captured(eng, prefix, "prefix")
 
     def run(self, inputs: dict[str, torch.Tensor], n: int) -> None:
         st = self.inputs
