@@ -167,3 +167,27 @@ def test_prefix_pass_and_denoise_read_no_device_data_on_the_host():
         x = torch.zeros(2, pol.horizon, pol.model_action_dim, device="meta")
         out = meta.gen.denoise(room, x, minp["state"], 3, None if w is None else w.gen)
         assert out.shape == x.shape
+
+
+def test_failed_prefix_capture_falls_back_to_the_eager_prefix(monkeypatch):
+    """A prefix graph whose capture raises leaves that bucket's prefix eager (a warning, the reason kept in
+    engine.prefix_graph_errors); the actions are the same and the denoising graph still runs."""
+    from wamkit.policies.wam_ref import engine as eng_mod
+
+    def broken(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, max_batch=4, cuda_graphs=True)
+    obs, seeds = _obs(3, 4), [7, 8, 9]
+    eager = pol.predict(obs, seeds)
+    pol.engine.emulate_graphs = True
+    monkeypatch.setattr(eng_mod, "_PrefixGraph", broken)
+    with pytest.warns(UserWarning, match="prefix CUDA graph"):
+        out = pol.predict(obs, seeds)
+    np.testing.assert_allclose(out, eager, rtol=1e-5, atol=1e-5)
+    assert [k[0] for k in pol.engine.prefix_graph_errors] == [4] and [k[0] for k in pol.engine._graphs] == [4]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the failure is remembered: no second capture attempt, no second warning
+        np.testing.assert_allclose(pol.predict(obs, seeds), eager, rtol=1e-5, atol=1e-5)
