@@ -58,8 +58,9 @@ def test_determinism_and_seed_dependence(tiny):
 @pytest.mark.parametrize("steps", [1, 6])
 def test_prefix_computed_once_per_observation(tiny, steps):
     calls, gen_calls = [], []
-    h1 = tiny.model.und.register_forward_pre_hook(lambda m, a, kw: calls.append(int(kw["input_ids"].shape[0])),
-                                                  with_kwargs=True)
+    # the token embedding runs once per understanding pass (transformers' forward or the fused prefix pass)
+    h1 = tiny.model.und.language_model.embed_tokens.register_forward_pre_hook(
+        lambda m, a: calls.append(int(a[0].shape[0])))
     h2 = tiny.model.gen.blocks[0].register_forward_pre_hook(lambda m, a: gen_calls.append(1))
     try:
         tiny.num_inference_steps = steps

@@ -1,17 +1,27 @@
 """Action server at Cosmos3-Nano scale on GPU: wam-ref nano-shape (random bf16 weights), 30 Euler steps, chunk 16.
 
     python bench/device/bench_nano.py --out $OUT/nano.json [--batches 1,2,4,8,16,32,64] [--modes eager,graphs]
-        [--reps 5] [--http 1,16,64] [--http-seconds 8] [--profile 1,64] [--ngpu 1]
+        [--reps 5] [--http 1,16,64] [--http-seconds 8] [--profile 1,64] [--ngpu 1] [--check 1,8]
+    python bench/device/bench_nano.py --out /tmp/nano.json --device cpu --size tiny --steps 2 --batches 1,2 \
+        --reps 1 --http= --profile=1 --check 1        # CPU smoke run (no ceilings, host clock)
 
 Measures, in one process on one GPU:
 - ceilings: bf16 matmul 8192^3 on random data (median of 10 after 3 warm-ups, CUDA events) and a 4 GiB
   device-to-device copy (bytes read + written);
-- policy.predict per batch size and mode: eager | graphs (cuda_graphs=true), optionally "+compile" (torch.compile of
-  the blocks; modes after the first "+compile" one stay compiled, so list those last) and ":room" (kv_layout=room
-  instead of expanded); graphs modes first capture every bucket (policy.warmup, timed):
-  wall-clock latency p50/p99 over `reps` calls after warm-up (includes CPU preprocessing and the copy back), plus a
-  device-time split: prefix (vision + understanding tower, once per observation) and the denoising loop;
-- torch.profiler top kernels of one eager sample() at the --profile batch sizes;
+- policy.predict per batch size and mode: eager | graphs (cuda_graphs=true, with prefix_graphs: the prefix pass is a
+  graph too), optionally "+compile" (torch.compile of the blocks; modes after the first "+compile" one stay compiled,
+  so list those last), "+nofuse" (fused=false: the reference path, one GEMM per projection, transformers' prefix
+  forward), "+noprefix" (prefix_graphs=false) and ":room" (kv_layout=room instead of expanded); graphs modes first
+  capture every bucket (policy.warmup, timed): wall-clock latency p50/p99 over `reps` calls after warm-up (includes
+  CPU preprocessing and the copy back), plus the device time of each phase of one sample() in that mode (CUDA events
+  at the phase boundaries: prefix = vision + understanding tower, loop = the denoising loop) and each phase's
+  TFLOP/s (its FLOPs from policy.flops_per_observation over its time), and an eager vision-tower timing;
+- --profile: torch.profiler of one sample() at those batch sizes in the last mode's configuration (graph replays
+  included: their kernels are traced), as top kernels plus where each millisecond goes (phases; kernel time by
+  category: GEMM, attention, norm/elementwise, copy, other);
+- --check: the fast path (fused + CUDA graphs + prefix graphs, as configured) against the eager reference
+  (fused=false, no graphs) on the same inputs and seeds: max abs difference of the actions, also fused-eager vs
+  reference (fusion alone), in the JSON under "check";
 - then the HTTP path: `wamkit serve` (cuda_graphs=true) as a subprocess per GPU (--ngpu N: one server per GPU,
   clients spread round-robin), C concurrent client loops each sending one observation per request.
 Writes a JSON with everything; bench/device/report.py turns it into markdown.
@@ -36,6 +46,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from wamkit.core.types import Observation  # noqa: E402
 from wamkit.policies import make_policy  # noqa: E402
 
+DEVICE = torch.device("cuda")   # main() sets it from --device
+
 TASKS = ["put the bowl on the plate", "open the top drawer and put the bowl inside",
          "pick up the ketchup and place it in the basket", "turn on the stove and put the moka pot on it"]
 
@@ -48,6 +60,11 @@ def observations(n: int, seed: int = 0, side: int = 256) -> list[Observation]:
     rng = np.random.default_rng(seed)
     return [Observation({c: rng.integers(0, 256, (side, side, 3), dtype=np.uint8) for c in ("image", "wrist_image")},
                         None, TASKS[i % len(TASKS)]) for i in range(n)]
+
+
+def empty_cache() -> None:
+    if on_cuda():
+        torch.cuda.empty_cache()
 
 
 def ceilings() -> dict:
@@ -85,7 +102,21 @@ def ceilings() -> dict:
     return {"bf16_matmul_tflops": mm, "copy_tb_s": bw}
 
 
+def on_cuda() -> bool:
+    return DEVICE.type == "cuda"
+
+
+def sync() -> None:
+    if on_cuda():
+        torch.cuda.synchronize()
+
+
 def timed(fn):
+    """fn() and its time in ms: CUDA events on the GPU, the host clock on the CPU."""
+    if not on_cuda():
+        t0 = time.perf_counter()
+        out = fn()
+        return out, (time.perf_counter() - t0) * 1e3
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
     out = fn()
@@ -94,7 +125,23 @@ def timed(fn):
     return out, e0.elapsed_time(e1)
 
 
-def bench_predict(pol, b: int, reps: int) -> dict:
+def phases(pol, inputs, seeds) -> dict:
+    """Device ms of each phase of one sample() in the policy's current mode (engine.phase_ms)."""
+    pol.engine.phase_ms = {}
+    try:
+        pol.sample(inputs, seeds)
+        return dict(pol.engine.phase_ms)
+    finally:
+        pol.engine.phase_ms = None
+
+
+def phase_tflops(f: dict, b: int, prefix_ms: float, loop_ms: float) -> dict:
+    """TFLOP/s of the prefix (vision + understanding tower) and of the denoising loop at batch b."""
+    return {"prefix_tflops": b * (f["vision"] + f["und_prefix"]) / prefix_ms / 1e9 if prefix_ms > 0 else None,
+            "loop_tflops": b * f["steps"] * f["gen_per_step"] / loop_ms / 1e9 if loop_ms > 0 else None}
+
+
+def bench_predict(pol, b: int, reps: int, f: dict) -> dict:
     obs, seeds = observations(b, seed=b), list(range(b))
     t0 = time.perf_counter()
     pol.predict(obs, seeds)          # warm-up (and graph capture for this bucket)
@@ -102,43 +149,117 @@ def bench_predict(pol, b: int, reps: int) -> dict:
     pol.predict(obs, seeds)
     lat = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         pol.predict(obs, seeds)
         lat.append((time.perf_counter() - t0) * 1e3)
-    # device-time split (one call): prefix pass vs the whole sample (prefix + loop)
+    # device-time split of one sample() in this mode: prefix pass vs denoising loop (CUDA events at the boundary)
     t0 = time.perf_counter()
     inputs = pol.prepare_inputs([o.images for o in obs], [o.task for o in obs])
-    torch.cuda.synchronize()
+    sync()
     prep_ms = (time.perf_counter() - t0) * 1e3
+    ph = phases(pol, inputs, seeds)
     m = pol.model
     with torch.no_grad():
-        _, prefix_ms = timed(lambda: m.encode_prefix(inputs["input_ids"], inputs["attention_mask"],
-                                                     inputs["mm_token_type_ids"], inputs["pixel_values"],
-                                                     inputs["image_grid_thw"], inputs["position_ids"]))
-        try:
+        try:   # the vision tower alone, eager (transformers' get_image_features): only a split of the timing
             _, vision_ms = timed(lambda: m.und.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]))
-        except Exception:  # noqa: BLE001 - only a split of the timing
+        except Exception:  # noqa: BLE001
             vision_ms = float("nan")
-        _, sample_ms = timed(lambda: pol.sample(inputs, seeds))
     q = np.percentile(lat, [50, 99])
     return {"batch": b, "p50_ms": float(q[0]), "p99_ms": float(q[1]), "mean_ms": float(np.mean(lat)),
             "obs_s": b / (float(q[0]) / 1e3), "first_call_ms": first_ms, "prep_ms": prep_ms,
-            "prefix_ms": prefix_ms, "vision_ms": vision_ms, "loop_ms": sample_ms - prefix_ms, "sample_ms": sample_ms,
-            "reps": reps}
+            "prefix_ms": ph["prefix"], "vision_ms": vision_ms, "loop_ms": ph["denoise"],
+            "sample_ms": ph["prefix"] + ph["denoise"], **phase_tflops(f, b, ph["prefix"], ph["denoise"]),
+            "prefix_graph_errors": [str(e) for e in pol.engine.prefix_graph_errors.values()], "reps": reps}
 
 
-def profile(pol, b: int, rows: int = 18) -> str:
-    from torch.profiler import ProfilerActivity, profile as prof
+KERNEL_KINDS = (("gemm", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "matmul", "sm90_", "sm80_", "splitk")),
+                ("attention", ("flash", "fmha", "attention", "efficient_attention", "sdpa")),
+                ("norm/elementwise", ("elementwise", "vectorized", "reduce", "norm", "triton", "silu", "gelu",
+                                      "mul", "add", "rsqrt", "softmax")),
+                ("copy", ("copy", "memcpy", "memset", "cat", "index", "gather", "scatter")))
 
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def profile(pol, b: int, rows: int = 25) -> dict:
+    """One sample() at batch b in the policy's current mode under torch.profiler: the top kernels and where each
+    millisecond goes (phase times from CUDA events; device kernel time summed by kind)."""
     obs, seeds = observations(b, seed=100 + b), list(range(b))
     inputs = pol.prepare_inputs([o.images for o in obs], [o.task for o in obs])
-    pol.sample(inputs, seeds)
-    torch.cuda.synchronize()
-    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+    pol.sample(inputs, seeds)        # capture / compile outside the profile
+    ph = phases(pol, inputs, seeds)
+    sync()
+    events, kinds, kernels = _trace(pol, inputs, seeds)
+    out = {"batch": b, "mode": {"cuda_graphs": pol.cuda_graphs, "prefix_graphs": pol.prefix_graphs,
+                                "fused": pol.fused, "compile": pol.compile, "kv_layout": pol.kv_layout},
+           "phases_ms": ph, "kernel_ms_by_kind": kinds, "kernel_ms_total": round(sum(kinds.values()), 3),
+           "kernel_launches": kernels,
+           # device time of the phases not covered by kernels: launch gaps, host work between graph replays
+           "idle_ms": round(sum(ph.values()) - sum(kinds.values()), 3) if on_cuda() else None,
+           "table": events.table(sort_by="cuda_time_total" if on_cuda() else "cpu_time_total", row_limit=rows,
+                                 max_name_column_width=70)}
+    if on_cuda() and pol.cuda_graphs and kernels == 0:   # this profiler did not trace inside graph replays
+        pol.cuda_graphs = False
+        try:
+            pol.sample(inputs, seeds)
+            ev, out["kernel_ms_by_kind_eager"], out["kernel_launches_eager"] = _trace(pol, inputs, seeds)
+            out["table_eager"] = ev.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+        finally:
+            pol.cuda_graphs = True
+    return out
+
+
+def _trace(pol, inputs, seeds):
+    """torch.profiler over one sample(): (key averages, device kernel ms by kind, kernel launches)."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda() else [])
+    with prof(activities=acts) as p:
         pol.sample(inputs, seeds)
-        torch.cuda.synchronize()
-    return p.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+        sync()
+    events = p.key_averages()
+    kinds: dict[str, float] = {}
+    kernels = 0
+    for e in events:
+        if on_cuda() and str(getattr(e, "device_type", "")).lower().endswith("cuda"):
+            ms = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / 1e3
+            kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + ms
+            kernels += e.count
+    return events, {k: round(v, 3) for k, v in sorted(kinds.items())}, kernels
+
+
+def check(pol, batches: list[int]) -> dict:
+    """The fast path against the eager reference on the same observations and seeds: actions' max abs difference.
+    fast = fused + cuda_graphs + prefix_graphs (compile as the policy has it now); fused_eager = fusion alone;
+    reference = fused=false, no graphs (transformers' prefix forward, one GEMM per projection)."""
+    saved = (pol.fused, pol.cuda_graphs, pol.prefix_graphs)
+    out = {}
+    try:
+        for b in batches:
+            obs, seeds = observations(b, seed=500 + b), list(range(1000, 1000 + b))
+            pol.fused, pol.cuda_graphs = False, False
+            ref = pol.predict(obs, seeds)
+            pol.fused = True
+            fused_eager = pol.predict(obs, seeds)
+            pol.cuda_graphs, pol.prefix_graphs = True, True
+            fast = pol.predict(obs, seeds)
+            out[str(b)] = {"max_abs_diff": float(np.abs(fast - ref).max()),
+                           "max_abs_diff_fused_eager": float(np.abs(fused_eager - ref).max()),
+                           "max_abs_diff_graphs_vs_fused_eager": float(np.abs(fast - fused_eager).max()),
+                           "max_abs_ref": float(np.abs(ref).max()),
+                           "prefix_graph_errors": [str(e) for e in pol.engine.prefix_graph_errors.values()]}
+            log(f"check b={b}: fast vs reference max |diff| {out[str(b)]['max_abs_diff']:.3g} (fused eager "
+                f"{out[str(b)]['max_abs_diff_fused_eager']:.3g}; actions up to {out[str(b)]['max_abs_ref']:.3g})")
+    finally:
+        pol.fused, pol.cuda_graphs, pol.prefix_graphs = saved
+    return {"dtype": str(pol.dtype), "batches": out}
 
 
 async def http_load(urls: list[str], concurrency: int, seconds: float, obs: list[Observation]) -> dict:
@@ -221,22 +342,28 @@ def main(argv=None) -> int:
     ap.add_argument("--ngpu", type=int, default=1)
     ap.add_argument("--size", default="nano-shape")
     ap.add_argument("--http-compile", default="false", help="compile=true for the served policy")
+    ap.add_argument("--check", default="", help="batch sizes at which to compare the fast path with the eager "
+                    "reference (max abs diff in the JSON), e.g. 1,8; empty: no check")
+    ap.add_argument("--device", default="cuda", help="cuda | cpu (a smoke run: no ceilings, host-clock timings)")
+    ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
-    res: dict = {"args": vars(args), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    res: dict = {"args": vars(args), "device": torch.cuda.get_device_name(0) if on_cuda() else "cpu",
+                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = Path(args.out)
 
     def save():
         out.write_text(json.dumps(res, indent=2))
 
-    res["ceilings"] = ceilings()
+    res["ceilings"] = ceilings() if on_cuda() else {"bf16_matmul_tflops": float("nan"), "copy_tb_s": float("nan")}
     log("ceilings", res["ceilings"])
     save()
-    policy_args = dict(size=args.size, device="cuda", dtype="bfloat16", num_inference_steps=args.steps, horizon=16,
-                       action_dim=7)
+    policy_args = dict(size=args.size, device=args.device, dtype=args.dtype, num_inference_steps=args.steps,
+                       horizon=16, action_dim=7)
     t0 = time.perf_counter()
     pol = make_policy("wam-ref", **policy_args)
-    torch.cuda.synchronize()
+    sync()
     res["build_s"] = time.perf_counter() - t0
     counts = pol.num_parameters()
     f = pol.flops_per_observation()
@@ -248,7 +375,8 @@ def main(argv=None) -> int:
                     "floor_gen_ms": gen_bytes * args.steps / bw * 1e3,
                     "floor_all_ms": (gen_bytes * args.steps + und_bytes) / bw * 1e3,
                     "roofline_obs_s": res["ceilings"]["bf16_matmul_tflops"] * 1e12 / f["total"],
-                    "prefix_len": pol.prefix_len, "mem_gib_after_build": torch.cuda.memory_allocated() / 2 ** 30}
+                    "prefix_len": pol.prefix_len,
+                    "mem_gib_after_build": torch.cuda.memory_allocated() / 2 ** 30 if on_cuda() else None}
     log(f"built in {res['build_s']:.1f} s: {counts['total'] / 1e9:.2f}B params, {f['total'] / 1e12:.2f} TFLOP/obs, "
         f"floor {res['model']['floor_gen_ms']:.0f} ms (gen only) / {res['model']['floor_all_ms']:.0f} ms")
     save()
@@ -259,6 +387,8 @@ def main(argv=None) -> int:
         base, _, layout = mode.partition(":")
         pol.cuda_graphs = base.startswith("graphs")
         pol.kv_layout = layout or "expanded"
+        pol.fused = "+nofuse" not in base
+        pol.prefix_graphs = "+noprefix" not in base
         if "+compile" in base and not pol.compile:
             t0 = time.perf_counter()
             pol.enable_compile()
@@ -276,7 +406,7 @@ def main(argv=None) -> int:
             log(f"{mode} warm-up (every graph bucket): {res['warmup'][mode]['total_s']:.1f} s {w}")
         for b in batches:
             try:
-                r = bench_predict(pol, b, args.reps)
+                r = bench_predict(pol, b, args.reps, f)
             except Exception as e:  # keep going: record the failure
                 log(f"{mode} b={b} FAILED: {type(e).__name__}: {e}")
                 res["predict"].append({"mode": mode, "batch": b, "error": f"{type(e).__name__}: {e}"})
@@ -287,24 +417,35 @@ def main(argv=None) -> int:
             r["mfu"] = r["tflops"] * 1e12 / (res["ceilings"]["bf16_matmul_tflops"] * 1e12)
             res["predict"].append(r)
             log(f"{mode:16s} b={b:3d}: p50 {r['p50_ms']:7.1f} ms p99 {r['p99_ms']:7.1f} ms {r['obs_s']:6.1f} obs/s "
-                f"{r['tflops']:5.0f} TFLOP/s | prep {r['prep_ms']:.1f} prefix {r['prefix_ms']:.1f} (vision "
-                f"{r['vision_ms']:.1f}) loop {r['loop_ms']:.1f} ms | first call {r['first_call_ms']:.0f} ms")
+                f"{r['tflops']:5.0f} TFLOP/s | prep {r['prep_ms']:.1f} prefix {r['prefix_ms']:.1f} "
+                f"({r['prefix_tflops'] or 0:.0f} TFLOP/s; eager vision {r['vision_ms']:.1f}) loop "
+                f"{r['loop_ms']:.1f} ms ({r['loop_tflops'] or 0:.0f} TFLOP/s) | first call {r['first_call_ms']:.0f} ms")
             save()
+        if [x for x in args.profile.split(",") if x] and mode == [x for x in args.modes.split(",") if x][-1]:
+            break   # keep the last mode's graphs: --profile runs in it
         pol.release_graphs()   # free this mode's graphs, their pool and static buffers
-        torch.cuda.empty_cache()
-    res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        empty_cache()
+    res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30 if on_cuda() else None
     res["profile"] = {}
-    pol.cuda_graphs = False
     for b in [int(x) for x in args.profile.split(",") if x]:
         try:
-            res["profile"][str(b)] = profile(pol, b)
-            log(f"--- profile eager sample() b={b}\n" + res["profile"][str(b)])
+            pr = res["profile"][str(b)] = profile(pol, b)
+            log(f"--- profile sample() b={b} {pr['mode']}: phases {pr['phases_ms']} kernels by kind "
+                f"{pr['kernel_ms_by_kind']} ({pr['kernel_launches']} launches)\n" + pr["table"])
         except Exception as e:
-            log(f"profile b={b} FAILED: {e}")
+            log(f"profile b={b} FAILED: {type(e).__name__}: {e}")
+        save()
+    pol.release_graphs()
+    if args.check:
+        try:
+            res["check"] = check(pol, [int(x) for x in args.check.split(",") if x])
+        except Exception as e:
+            log(f"check FAILED: {type(e).__name__}: {e}")
+            res["check"] = {"error": f"{type(e).__name__}: {e}"}
         save()
     del pol
-    torch.cuda.empty_cache()
-    if args.http:
+    empty_cache()
+    if args.http and on_cuda():
         try:
             res["http"] = bench_http(args, dict(policy_args, cuda_graphs="true", compile=args.http_compile))
         except Exception as e:

@@ -11,6 +11,7 @@ key). `None` means "the size preset's value" (image_size, max_text_len, gen_*).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -50,6 +51,32 @@ def graph_buckets(spec, max_batch: int) -> tuple[int, ...]:
     return tuple(vals)
 
 
+def as_action_pipeline(p):
+    """None / "identity" -> identity pipeline; "rot6d" -> [Rot6dStep]; dict / JSON path / ActionPipeline."""
+    from wamkit.data.transforms import ActionPipeline
+
+    if p is None or p == "identity":
+        return ActionPipeline([])
+    if p == "rot6d":  # 7-D env actions, 10-D model actions
+        from wamkit.data.transforms import Rot6dStep
+
+        return ActionPipeline([Rot6dStep()])
+    if isinstance(p, ActionPipeline):
+        return p
+    if isinstance(p, dict):
+        return ActionPipeline.from_dict(p)
+    if isinstance(p, (str, Path)):
+        return ActionPipeline.load(p)
+    raise UserError(f"action_pipeline must be an ActionPipeline, a dict or a path, got {type(p).__name__}")
+
+
+def model_action_dim(pipe, env_dim: int) -> int:
+    try:
+        return int(pipe.out_dim(env_dim))
+    except ValueError as e:
+        raise UserError(f"action pipeline does not fit action_dim={env_dim}: {e}") from None
+
+
 @dataclass
 class WamRefConfig:
     # ---- shape (export_config() writes these; they rebuild the same network)
@@ -78,6 +105,8 @@ class WamRefConfig:
     dtype: Any = "float32"                      # weights / activations: float32 | bfloat16 | float16
     max_batch: int = 64                         # largest batch one model call gets (predict splits bigger ones)
     cuda_graphs: bool = False                   # CUDA: the denoising loop is one CUDA graph per batch bucket
+    prefix_graphs: bool = True                  # with cuda_graphs: the prefix pass (vision + und) is one too
+    fused: bool = True                          # q/k/v and gate/up as one GEMM each (derived weights; off: reference)
     graph_buckets: Sequence[int] | str | None = None  # batch buckets of the graphs; None = 1,2,4,8,16,24,32,...
     kv_layout: str = "expanded"                 # prefix K/V while denoising: expanded (all query heads) | room (kv)
     compile: bool = False                       # torch.compile of generation blocks + understanding norms/MLPs
@@ -89,6 +118,8 @@ class WamRefConfig:
             self.cameras = tuple(self.cameras.split(","))
         self.cameras = tuple(self.cameras)
         self.cuda_graphs = parse_bool(self.cuda_graphs, "cuda_graphs")
+        self.prefix_graphs = parse_bool(self.prefix_graphs, "prefix_graphs")
+        self.fused = parse_bool(self.fused, "fused")
         if self.kv_layout not in ("expanded", "room"):
             raise UserError(f"kv_layout must be expanded or room, got {self.kv_layout!r}")
         self.compile = parse_bool(self.compile, "compile")

@@ -2,8 +2,14 @@
 
 One understanding-tower pass per observation (the prefix K/V), then the whole Euler sampler of the generation tower
 (`GenerationTower.denoise`). The speed options change which kernels run, never the arithmetic:
+- fused: q/k/v and gate/up as one GEMM each, in the generation blocks and the understanding text layers (derived
+  weights, see fused.FusedWeights), and the prefix pass of prefix.PrefixPass (no host synchronisation); off: the
+  reference path (transformers' forward for the prefix, one GEMM per projection).
 - cuda_graphs: on a CUDA device the whole denoising loop is one CUDA graph per batch bucket (batches are padded up
   to the next bucket); `capture` happens on first use of a bucket, or up front through `WamRefPolicy.warmup`.
+- prefix_graphs (with cuda_graphs): the prefix pass (vision + understanding tower) is a CUDA graph per bucket too,
+  writing the K/V straight into the denoising graph's input buffers. A capture that fails falls back to the eager
+  prefix for that bucket (with a warning; `prefix_graph_errors` holds why).
 - kv_layout: the prefix K/V during denoising, "expanded" (repeated to all query heads once per observation: SDPA
   then runs without GQA, so a fused masked-attention kernel can take it) or "room" (kv heads only, SDPA with
   enable_gqa). Either way the action tokens' K/V go into free slots in place.
@@ -13,25 +19,38 @@ One understanding-tower pass per observation (the prefix K/V), then the whole Eu
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import time
+import warnings
+from typing import Any, Callable, Sequence
 
 import torch
 
 from wamkit.policies.wam_ref.config import Placement
+from wamkit.policies.wam_ref.fused import FusedWeights
 from wamkit.policies.wam_ref.model import Prefix, WamRefModel, head_dim_of, write_heads
+from wamkit.policies.wam_ref.prefix import PrefixPass
 
 
 class InferenceEngine:
     def __init__(self, model: WamRefModel, text_config, *, horizon: int, model_action_dim: int, state_dim: int,
                  placement: Placement, cuda_graphs: bool, kv_layout: str, compile: bool,
-                 buckets: tuple[int, ...]):
+                 buckets: tuple[int, ...], image_slots: list[tuple[int, int]], fused: bool = True,
+                 prefix_graphs: bool = True):
         self.model, self.text_config = model, text_config
         self.horizon, self.model_action_dim, self.state_dim = horizon, model_action_dim, state_dim
         self.placement = placement
         self.cuda_graphs, self.kv_layout, self.compile = cuda_graphs, kv_layout, compile
+        self.fused, self.prefix_graphs = fused, prefix_graphs
         self.buckets = buckets
+        self.weights = FusedWeights(model)
+        self.prefix_pass = PrefixPass(model, image_slots)
+        self.emulate_graphs = False   # tests: run the graph plumbing (static buffers, buckets) eagerly on the CPU
+        self.prefix_graph_errors: dict[tuple, str] = {}
+        self.phase_ms: dict[str, float] | None = None   # set to {} (bench): sample() fills in prefix / denoise ms
         self._graphs: dict[tuple, _DenoiseGraph] = {}
-        self._graph_pool = None
+        self._prefix_graphs: dict[tuple, _PrefixGraph | None] = {}
+        self._graph_pool: dict[str, Any] = {}
+        self._graph_weights = 0
         self._buffers: dict[tuple, dict[str, Any]] = {}
 
     @property
@@ -45,7 +64,17 @@ class InferenceEngine:
 
     def graphed(self) -> bool:
         """Whether sample() replays CUDA graphs (cuda_graphs on a CUDA device)."""
-        return self.cuda_graphs and self.placement.device.type == "cuda"
+        return self.cuda_graphs and (self.placement.device.type == "cuda" or self.emulate_graphs)
+
+    def fused_weights(self) -> FusedWeights | None:
+        """The fused weights, up to date (None when fused is off or unavailable: meta device, sharded)."""
+        if not self.fused or not self.weights.available():
+            return None
+        fw = self.weights.get()
+        if fw.storage_generation != self._graph_weights:   # graphs captured over freed fused tensors: recapture
+            self.release_graphs()
+            self._graph_weights = fw.storage_generation
+        return fw
 
     def noise(self, seeds: Sequence[int]) -> torch.Tensor:
         """(N, horizon, model_action_dim) float32 noise; row i comes from its own generator seeded by seeds[i]."""
@@ -53,17 +82,42 @@ class InferenceEngine:
                             generator=torch.Generator().manual_seed(int(s) % (2 ** 63))) for s in seeds]
         return torch.stack(rows) if rows else torch.zeros((0, self.horizon, self.model_action_dim))
 
+    def encode(self, inputs: dict[str, torch.Tensor], fw: FusedWeights | None) -> Prefix:
+        """The prefix pass: prefix.PrefixPass with fused weights, else transformers' forward (the reference)."""
+        if fw is not None:
+            return self.prefix_pass(inputs, fw)
+        return self.model.encode_prefix(inputs["input_ids"], inputs["attention_mask"], inputs["mm_token_type_ids"],
+                                        inputs["pixel_values"], inputs["image_grid_thw"], inputs.get("position_ids"))
+
     @torch.no_grad()
     def sample(self, inputs: dict[str, torch.Tensor], seeds: Sequence[int], steps: int) -> torch.Tensor:
         """Model-space action chunks (N, horizon, model_action_dim) float32: one prefix pass, then Euler steps."""
-        m = self.model
-        prefix: Prefix = m.encode_prefix(inputs["input_ids"], inputs["attention_mask"], inputs["mm_token_type_ids"],
-                                         inputs["pixel_values"], inputs["image_grid_thw"], inputs.get("position_ids"))
+        fw = self.fused_weights()
         x = self.noise(seeds).to(self.placement.device, torch.float32)
+        marks = [self._mark()]
         if self.graphed():
-            return self.sample_graphed(prefix, x, inputs.get("state"), steps)
-        room = prefix.with_room(self.gen_tokens, self.kv_heads())
-        return m.gen.denoise(room, x, inputs.get("state"), steps)
+            out = self.sample_graphed(inputs, x, inputs.get("state"), steps, fw, marks)
+        else:
+            with torch.profiler.record_function("wamkit.prefix"):
+                prefix = self.encode(inputs, fw)
+            marks.append(self._mark())
+            with torch.profiler.record_function("wamkit.denoise"):
+                room = prefix.with_room(self.gen_tokens, self.kv_heads())
+                out = self.model.gen.denoise(room, x, inputs.get("state"), steps, None if fw is None else fw.gen)
+        marks.append(self._mark())
+        if self.phase_ms is not None:
+            self.phase_ms = dict(zip(("prefix", "denoise"), _elapsed_ms(marks)))
+        return out
+
+    def _mark(self):
+        """A phase boundary for phase_ms: a recorded CUDA event (device time), or the host clock on the CPU."""
+        if self.phase_ms is None:
+            return None
+        if self.placement.device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
 
     # ------------------------------------------------------------------ CUDA graphs
     def graph_bucket(self, n: int) -> int:
@@ -72,22 +126,50 @@ class InferenceEngine:
                 return b
         return n
 
-    def sample_graphed(self, prefix: Prefix, x: torch.Tensor, state, steps: int) -> torch.Tensor:
-        """The Euler loop replayed from a CUDA graph: the batch is padded to a bucket (`buckets`), its inputs
-        copied into static buffers shared by every bucket's graph. Same arithmetic as the eager loop; which GPU
-        kernels run (and so the last bits) can differ from eager and between buckets."""
-        n, s = x.shape[0], prefix.key_mask.shape[1]
+    def sample_graphed(self, inputs, x: torch.Tensor, state, steps: int, fw: FusedWeights | None,
+                       marks: list | None = None) -> torch.Tensor:
+        """The Euler loop (and with prefix_graphs the prefix pass) replayed from CUDA graphs: the batch is padded
+        to a bucket (`buckets`), its inputs copied into static buffers shared by every bucket's graph. Same
+        arithmetic as the eager path; which GPU kernels run (and so the last bits) can differ from eager and
+        between buckets."""
+        n, s = x.shape[0], inputs["input_ids"].shape[1]
         bucket = self.graph_bucket(n)
-        key = (bucket, steps, s, self.kv_layout)
+        key = (bucket, steps, s, self.kv_layout, fw is not None)
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = _DenoiseGraph(self, bucket, steps, s)
-        return g.run(prefix, x, state)
+            g = self._graphs[key] = _DenoiseGraph(self, bucket, steps, s, fw)
+        pg = self.prefix_graph(bucket, s, fw) if self.prefix_graphs else None
+        marks = [] if marks is None else marks
+        with torch.profiler.record_function("wamkit.prefix"):
+            if pg is not None:
+                pg.run(inputs, n)
+            else:
+                g.fill(self.encode(inputs, fw), n)
+        marks.append(self._mark())
+        with torch.profiler.record_function("wamkit.denoise"):
+            return g.run_prefilled(x, state)
 
-    def graph_pool(self):
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        return self._graph_pool
+    def prefix_graph(self, bucket: int, s: int, fw: FusedWeights | None) -> "_PrefixGraph | None":
+        """The prefix graph of a bucket (captured on first use); None when its capture failed (eager prefix)."""
+        key = (bucket, s, self.kv_layout, fw is not None)
+        if key not in self._prefix_graphs:
+            try:
+                self._prefix_graphs[key] = _PrefixGraph(self, bucket, s, fw)
+            except Exception as e:  # noqa: BLE001 - a capture that fails leaves the eager prefix, and says why
+                self.prefix_graph_errors[key] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"wam-ref: prefix CUDA graph for batch bucket {bucket} failed ({type(e).__name__}: "
+                              f"{e}); this bucket's prefix runs eagerly")
+                self._prefix_graphs[key] = None
+        return self._prefix_graphs[key]
+
+    def graph_pool(self, kind: str = "denoise"):
+        """The memory pool shared by the graphs of one kind (denoise | prefix: apart, so that a prefix capture that
+        fails cannot leave the denoising graphs' pool half-used)."""
+        if self.emulate_graphs:
+            return None
+        if kind not in self._graph_pool:
+            self._graph_pool[kind] = torch.cuda.graph_pool_handle()
+        return self._graph_pool[kind]
 
     def static_buffers(self, s: int) -> dict[str, Any]:
         """The graphs' input/output buffers at the largest bucket (allocated once per prefix length and layout)."""
@@ -112,7 +194,9 @@ class InferenceEngine:
     def release_graphs(self) -> None:
         """Drop every captured CUDA graph, their memory pool and static buffers (e.g. before changing kv_layout)."""
         self._graphs.clear()
-        self._graph_pool = None
+        self._prefix_graphs.clear()
+        self.prefix_graph_errors.clear()
+        self._graph_pool = {}
         self._buffers.clear()
 
     # ------------------------------------------------------------------ compile
@@ -127,12 +211,46 @@ class InferenceEngine:
                   "accumulated_cache_size_limit"):
             if hasattr(torch._dynamo.config, k):
                 setattr(torch._dynamo.config, k, max(getattr(torch._dynamo.config, k), 256))
+        self.prefix_pass.compiled = True   # its fused text MLP
         for blk in self.model.gen.blocks:
             blk.compiled = True   # its two pure functions, compiled once for all blocks (see GenBlock)
         for name, mod in self.model.und.named_modules():
             kind = type(mod).__name__
             if kind.endswith("RMSNorm") or kind.endswith("TextMLP") or kind.endswith("VisionMLP"):
                 mod.compile()
+
+
+def _elapsed_ms(marks: list) -> list[float]:
+    """Milliseconds between consecutive marks (CUDA events: waits for the last one)."""
+    if isinstance(marks[-1], torch.cuda.Event):
+        marks[-1].synchronize()
+        return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    return [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+
+
+class _Captured:
+    """fn captured in a CUDA graph (warmed up first on a side stream: library handles, kernel selection,
+    compilation), or, with the engine's emulate_graphs (CPU tests), kept and called eagerly at each replay."""
+
+    def __init__(self, eng: InferenceEngine, fn: Callable[[], None], pool: str):
+        self.fn, self.graph = fn, None
+        if eng.emulate_graphs:
+            return
+        dev = eng.placement.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=eng.graph_pool(pool)):
+            fn()
+
+    def replay(self) -> None:
+        if self.graph is None:
+            self.fn()
+        else:
+            self.graph.replay()
 
 
 class _DenoiseGraph:
@@ -142,7 +260,7 @@ class _DenoiseGraph:
     max-size set, so memory does not grow with the number of buckets); the graphs share one memory pool too, which
     is safe because they never run at the same time and leave nothing alive in it (the result is copied out)."""
 
-    def __init__(self, eng: InferenceEngine, bucket: int, steps: int, s: int):
+    def __init__(self, eng: InferenceEngine, bucket: int, steps: int, s: int, fw: FusedWeights | None):
         m = eng.model
         self.s, self.steps, self.bucket = s, steps, bucket
         st = eng.static_buffers(s)
@@ -152,32 +270,68 @@ class _DenoiseGraph:
         self.x, self.out = st["x"][:bucket], st["out"][:bucket]
         self.state = st["state"][:bucket] if st["state"] is not None else None
         self.prefix = Prefix(self.keys, self.values, self.key_mask, self.next_pos)
-        dev = eng.placement.device
+        gen_fused = None if fw is None else fw.gen
 
         def loop():
-            self.out.copy_(m.gen.denoise(self.prefix, self.x, self.state, steps))
+            self.out.copy_(m.gen.denoise(self.prefix, self.x, self.state, steps, gen_fused))
 
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            loop()  # warm-up outside the capture (library handles, kernel selection, compilation)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        pool = eng.graph_pool()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            loop()
+        self.graph = _Captured(eng, loop, "denoise")
 
-    def run(self, prefix: Prefix, x: torch.Tensor, state) -> torch.Tensor:
-        # rows past n keep whatever they held (finite values from an earlier call or the initial zeros/ones):
-        # every row is computed independently, so they cannot change rows < n
-        n = x.shape[0]
+    def fill(self, prefix: Prefix, n: int) -> None:
+        """The prefix of n observations into the static buffers (what a _PrefixGraph does inside its graph)."""
         for dsts, srcs in ((self.keys, prefix.keys), (self.values, prefix.values)):
             for dst, src in zip(dsts, srcs):
                 write_heads(dst, src, 0)
         self.key_mask[:n, :self.s].copy_(prefix.key_mask)
         self.next_pos[:n].copy_(prefix.next_pos)
+
+    def run_prefilled(self, x: torch.Tensor, state) -> torch.Tensor:
+        """Replay with the prefix buffers already filled (by `fill` or a _PrefixGraph). Rows past n keep whatever
+        they held (finite values from an earlier call or the initial zeros/ones): every row is computed
+        independently, so they cannot change rows < n."""
+        n = x.shape[0]
         self.x[:n].copy_(x)
         if self.state is not None:
             self.state[:n].copy_(state.to(self.state.dtype))
         self.graph.replay()
         return self.out[:n].clone()
+
+
+class _PrefixGraph:
+    """One captured CUDA graph of the prefix pass (prefix.PrefixPass: vision + understanding tower) for one
+    (bucket, S): its model inputs in static buffers (rows past the batch keep earlier, finite values), its K/V,
+    key mask and next positions written straight into the denoising graphs' static buffers (`static_buffers`)."""
+
+    def __init__(self, eng: InferenceEngine, bucket: int, s: int, fw: FusedWeights | None):
+        dev = eng.placement.device
+        slots = eng.prefix_pass.image_slots
+        vis = eng.model.und.visual.config
+        tokens = slots[0][1]
+        self.rows_per_obs = len(slots) * tokens * vis.spatial_merge_size ** 2   # patches per observation
+        patch_dim = vis.in_channels * vis.temporal_patch_size * vis.patch_size ** 2
+        self.inputs = {"input_ids": torch.zeros(bucket, s, dtype=torch.long, device=dev),
+                       "attention_mask": torch.ones(bucket, s, dtype=torch.long, device=dev),
+                       "position_ids": torch.zeros(3, bucket, s, dtype=torch.long, device=dev),
+                       "pixel_values": torch.zeros(bucket * self.rows_per_obs, patch_dim, device=dev,
+                                                   dtype=eng.placement.dtype)}
+        st = eng.static_buffers(s)
+        keys, values = [k[:bucket] for k in st["keys"]], [v[:bucket] for v in st["values"]]
+        key_mask, next_pos = st["key_mask"][:bucket, :s], st["next_pos"][:bucket]
+
+        def prefix():
+            p = eng.prefix_pass(self.inputs, fw)
+            for dsts, srcs in ((keys, p.keys), (values, p.values)):
+                for dst, src in zip(dsts, srcs):
+                    write_heads(dst, src, 0)
+            key_mask.copy_(p.key_mask)
+            next_pos.copy_(p.next_pos)
+
+        self.graph = _Captured(eng, prefix, "prefix")
+
+    def run(self, inputs: dict[str, torch.Tensor], n: int) -> None:
+        st = self.inputs
+        st["input_ids"][:n].copy_(inputs["input_ids"])
+        st["attention_mask"][:n].copy_(inputs["attention_mask"])
+        st["position_ids"][:, :n].copy_(inputs["position_ids"])
+        st["pixel_values"][:n * self.rows_per_obs].copy_(inputs["pixel_values"])
+        self.graph.replay()

@@ -61,6 +61,11 @@ class InputProcessor:
     def prefix_len(self) -> int:
         return len(self.cameras) * (self.tokens_per_image + 2) + self.max_text_len
 
+    @property
+    def image_slots(self) -> list[tuple[int, int]]:
+        """(start, length) of each camera's image tokens in every prompt, in camera order."""
+        return [(c * (self.tokens_per_image + 2) + 1, self.tokens_per_image) for c in range(len(self.cameras))]
+
     def _vision_ids(self) -> list[int]:
         tok = self.tokenizer
         ids = []

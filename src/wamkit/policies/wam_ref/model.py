@@ -83,25 +83,39 @@ def kv_room_buffer(src: torch.Tensor, n: int, heads: int) -> torch.Tensor:
     return out
 
 
-def _block_in(x, tmod, modulation, wq, wk, wv, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int,
+def _project(h: torch.Tensor, w, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """Several projections of h: w is a tuple of weights (one GEMM each: the training path) or one tensor, their
+    row-wise concatenation (one GEMM, split after: the fused inference path, see fused.FusedWeights)."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(h, w).split(sizes, dim=-1)
+    return tuple(F.linear(h, wi) for wi in w)
+
+
+def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int,
               head_dim: int, eps: float):
-    """GenBlock up to attention: AdaLN modulation, q/k/v projections, q/k norms, rotary. Pure function of its
-    tensors (weights passed in), so one torch.compile serves every block (see GenBlock.compiled)."""
+    """GenBlock up to attention: AdaLN modulation, q/k/v projections (w_qkv: (wq, wk, wv) or fused [wq; wk; wv]),
+    q/k norms, rotary. modulation None: tmod already holds this block's modulation (denoise precomputes it for
+    every step and block). Pure function of its tensors (weights passed in), so one torch.compile serves every
+    block (see GenBlock.compiled)."""
     b, n, hidden = x.shape
-    sh1, sc1, g1, sh2, sc2, g2 = (tmod + modulation.to(tmod.dtype)).unbind(1)  # each (B, hidden)
+    mod = tmod if modulation is None else tmod + modulation.to(tmod.dtype)
+    sh1, sc1, g1, sh2, sc2, g2 = mod.unbind(1)  # each (B, hidden)
     h = F.rms_norm(x, (hidden,), eps=eps) * (1 + sc1[:, None]) + sh1[:, None]
-    q = F.rms_norm(F.linear(h, wq).view(b, n, heads, head_dim), (head_dim,), q_norm_w, eps).transpose(1, 2)
-    k = F.rms_norm(F.linear(h, wk).view(b, n, kv_heads, head_dim), (head_dim,), k_norm_w, eps).transpose(1, 2)
-    v = F.linear(h, wv).view(b, n, kv_heads, head_dim).transpose(1, 2)
+    q, k, v = _project(h, w_qkv, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim))
+    q = F.rms_norm(q.view(b, n, heads, head_dim), (head_dim,), q_norm_w, eps).transpose(1, 2)
+    k = F.rms_norm(k.view(b, n, kv_heads, head_dim), (head_dim,), k_norm_w, eps).transpose(1, 2)
+    v = v.view(b, n, kv_heads, head_dim).transpose(1, 2)
     return _rope(q, cos, sin), _rope(k, cos, sin), v, g1, sh2, sc2, g2
 
 
-def _block_out(x, a, g1, sh2, sc2, g2, wo, wg, wu, wd, eps: float):
-    """GenBlock after attention: output projection + gate, AdaLN-modulated SwiGLU MLP + gate."""
+def _block_out(x, a, g1, sh2, sc2, g2, wo, w_gu, wd, eps: float):
+    """GenBlock after attention: output projection + gate, AdaLN-modulated SwiGLU MLP + gate (w_gu: (wg, wu) or
+    fused [wg; wu])."""
     b, n, hidden = x.shape
     x = x + g1[:, None] * F.linear(a.transpose(1, 2).reshape(b, n, -1), wo)
     h = F.rms_norm(x, (hidden,), eps=eps) * (1 + sc2[:, None]) + sh2[:, None]
-    return x + g2[:, None] * F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+    g, u = _project(h, w_gu, (wd.shape[1], wd.shape[1]))
+    return x + g2[:, None] * F.linear(F.silu(g) * u, wd)
 
 
 _COMPILED: dict[str, object] = {}
@@ -137,15 +151,19 @@ class GenBlock(nn.Module):
         # never copies the whole K/V buffer (Inductor writes mutated inputs back in full)
         self.compiled = False
 
-    def forward(self, x, tmod, cos, sin, prefix_k, prefix_v, attn_mask, kv_room: bool = False):
+    def forward(self, x, tmod, cos, sin, prefix_k, prefix_v, attn_mask, kv_room: bool = False, fused=None,
+                own_mod: bool = False):
         """kv_room=False (training): prefix_k/v are (B, kv_heads, S, hd) and the action tokens' K/V are concatenated
         to them. kv_room=True (inference, no autograd): prefix_k/v are `Prefix.with_room` buffers (B, heads or
-        kv_heads, S + n, hd) whose last n slots this block overwrites with its own K/V. Same values either way."""
+        kv_heads, S + n, hd) whose last n slots this block overwrites with its own K/V. Same values either way.
+        fused: None (one GEMM per projection) or this block's (w_qkv, w_gate_up) from fused.FusedWeights.
+        own_mod: tmod is this block's modulation already (shared time modulation + self.modulation)."""
         b, n, _ = x.shape
         fin, fout = (_compiled("in"), _compiled("out")) if self.compiled else (_block_in, _block_out)
-        q, k, v, g1, sh2, sc2, g2 = fin(x, tmod, self.modulation, self.q_proj.weight, self.k_proj.weight,
-                                        self.v_proj.weight, self.q_norm.weight, self.k_norm.weight, cos, sin,
-                                        self.heads, self.kv_heads, self.head_dim, self.eps)
+        w_qkv, w_gu = fused if fused is not None else (
+            (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight), (self.gate_proj.weight, self.up_proj.weight))
+        q, k, v, g1, sh2, sc2, g2 = fin(x, tmod, None if own_mod else self.modulation, w_qkv, self.q_norm.weight, self.k_norm.weight,
+                                        cos, sin, self.heads, self.kv_heads, self.head_dim, self.eps)
         if kv_room:  # this step's K/V into the scratch slots, in place
             write_heads(prefix_k, k, prefix_k.shape[2] - n)
             write_heads(prefix_v, v, prefix_v.shape[2] - n)
@@ -154,8 +172,7 @@ class GenBlock(nn.Module):
             k = torch.cat([prefix_k.to(k.dtype), k], dim=2)
             v = torch.cat([prefix_v.to(v.dtype), v], dim=2)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.heads != k.shape[1])
-        return fout(x, a, g1, sh2, sc2, g2, self.o_proj.weight, self.gate_proj.weight, self.up_proj.weight,
-                    self.down_proj.weight, self.eps)
+        return fout(x, a, g1, sh2, sc2, g2, self.o_proj.weight, w_gu, self.down_proj.weight, self.eps)
 
 
 class GenerationTower(nn.Module):
@@ -206,10 +223,14 @@ class GenerationTower(nn.Module):
         pos = prefix.next_pos[:, None] + torch.arange(n, device=like.device)[None]  # (B, n)
         return self.rotary(like, pos[None].expand(3, -1, -1))
 
-    def run_blocks(self, tok, tmod, out_mod, cos, sin, prefix: Prefix, attn_mask, kv_room: bool, horizon: int):
+    def run_blocks(self, tok, tmod, out_mod, cos, sin, prefix: Prefix, attn_mask, kv_room: bool, horizon: int,
+                   fused=None):
+        """tmod: the shared time modulation (B, 6, hidden), or a list of each block's own (see denoise)."""
         h = tok
+        own = isinstance(tmod, list)
         for i, blk in enumerate(self.blocks):
-            h = blk(h, tmod, cos, sin, prefix.keys[i], prefix.values[i], attn_mask, kv_room)
+            h = blk(h, tmod[i] if own else tmod, cos, sin, prefix.keys[i], prefix.values[i], attn_mask, kv_room,
+                    None if fused is None else fused[i], own)
         shift, scale = out_mod.chunk(2, dim=-1)
         h = self.norm_out(h) * (1 + scale[:, None]) + shift[:, None]
         return self.action_out(h)[:, h.shape[1] - horizon:]
@@ -233,12 +254,15 @@ class GenerationTower(nn.Module):
         mask = torch.cat([prefix.key_mask, torch.ones(b, n, dtype=torch.bool, device=tok.device)], dim=1)
         return self.run_blocks(tok, tmod, out_mod, cos, sin, prefix, mask[:, None, None, :], False, horizon)
 
-    def denoise(self, prefix: Prefix, x: torch.Tensor, state: torch.Tensor | None, steps: int) -> torch.Tensor:
+    def denoise(self, prefix: Prefix, x: torch.Tensor, state: torch.Tensor | None, steps: int,
+                fused=None) -> torch.Tensor:
         """The whole Euler sampler (t: 0 -> 1 in `steps` steps) from noise x (B, H, action_dim) float32, with the
         prefix in the `Prefix.with_room` layout. What does not change between steps is computed once: the time
-        conditioning of every step (one GEMM over `steps` rows, shared by all observations), the state token, the
-        rotary tables and the attention mask. Returns the final x (float32). No host synchronisation inside, so
-        it can be captured in a CUDA graph."""
+        conditioning of every step (one GEMM over `steps` rows, shared by all observations) and of every block at
+        every step (one add: shared modulation + each block's table), the state token, the
+        rotary tables and the attention mask; the loop itself only launches device work (no host reads, no tensors
+        built from Python values). Returns the final x (float32); no host synchronisation inside, so it can be
+        captured in a CUDA graph. fused: per-block fused weights (fused.FusedWeights.gen) or None."""
         dtype = self.action_in.weight.dtype
         b, horizon, _ = x.shape
         # k / steps rounded once to float32 (as a Python float cast would be); a device op, not a host copy,
@@ -249,12 +273,16 @@ class GenerationTower(nn.Module):
         n = horizon + (0 if st is None else 1)
         cos, sin = self.rope(prefix, n, x.to(dtype))
         attn_mask = prefix.key_mask[:, None, None, :]
-        for k in range(steps):
+        # every block's modulation at every step in one op (steps, blocks, 6, hidden); the loop takes views
+        mods = torch.stack([blk.modulation for blk in self.blocks]).to(tmods.dtype)
+        block_mods = tmods[:, None] + mods[None]
+        per_step = [([block_mods[k, i][None].expand(b, -1, -1) for i in range(len(self.blocks))],
+                     outs[k:k + 1].expand(b, -1)) for k in range(steps)]
+        for tmod, out_mod in per_step:
             tok = self.action_in(x.to(dtype))
             if st is not None:
                 tok = torch.cat([st, tok], dim=1)
-            v = self.run_blocks(tok, tmods[k:k + 1].expand(b, -1, -1), outs[k:k + 1].expand(b, -1), cos, sin,
-                                prefix, attn_mask, True, horizon)
+            v = self.run_blocks(tok, tmod, out_mod, cos, sin, prefix, attn_mask, True, horizon, fused)
             x = x + v.float() / steps
         return x
 

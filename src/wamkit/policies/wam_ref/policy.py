@@ -11,15 +11,15 @@ per observation; every observation's prefix has the same length (text right-padd
 observation's result does not depend on its batch mates (pinned by tests/test_policy_wam_ref.py).
 
 The pieces, one module each: `config` (WamRefConfig: every option), `build` (towers, init), `inputs` (observations
--> model inputs), `engine` (prefix pass + denoising: CUDA graphs, buckets, compile, K/V layout), `model` (the
-network), `cost` (parameter and FLOP counts). This class wires them and is what the server, the evaluator and the
-trainer talk to.
+-> model inputs), `engine` (prefix pass + denoising: CUDA graphs, buckets, compile, K/V layout), `prefix` (the
+graph-capturable prefix pass), `fused` (fused inference weights), `model` (the network), `cost` (parameter and FLOP
+counts), `training` (the trainer-facing interface, a mixin of this class). This class wires them and is what the
+server, the evaluator and the trainer talk to.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -34,37 +34,12 @@ from wamkit.policies.tokenizer import load_tokenizer
 from wamkit.policies.wam_ref.cost import flops_per_observation as count_flops, num_parameters as count_parameters
 from wamkit.policies.wam_ref.build import (batch_vision_attention, build_model, generation_width, init_on,
                                           understanding_tower)
-from wamkit.policies.wam_ref.config import Placement, WamRefConfig, dtype_name, to_dtype
+from wamkit.policies.wam_ref.config import (Placement, WamRefConfig, as_action_pipeline, dtype_name,
+                                           model_action_dim, to_dtype)
 from wamkit.policies.wam_ref.engine import InferenceEngine
 from wamkit.policies.wam_ref.inputs import InputProcessor
-from wamkit.policies.wam_ref.model import WamRefModel
+from wamkit.policies.wam_ref.training import WamRefTraining
 from wamkit.policies.wam_ref.sizes import get_size
-
-
-def as_action_pipeline(p):
-    """None / "identity" -> identity pipeline; "rot6d" -> [Rot6dStep]; dict / JSON path / ActionPipeline."""
-    from wamkit.data.transforms import ActionPipeline
-
-    if p is None or p == "identity":
-        return ActionPipeline([])
-    if p == "rot6d":  # 7-D env actions, 10-D model actions
-        from wamkit.data.transforms import Rot6dStep
-
-        return ActionPipeline([Rot6dStep()])
-    if isinstance(p, ActionPipeline):
-        return p
-    if isinstance(p, dict):
-        return ActionPipeline.from_dict(p)
-    if isinstance(p, (str, Path)):
-        return ActionPipeline.load(p)
-    raise UserError(f"action_pipeline must be an ActionPipeline, a dict or a path, got {type(p).__name__}")
-
-
-def _model_action_dim(pipe, env_dim: int) -> int:
-    try:
-        return int(pipe.out_dim(env_dim))
-    except ValueError as e:
-        raise UserError(f"action pipeline does not fit action_dim={env_dim}: {e}") from None
 
 
 def _engine_option(name: str, doc: str) -> property:
@@ -72,7 +47,7 @@ def _engine_option(name: str, doc: str) -> property:
     return property(lambda self: getattr(self.engine, name), lambda self, v: setattr(self.engine, name, v), doc=doc)
 
 
-class WamRefPolicy(Policy):
+class WamRefPolicy(WamRefTraining, Policy):
     """The reference WAM. See the module docstring and docs/models.md; options: `WamRefConfig`."""
 
     config_class = WamRefConfig      # its options (make_policy refuses any other key)
@@ -89,7 +64,7 @@ class WamRefPolicy(Policy):
         self.env_action_dim, self.horizon, self.state_dim = cfg.action_dim, cfg.horizon, cfg.state_dim
         self.max_batch = cfg.max_batch
         pipe = as_action_pipeline(cfg.action_pipeline)
-        self.model_action_dim = _model_action_dim(pipe, self.env_action_dim)
+        self.model_action_dim = model_action_dim(pipe, self.env_action_dim)
         self._action_pipeline = pipe
 
         towers = understanding_tower(cfg)
@@ -111,7 +86,8 @@ class WamRefPolicy(Policy):
         self.engine = InferenceEngine(
             self.model, qcfg.text_config, horizon=self.horizon, model_action_dim=self.model_action_dim,
             state_dim=self.state_dim, placement=self.placement, cuda_graphs=cfg.cuda_graphs,
-            kv_layout=cfg.kv_layout, compile=False, buckets=cfg.buckets)
+            kv_layout=cfg.kv_layout, compile=False, buckets=cfg.buckets, image_slots=self.inputs.image_slots,
+            fused=cfg.fused, prefix_graphs=cfg.prefix_graphs)
         if cfg.compile:
             self.engine.enable_compile()
         self.spec = PolicySpec(
@@ -151,6 +127,8 @@ class WamRefPolicy(Policy):
     # ------------------------------------------------------------------ inference (InferenceEngine)
     cuda_graphs = _engine_option("cuda_graphs", "replay the denoising loop from CUDA graphs (CUDA devices)")
     kv_layout = _engine_option("kv_layout", "prefix K/V layout while denoising: expanded | room")
+    prefix_graphs = _engine_option("prefix_graphs", "with cuda_graphs, replay the prefix pass from CUDA graphs too")
+    fused = _engine_option("fused", "fused q/k/v and gate/up GEMMs at inference (off: the reference path)")
     compile = property(lambda self: self.engine.compile)
     graph_buckets = property(lambda self: self.engine.buckets)
     gen_tokens = property(lambda self: self.engine.gen_tokens)
@@ -171,9 +149,10 @@ class WamRefPolicy(Policy):
         self.engine.enable_compile()
 
     def warmup(self, max_batch: int | None = None) -> dict[str, float]:
-        """Do the one-off work before serving: with cuda_graphs on a CUDA device, capture the denoising graph of
-        every bucket up to `max_batch` (compiling first when compile=true); otherwise one predict of a single
-        observation (library handles, kernel selection). Returns seconds per bucket."""
+        """Do the one-off work before serving: with cuda_graphs on a CUDA device, capture the denoising graph (and
+        with prefix_graphs the prefix graph) of every bucket up to `max_batch` (compiling first when compile=true);
+        otherwise one predict of a single observation (library handles, kernel selection, fused weights). Returns
+        seconds per bucket."""
         top = min(int(max_batch or self.max_batch), self.max_batch)
         sizes = [b for b in self.graph_buckets if b <= top] if self.engine.graphed() else [1]
         g = np.random.default_rng(0)
@@ -205,86 +184,6 @@ class WamRefPolicy(Policy):
             env = np.asarray(self.action_pipeline.inverse(a), np.float32)
             out[s:s + len(obs)] = env
         return out
-
-    # ------------------------------------------------------------------ trainer-facing interface
-    @property
-    def action_pipeline(self):
-        """env actions <-> model actions (`forward` / `inverse`); settable (the trainer adds normalizer stats) as
-        long as the model-space dimension stays the same."""
-        return self._action_pipeline
-
-    @action_pipeline.setter
-    def action_pipeline(self, p) -> None:
-        p = as_action_pipeline(p)
-        d = _model_action_dim(p, self.env_action_dim)
-        if d != self.model_action_dim:
-            raise UserError(f"action pipeline maps {self.env_action_dim}-D env actions to {d}-D, but this model was "
-                            f"built for {self.model_action_dim}-D (pass the pipeline at construction)")
-        self._action_pipeline = p
-
-    @property
-    def module(self) -> WamRefModel:
-        return self.model
-
-    @classmethod
-    def can_init_after_sharding(cls, args: dict[str, Any]) -> bool:
-        """Whether the trainer may build this policy on the meta device and `init_weights` it after sharding:
-        random weights only (und_path loads real weights at construction)."""
-        return args.get("und_path") is None
-
-    def init_weights(self, device) -> None:
-        """Trainer-facing: initialize a meta-built model that `parallelize` has sharded, on `device` (each rank keeps
-        its shards; same weights as an unsharded build on that device type). requires_grad is left as it is."""
-        self.placement.device = torch.device(device)
-        init_on(self.model, self.device, self.config.init_seed, round_to=self.dtype)
-
-    def apply_trainable_patterns(self, patterns: Sequence[str] | None = None) -> None:
-        """Parameters whose name matches a glob in `patterns` train; all others are frozen (requires_grad=False)."""
-        if patterns is not None:
-            self.trainable_patterns = tuple(patterns)
-        for n, p in self.model.named_parameters():
-            p.requires_grad_(any(fnmatch.fnmatchcase(n, pat) for pat in self.trainable_patterns))
-
-    def trainable_parameter_names(self) -> list[str]:
-        return [n for n, p in self.model.named_parameters() if p.requires_grad]
-
-    def fsdp_units(self) -> list[torch.nn.Module]:
-        """Modules to `fully_shard` one by one, in order; the last one is the root (`module`).
-
-        When the understanding tower's text layers train, they stay in the root's group: the generation tower
-        reaches them through the prefix K/V (not through their outputs), so the per-layer pre-backward all-gather
-        of FSDP2 would never fire for them and their backward would find the weights resharded."""
-        und = self.model.und
-        text_trains = any(p.requires_grad for p in und.language_model.layers.parameters())
-        text = [] if text_trains else [*und.language_model.layers]
-        return [*und.visual.blocks, *text, *self.model.gen.blocks, self.model]
-
-    def lr_multipliers(self) -> dict[str, float]:
-        """Glob over `module.named_parameters()` names -> learning-rate multiplier (first match wins)."""
-        m = self.config.action_lr_multiplier
-        return {"gen.action_in.*": m, "gen.action_out.*": m}
-
-    def sft_loss(self, batch: dict[str, Any]):
-        """Flow-matching loss on a collated batch (actions already in model space: pipeline.forward applied).
-
-        Noise and t come from torch's global RNG (the trainer seeds it per rank). Goes through `module.__call__`
-        so an FSDP root wrapped around `module` sees the call."""
-        tasks = list(batch["task"])
-        inputs = self.prepare_inputs(batch["images"], tasks, batch.get("state") if self.state_dim > 0 else None)
-        actions = torch.as_tensor(np.asarray(batch["actions"], np.float32) if not torch.is_tensor(batch["actions"])
-                                  else batch["actions"]).to(self.device, torch.float32)
-        if actions.shape[1:] != (self.horizon, self.model_action_dim):
-            raise UserError(f"batch actions have shape {tuple(actions.shape)}; the policy expects "
-                            f"(B, {self.horizon}, {self.model_action_dim}) in model space")
-        mask = batch.get("action_mask")
-        mask = (torch.ones(actions.shape[:2], dtype=torch.bool) if mask is None
-                else torch.as_tensor(np.asarray(mask) if not torch.is_tensor(mask) else mask)).to(self.device)
-        b = actions.shape[0]
-        noise = torch.randn(actions.shape, device=self.device)
-        t = torch.sigmoid(torch.randn((b,), device=self.device))   # logit-normal(0, 1)
-        per_sample = self.model(**inputs, actions=actions, action_mask=mask, noise=noise, t=t)
-        loss = per_sample.mean()
-        return loss, {"loss": float(loss.detach()), "t_mean": float(t.mean())}
 
     # ------------------------------------------------------------------ export / loading
     def export_config(self) -> dict[str, Any]:

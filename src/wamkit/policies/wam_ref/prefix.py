@@ -1,0 +1,136 @@
+"""The understanding tower's inference pass (images + prompt -> per-layer K/V, a `Prefix`) with no host
+synchronisation, so that a CUDA graph can capture it, and with fused q/k/v and gate/up GEMMs.
+
+Same arithmetic as `WamRefModel.encode_prefix` (transformers' `Qwen3VLModel.forward` with `use_cache=True`;
+tests/test_policy_wam_ref.py compares the two), built from the same modules. What transformers does on the host per
+call is done once per image count here or replaced by what this prompt layout makes static:
+- the vision geometry (patch position ids, position-embedding interpolation taps, attention boundaries) depends only
+  on the image count (all images share one size): computed once per count and handed to the vision tower through
+  the precomputed-kwargs hooks of `transformers.vision_utils` (cu_seqlens stays on the host: only its length and the
+  Python-int max_seqlen are read);
+- the image tokens sit at the same slots of every prompt (`[<vision_start> <image_pad>*n <vision_end>]` per camera):
+  the image embeddings and DeepStack features go in by slicing, not through a boolean mask (a host sync);
+- the decoder layers run here (norms and attention modules called as they are), so the K/V come out directly instead
+  of through a cache object, the causal + padding mask is built on the device, and q/k/v and gate/up can be fused.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from wamkit.policies.wam_ref.fused import FusedWeights, TextLayerWeights
+from wamkit.policies.wam_ref.model import Prefix
+
+
+class PrefixPass:
+    """Callable: model inputs (as InputProcessor.prepare builds them) -> Prefix.
+
+    image_slots: (start, length) of each camera's image tokens in the prompt, in camera order."""
+
+    def __init__(self, model, image_slots: list[tuple[int, int]]):
+        self.model = model
+        self.image_slots = list(image_slots)
+        self._geometry: dict[tuple, dict] = {}
+        self.compiled = False   # compile=true: the fused MLP runs torch.compile'd (InferenceEngine.enable_compile)
+        self._mlp = None
+
+    # ------------------------------------------------------------------ vision geometry (host work, once per count)
+    def geometry(self, n_images: int, grid: tuple[int, int, int], device: torch.device) -> dict:
+        """The vision tower's precomputed kwargs for n_images images of grid (t, h, w) patches."""
+        key = (n_images, grid, str(device))
+        geo = self._geometry.get(key)
+        if geo is None:
+            from transformers import vision_utils as vu
+
+            vis = self.model.und.visual
+            thw = torch.tensor([list(grid)] * n_images, dtype=torch.long)
+            idx, w = vu.get_vision_interpolation_indices_and_weights(
+                thw.to(device), num_grid_per_side=vis.num_grid_per_side, mode=vis.interpolation_mode,
+                align_corners=vis.interpolation_align_corners, spatial_merge_size=vis.config.spatial_merge_size)
+            geo = {"interp_indices": idx, "interp_weights": w,
+                   "position_ids": vu.get_vision_position_ids(thw.to(device), vis.spatial_merge_size),
+                   "cu_seqlens": vu.get_vision_cu_seqlens(thw),          # host tensor: read for its length only
+                   "max_seqlen": int(grid[0] * grid[1] * grid[2]),
+                   "grid_thw": thw}                                       # host tensor: its values are never read
+            self._geometry[key] = geo
+        return geo
+
+    # ------------------------------------------------------------------ the pass
+    def __call__(self, inputs: dict[str, torch.Tensor], fused: FusedWeights | None = None) -> Prefix:
+        und = self.model.und
+        vis = und.visual
+        ids, mask, pos = inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]
+        b = ids.shape[0]
+        cams = len(self.image_slots)
+        tokens = self.image_slots[0][1]
+        merge = vis.config.spatial_merge_size
+        side = int(round((tokens * merge * merge) ** 0.5))   # every image: tokens * merge^2 patches, square
+        grid = (1, side, side)
+        geo = self.geometry(b * cams, grid, ids.device)
+        out = vis(inputs["pixel_values"].to(vis.dtype), grid_thw=geo["grid_thw"],
+                  **{k: v for k, v in geo.items() if k != "grid_thw"})
+        pooled = out.pooler_output.view(b, cams, tokens, -1)
+        deep = [f.view(b, cams, tokens, -1) for f in out.deepstack_features]
+
+        lm = und.language_model
+        h = lm.embed_tokens(ids)
+        for c, (start, n) in enumerate(self.image_slots):
+            h[:, start:start + n] = pooled[:, c].to(h.dtype)
+        cos, sin = lm.rotary_emb(h, pos)
+        valid = mask.bool()
+        s = ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        attn_mask = causal[None, None] & valid[:, None, None, :]
+        keys, values = [], []
+        mlp_fn = _text_mlp
+        if self.compiled:
+            mlp_fn = self._mlp = self._mlp or torch.compile(_text_mlp)
+        for i, layer in enumerate(lm.layers):
+            fw = fused.text[i] if fused is not None else None
+            a, k, v = _text_attention(layer.self_attn, layer.input_layernorm(h), cos, sin, attn_mask, fw)
+            h = h + a
+            x = layer.post_attention_layernorm(h)
+            if fw is None or getattr(layer.mlp.config, "hidden_act", "silu") != "silu":
+                h = h + layer.mlp(x)
+            else:
+                h = h + mlp_fn(x, fw.gate_up, layer.mlp.down_proj.weight)
+            if i < len(deep):
+                for c, (start, n) in enumerate(self.image_slots):
+                    h[:, start:start + n] += deep[i][:, c].to(h.dtype)
+            keys.append(k)
+            values.append(v)
+        next_pos = pos.masked_fill(~valid[None], -1).amax(dim=(0, 2)) + 1
+        return Prefix(keys=keys, values=values, key_mask=valid, next_pos=next_pos)
+
+
+def _text_attention(attn, x, cos, sin, mask, fw: TextLayerWeights | None):
+    """transformers' Qwen3-VL text attention (q/k norms, mRoPE, SDPA over the masked prefix), returning its
+    post-rotary K and V (what the cache would hold); one [q; k; v] GEMM when fw is given."""
+    rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    b, s, _ = x.shape
+    hd = attn.head_dim
+    if fw is None:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    else:
+        nq, nkv = attn.q_proj.out_features, attn.k_proj.out_features
+        q, k, v = F.linear(x, fw.qkv, fw.qkv_bias).split((nq, nkv, nkv), dim=-1)
+    q = attn.q_norm(q.view(b, s, -1, hd)).transpose(1, 2)
+    k = attn.k_norm(k.view(b, s, -1, hd)).transpose(1, 2)
+    v = v.view(b, s, -1, hd).transpose(1, 2)
+    q, k = rope(q, k, cos, sin)
+    rep = q.shape[1] // k.shape[1]
+    # K/V repeated to the query heads, as transformers' SDPA path does with a mask (the fused masked kernels take
+    # no GQA); the cache keeps the kv heads
+    ka, va = (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
+    o = F.scaled_dot_product_attention(q, ka, va, attn_mask=mask, scale=attn.scaling)
+    return attn.o_proj(o.transpose(1, 2).reshape(b, s, -1)), k, v
+
+
+def _text_mlp(x, gate_up: torch.Tensor, down: torch.Tensor):
+    """transformers' Qwen3-VL text MLP (down(silu(gate(x)) * up(x)), no biases) with gate and up as one GEMM; a
+    pure function of its tensors, so one torch.compile serves every layer."""
+    g, u = F.linear(x, gate_up).split(down.shape[1], dim=-1)
+    return F.linear(F.silu(g) * u, down)

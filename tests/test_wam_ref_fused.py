@@ -1,0 +1,193 @@
+"""wam-ref's fused inference path on the CPU: fused q/k/v and gate/up GEMMs, the host-sync-free prefix pass, the
+CUDA-graph plumbing (static buffers, buckets, prefix graph feeding the denoising graph) run eagerly, and that none of
+it leaks into training (parameters, state dict, loss, gradients)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from wamkit.core.types import Observation
+from wamkit.policies import make_policy
+
+TASKS = ["put the bowl on the plate", "open the top drawer and put the bowl inside", "pick up the ketchup"]
+
+
+def _obs(n: int, seed: int = 0, state_dim: int = 0) -> list[Observation]:
+    rng = np.random.default_rng(seed)
+    return [Observation({c: rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for c in ("image", "wrist_image")},
+                        rng.standard_normal(state_dim).astype(np.float32) if state_dim else None,
+                        TASKS[i % len(TASKS)]) for i in range(n)]
+
+
+def _inputs(pol, n=3, seed=0):
+    obs = _obs(n, seed, pol.state_dim)
+    return pol.prepare_inputs([o.images for o in obs], [o.task for o in obs],
+                              [o.state for o in obs] if pol.state_dim else None)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_fused_predict_matches_reference(dtype, tol):
+    """fused=true (one GEMM for q/k/v and for gate/up, prefix.PrefixPass) vs fused=false (transformers' forward,
+    one GEMM per projection): the same actions within fp32 rounding (bf16: within bf16 rounding, atol 2e-2 on
+    actions of magnitude ~1-3)."""
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=3, state_dim=8, dtype=dtype)
+    obs, seeds = _obs(3, 1, 8), [4, 5, 6]
+    assert pol.fused
+    fused = pol.predict(obs, seeds)
+    pol.fused = False
+    ref = pol.predict(obs, seeds)
+    np.testing.assert_allclose(fused, ref, rtol=tol, atol=tol)
+    assert np.abs(ref).max() > 0.1   # not trivially zero
+
+
+@torch.no_grad()
+def test_prefix_pass_matches_transformers_forward():
+    """prefix.PrefixPass (vision geometry precomputed, image slots by slicing, decoder layers run by hand) gives
+    transformers' per-layer K/V, key mask and next positions, with and without fused weights."""
+    pol = make_policy("wam-ref", size="tiny", max_text_len=20)
+    inp = _inputs(pol)
+    assert inp["attention_mask"].sum(1).unique().numel() > 1    # prompts of different lengths (padding masked)
+    ref = pol.model.encode_prefix(inp["input_ids"], inp["attention_mask"], inp["mm_token_type_ids"],
+                                  inp["pixel_values"], inp["image_grid_thw"], inp["position_ids"])
+    for fw in (None, pol.engine.weights.get()):
+        p = pol.engine.prefix_pass(inp, fw)
+        assert len(p.keys) == len(ref.keys)
+        for k, rk, v, rv in zip(p.keys, ref.keys, p.values, ref.values):
+            torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-5)
+        assert torch.equal(p.key_mask, ref.key_mask) and torch.equal(p.next_pos, ref.next_pos)
+
+
+@torch.no_grad()
+def test_one_denoising_step_fused_matches_unfused():
+    pol = make_policy("wam-ref", size="tiny", state_dim=8)
+    inp = _inputs(pol)
+    p = pol.engine.encode(inp, None).with_room(pol.gen_tokens, pol.engine.kv_heads())
+    x = pol.noise([1, 2, 3])
+    fw = pol.engine.weights.get()
+    ref = pol.model.gen.denoise(p, x, inp["state"], 1)
+    out = pol.model.gen.denoise(p, x, inp["state"], 1, fused=fw.gen)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(out, x)
+
+
+@torch.no_grad()
+def test_fused_weights_follow_the_parameters():
+    """The fused copies are derived state: an in-place weight change (optimizer step, load_state_dict) is seen at
+    the next predict; a rebuild with the same shapes reuses the fused tensors (CUDA graphs stay valid)."""
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2)
+    obs, seeds = _obs(2), [1, 2]
+    before = pol.predict(obs, seeds)
+    fw = pol.engine.weights
+    ptrs = [w.data_ptr() for pair in fw.gen for w in pair]
+    gen0 = fw.storage_generation
+    pol.model.gen.blocks[0].up_proj.weight.mul_(3.0)
+    pol.model.und.language_model.layers[0].self_attn.k_proj.weight.mul_(0.5)
+    after = pol.predict(obs, seeds)
+    assert not np.allclose(after, before)
+    pol.fused = False
+    np.testing.assert_allclose(after, pol.predict(obs, seeds), rtol=1e-5, atol=1e-5)
+    assert [w.data_ptr() for pair in fw.gen for w in pair] == ptrs and fw.storage_generation == gen0
+    pol.fused = True
+    pol.model.load_state_dict(make_policy("wam-ref", size="tiny").model.state_dict())
+    np.testing.assert_allclose(pol.predict(obs, seeds), before, rtol=1e-5, atol=1e-5)
+
+
+def test_fusion_does_not_leak_into_training():
+    """After inference has built the fused weights: the same parameters, state-dict keys, loss and gradients as a
+    policy that never ran inference (training uses the model's own q/k/v/gate/up weights)."""
+    def loss_and_grads(pol):
+        torch.manual_seed(0)
+        pol.model.train()
+        obs = _obs(4, 3)
+        batch = {"images": [o.images for o in obs], "task": [o.task for o in obs],
+                 "actions": np.random.default_rng(0).uniform(-1, 1, (4, pol.horizon, pol.model_action_dim))}
+        loss, _ = pol.sft_loss(batch)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in pol.model.named_parameters() if p.grad is not None}
+
+    plain = make_policy("wam-ref", size="tiny", num_inference_steps=2)
+    used = make_policy("wam-ref", size="tiny", num_inference_steps=2)
+    used.predict(_obs(2), [0, 1])
+    assert used.engine.weights.gen                                     # fusion was built
+    assert list(used.model.state_dict()) == list(plain.model.state_dict())
+    assert [n for n, _ in used.model.named_parameters()] == [n for n, _ in plain.model.named_parameters()]
+    l1, g1 = loss_and_grads(plain)
+    l2, g2 = loss_and_grads(used)
+    assert torch.equal(l1, l2) and g1.keys() == g2.keys() and len(g1) > 0
+    for n in g1:
+        assert torch.equal(g1[n], g2[n]), n
+
+
+@pytest.mark.parametrize("prefix_graphs", [True, False])
+def test_graph_plumbing_matches_eager(prefix_graphs):
+    """The CUDA-graph path's plumbing run eagerly (engine.emulate_graphs: the captured functions are called at
+    each replay): batches padded to a bucket, inputs through static buffers, the prefix graph writing the K/V into
+    the denoising graph's buffers. Same actions as the plain eager path, for two batch sizes sharing a bucket and
+    a smaller one after a larger (rows past the batch hold stale values)."""
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, max_batch=8,
+                      cuda_graphs=True, prefix_graphs=prefix_graphs)
+    obs, seeds = _obs(5, 2, 8), [3, 1, 4, 1, 5]
+    eager = pol.predict(obs, seeds)            # on the CPU cuda_graphs alone changes nothing
+    pol.engine.emulate_graphs = True
+    for n in (5, 3, 1, 5):
+        np.testing.assert_allclose(pol.predict(obs[:n], seeds[:n]), eager[:n], rtol=1e-5, atol=1e-5)
+    assert sorted(k[0] for k in pol.engine._graphs) == [1, 4, 8]
+    assert (sorted(k[0] for k in pol.engine._prefix_graphs) == [1, 4, 8]) == prefix_graphs
+    assert not pol.engine.prefix_graph_errors
+
+
+@torch.no_grad()
+def test_prefix_pass_and_denoise_read_no_device_data_on_the_host():
+    """What a CUDA graph capture needs: once the vision geometry is computed (host work, once per image count),
+    the prefix pass and the denoising loop never read tensor values on the host (.item(), .tolist(), boolean
+    masks, nonzero). Checked by running them on the meta device, where any such read raises (transformers' own
+    forward does not get through)."""
+    import copy
+
+    from wamkit.policies.wam_ref.fused import FusedWeights
+    from wamkit.policies.wam_ref.prefix import PrefixPass
+
+    pol = make_policy("wam-ref", size="tiny", state_dim=8)
+    inp = _inputs(pol, 2)
+    pol.engine.prefix_pass(inp)                       # computes the geometry for 2 x 2 images on the CPU
+    meta = copy.deepcopy(pol.model).to("meta")
+    mp = PrefixPass(meta, pol.engine.prefix_pass.image_slots)
+    for (n, grid, _), geo in pol.engine.prefix_pass._geometry.items():
+        mp._geometry[(n, grid, "meta")] = {k: v.to("meta") if k in ("interp_indices", "interp_weights",
+                                                                     "position_ids") else v for k, v in geo.items()}
+    minp = {k: v.to("meta") for k, v in inp.items()}
+    fw = FusedWeights(meta).get()
+    for w in (fw, None):
+        p = mp(minp, w)
+        assert p.keys[0].device.type == "meta" and len(p.keys) == len(meta.gen.blocks)
+        room = p.with_room(pol.gen_tokens, pol.engine.kv_heads())
+        x = torch.zeros(2, pol.horizon, pol.model_action_dim, device="meta")
+        out = meta.gen.denoise(room, x, minp["state"], 3, None if w is None else w.gen)
+        assert out.shape == x.shape
+
+
+def test_failed_prefix_capture_falls_back_to_the_eager_prefix(monkeypatch):
+    """A prefix graph whose capture raises leaves that bucket's prefix eager (a warning, the reason kept in
+    engine.prefix_graph_errors); the actions are the same and the denoising graph still runs."""
+    from wamkit.policies.wam_ref import engine as eng_mod
+
+    def broken(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, max_batch=4, cuda_graphs=True)
+    obs, seeds = _obs(3, 4), [7, 8, 9]
+    eager = pol.predict(obs, seeds)
+    pol.engine.emulate_graphs = True
+    monkeypatch.setattr(eng_mod, "_PrefixGraph", broken)
+    with pytest.warns(UserWarning, match="prefix CUDA graph"):
+        out = pol.predict(obs, seeds)
+    np.testing.assert_allclose(out, eager, rtol=1e-5, atol=1e-5)
+    assert [k[0] for k in pol.engine.prefix_graph_errors] == [4] and [k[0] for k in pol.engine._graphs] == [4]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the failure is remembered: no second capture attempt, no second warning
+        np.testing.assert_allclose(pol.predict(obs, seeds), eager, rtol=1e-5, atol=1e-5)
