@@ -3,19 +3,20 @@
 # GPU, the envs rendering through EGL. Needs the slim LIBERO bundle unpacked (bench/device/setup_libero_slim.sh: two
 # calls on one warm machine, see there) and .gl + .whl-lite carried.
 #
-#   bash bench/device/run_libero.sh [envs=16] [rows="single-batch;B=16, P=1;..."] [rounds=1] [row_s=35] [max_steps=160]
+#   bash bench/device/run_libero.sh [envs=16[,32]] [rows="single-batch;B=16, P=1;..."] [rounds=1] [row_s=35] [max_steps=160]
 #        [bound=true] [probe=true] [tag=...]
 #
 # probe: one LiberoEnv builds, resets and runs chunks first; its ms per step sizes the rows (each row aims at ~row_s
 # seconds: more trials for fast rows), and is printed. single-batch (every step rendered, one env) runs as its own
 # `bench eval` with its own trial count (it is ~10x slower); its env steps/s is the ratios' denominator.
+# envs=16,32: one table per env count (single-batch once); env ROWS2 / BOUND2: rows and bound of the later ones.
 set -u
-ENVS=16; ROWS=""; ROUNDS=1; ROW_S=35; MAX_STEPS=160; BOUND=true; PROBE=true; TAG=""; EXTRA=""
+MS_STEP0=""; MS_RSTEP0=""; ENVS=16; ROWS=""; ROUNDS=1; ROW_S=35; MAX_STEPS=160; BOUND=true; PROBE=true; TAG=""; EXTRA=""
 for a in "$@"; do
   case "$a" in
     envs=*) ENVS=${a#*=};; rows=*) ROWS=${a#*=};; rounds=*) ROUNDS=${a#*=};; row_s=*) ROW_S=${a#*=};;
     max_steps=*) MAX_STEPS=${a#*=};; bound=*) BOUND=${a#*=};; probe=*) PROBE=${a#*=};; tag=*) TAG=${a#*=};;
-    extra=*) EXTRA=${a#*=};;
+    extra=*) EXTRA=${a#*=};; ms_step=*) MS_STEP0=${a#*=};; ms_rstep=*) MS_RSTEP0=${a#*=};;
     *) echo "unknown argument $a"; exit 2;;
   esac
 done
@@ -35,7 +36,7 @@ echo "setup done after $(( $(date +%s) - T0 )) s"
 nvidia-smi --query-gpu=timestamp,clocks.sm,utilization.gpu,power.draw --format=csv -lms 500 > "$OUT/gpu_samples${TAG}.csv" 2>/dev/null &
 SMI=$!; trap 'kill $SMI 2>/dev/null' EXIT
 NT=4   # tasks 0-3 of libero_10
-MS_STEP=20; MS_RSTEP=25
+MS_STEP=${MS_STEP0:-20}; MS_RSTEP=${MS_RSTEP0:-25}   # probe=false: ms_step= / ms_rstep= (an earlier probe's figures)
 if [ "$PROBE" = true ]; then
   python3 - "$OUT/probe.json" <<'PYEOF'
 import json, sys, time
@@ -65,35 +66,40 @@ PYEOF
   MS_RSTEP=$(python3 -c "import json; print(json.load(open('$OUT/probe.json'))['ms_per_rendered_step'])" 2>/dev/null || echo 25)
   echo "=== probe done at +$(( $(date +%s) - T0 )) s: $MS_STEP ms/step, $MS_RSTEP ms/rendered step"
 fi
+SB_DONE=0
+for E in ${ENVS//,/ }; do
 # trials per task so that a row lasts ~ROW_S s: pipelined rows at ~60% of min(envs, 16 cores) x the probe's rate;
 # single-batch at one env, every step rendered, plus ~40 ms of inference per 16-step chunk
 read TRIALS SB_TRIALS < <(python3 -c "
 import math
-e, ms, rms, row, mx, nt = $ENVS, $MS_STEP, $MS_RSTEP, $ROW_S, $MAX_STEPS, $NT
+e, ms, rms, row, mx, nt = $E, $MS_STEP, $MS_RSTEP, $ROW_S, $MAX_STEPS, $NT
 par = 0.6 * min(e, 16) * 1000 / ms
 t = max(math.ceil(2 * e / nt), math.ceil(row * par / mx / nt))
 sb = 1000 / (rms + 40 / 16)
-print(t, max(1, math.ceil(row * sb / mx / nt)))")
-echo "=== rows: $ENVS envs, $(( TRIALS * NT )) episodes x $MAX_STEPS steps; single-batch: $(( SB_TRIALS * NT )) episodes"
-BASE=(bench/device/eval_libero.yaml num_envs="$ENVS" max_steps="$MAX_STEPS")
-[ -z "$ROWS" ] && ROWS="single-batch;B=$ENVS, P=1;B=4, P=$(( ENVS / 4 ));B=1, P=$ENVS;auto"
-OTHER=$(echo "$ROWS" | tr ';' '\n' | grep -v '^single-batch$' | paste -sd';')
-if echo "$ROWS" | tr ';' '\n' | grep -qx single-batch; then
+print(min(t, 50), max(1, math.ceil(row * sb / mx / nt)))")
+echo "=== rows: $E envs, $(( TRIALS * NT )) episodes x $MAX_STEPS steps; single-batch: $(( SB_TRIALS * NT )) episodes"
+BASE=(bench/device/eval_libero.yaml num_envs="$E" max_steps="$MAX_STEPS")
+R="$ROWS"; [ -z "$R" ] && R="single-batch;B=$E, P=1;B=4, P=$(( E / 4 ));B=1, P=$E;auto"
+OTHER=$(echo "$R" | tr ';' '\n' | grep -v '^single-batch$' | paste -sd';')
+if [ $SB_DONE = 0 ] && echo "$R" | tr ';' '\n' | grep -qx single-batch; then
   timeout -k 10 ${SB_T:-150} python3 -m wamkit.cli.main bench eval "${BASE[@]}" trials="$SB_TRIALS" rows="single-batch" \
     bound=false out="/tmp/lib_sb$TAG" $EXTRA
   echo "=== single-batch rc=$? at +$(( $(date +%s) - T0 )) s"
   cp /tmp/lib_sb$TAG/bench_eval.json "$OUT/libero_single_batch$TAG.json" 2>/dev/null
+  SB_DONE=1
 fi
 if [ -n "$OTHER" ]; then
   timeout -k 10 ${ROWS_T:-420} python3 -m wamkit.cli.main bench eval "${BASE[@]}" trials="$TRIALS" rows="$OTHER" \
-    rounds="$ROUNDS" bound="$BOUND" out="/tmp/lib_${ENVS}$TAG" $EXTRA
-  echo "=== rows rc=$? at +$(( $(date +%s) - T0 )) s"
-  cp /tmp/lib_${ENVS}$TAG/bench_eval.json "$OUT/libero_${ENVS}envs$TAG.json" 2>/dev/null \
-    || cp /tmp/lib_${ENVS}$TAG/bench_eval.partial.json "$OUT/libero_${ENVS}envs${TAG}_partial.json" 2>/dev/null
-  for d in /tmp/lib_${ENVS}$TAG/*/; do
-    n=$(basename "$d"); [ -f "$d/timeline.png" ] && cp "$d/timeline.png" "$OUT/timeline_${ENVS}_${n}$TAG.png"
-    [ -f "$d/round1/timeline.png" ] && cp "$d/round1/timeline.png" "$OUT/timeline_${ENVS}_${n}$TAG.png"
+    rounds="$ROUNDS" bound="$BOUND" out="/tmp/lib_${E}$TAG" $EXTRA
+  echo "=== rows ($E envs) rc=$? at +$(( $(date +%s) - T0 )) s"
+  cp /tmp/lib_${E}$TAG/bench_eval.json "$OUT/libero_${E}envs$TAG.json" 2>/dev/null \
+    || cp /tmp/lib_${E}$TAG/bench_eval.partial.json "$OUT/libero_${E}envs${TAG}_partial.json" 2>/dev/null
+  for d in /tmp/lib_${E}$TAG/*/; do
+    n=$(basename "$d"); [ -f "$d/timeline.png" ] && cp "$d/timeline.png" "$OUT/timeline_${E}_${n}$TAG.png"
+    [ -f "$d/round1/timeline.png" ] && cp "$d/round1/timeline.png" "$OUT/timeline_${E}_${n}$TAG.png"
   done
-  ls /tmp/lib_${ENVS}$TAG/*/server*.log >/dev/null 2>&1 && tail -n 20 /tmp/lib_${ENVS}$TAG/*/server*.log | tail -n 40
 fi
+ROWS=""; BOUND=${BOUND2:-$BOUND}
+[ -n "${ROWS2:-}" ] && ROWS="$ROWS2"
+done
 echo "=== all done after $(( $(date +%s) - T0 )) s"
