@@ -61,10 +61,11 @@ def build_for_training(name: str, args: dict, device: torch.device):
 
 def resolve_io(cfg: TrainConfig, policy) -> tuple[list[str], int]:
     """Cameras and horizon of the run; config values must agree with what the policy consumes / produces."""
+    missing = missing_members(policy, TrainablePolicy)     # wamkit.policies.base: what training needs
+    if missing or not policy.spec.trainable:
+        name = policy.spec.name if hasattr(policy, "spec") else type(policy).__name__
+        raise UserError(f"policy {name!r} is not trainable (missing {', '.join(missing) or 'spec.trainable'})")
     spec = policy.spec
-    missing = missing_members(policy, TrainablePolicy)
-    if missing or not spec.trainable:
-        raise UserError(f"policy {spec.name!r} is not trainable (missing {', '.join(missing) or 'spec.trainable'})")
     cameras = list(cfg.cameras) or list(spec.input.cameras)
     need = [c for c in spec.input.cameras if c not in cameras]
     if need:
