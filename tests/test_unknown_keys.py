@@ -136,3 +136,19 @@ def test_option_names_requires_a_config_class():
 
     with pytest.raises(TypeError, match="config_class"):
         option_names(Untyped)
+
+
+@pytest.mark.parametrize("argv,key", [
+    (["eval", "env=metaworld", "policy=fixed-cost", "policy_args.mode=nap"], "policy_args.mode"),
+    (["eval", "env=metaworld", "policy=zero", "env_args.max_steps=0"], "env_args.max_steps"),
+    (["bench", "eval", "env=metaworld", "policy=zero", "policy_args.horizon=soon"], "policy_args.horizon"),
+    (["data", "record", "env=metaworld", "policy=metaworld-expert", "env_args.image_size=0"], "env_args.image_size"),
+])
+def test_a_bad_option_value_is_one_line_before_anything_starts(argv, key, tmp_path):
+    """The config of the policy/env is built (and dropped) by the option check, so a value its config refuses fails
+    like a misspelled key: one line naming it, exit 2, nothing written."""
+    r = _cli(*argv, f"out={tmp_path / 'o'}")
+    assert r.returncode == 2, (r.returncode, r.stderr[-1500:])
+    lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and key in lines[0], r.stderr[-1500:]
+    assert not (tmp_path / "o").exists()
