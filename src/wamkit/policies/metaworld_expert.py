@@ -19,6 +19,7 @@ import numpy as np
 from wamkit.core.errors import ConfigError, UserError
 from wamkit.core.types import Observation
 from wamkit.policies.base import ActionSpec, ChunkConfig, InputSpec, Policy, PolicySpec
+
 # the experts' proportional controllers warn on most steps that their gains exceed [-1, 1] (the env clips, as meant):
 # noise that buries everything else a recording prints
 warnings.filterwarnings("ignore", message=r"Constant\(s\) may be too high", category=UserWarning,

@@ -28,6 +28,7 @@ from wamkit.train.optim import (EMA, build_optimizer, build_scheduler, check_lr_
                                 lr_factor, select_trainable)
 from wamkit.train.parallelize import parallelize, resolved_precision
 
+
 def build_policy(name: str, args: dict, device: str | None = None):
     """A policy by registry name, exported dir, or `package.module:Class` (constructor kwargs = args)."""
     kwargs = dict(args)
