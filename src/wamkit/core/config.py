@@ -255,7 +255,20 @@ def check_number(key: str, value: Any, lo: float | None = None, hi: float | None
 
 def field_docs(cls: type) -> dict[str, str]:
     """{field name: one-line meaning} of a config dataclass: `field(metadata={"help": ...})` if given, else the
-    trailing `# comment` of the field's line (plus comment-only lines indented under it, which continue it)."""
+    trailing `# comment` of the field's line (plus comment-only lines indented under it, which continue it); a field
+    inherited from a base dataclass keeps the base's comment unless the subclass comments it again."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is not object and dataclasses.is_dataclass(klass):
+            docs.update(_own_field_comments(klass))
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("help"):
+            docs[f.name] = str(f.metadata["help"])
+    return docs
+
+
+def _own_field_comments(cls: type) -> dict[str, str]:
+    """The field comments written in `cls`'s own class body."""
     import inspect
     import io
     import re
@@ -289,9 +302,6 @@ def field_docs(cls: type) -> dict[str, str]:
             docs[current] = (docs.get(current, "") + " " + comments[i][1]).strip()   # a continued comment
         elif stripped:
             current = None
-    for f in dataclasses.fields(cls):
-        if f.metadata.get("help"):
-            docs[f.name] = str(f.metadata["help"])
     return docs
 
 
@@ -375,23 +385,47 @@ def config_help(cls: type, usage: str, intro: str = "", footer: str = "") -> str
 # ---- constructor options of registered classes (policies, envs) ---------------------------------------------------
 
 def option_names(cls: type) -> set[str]:
-    """The keyword options a registered class takes: the fields of its `config_class` dataclass when it has one,
-    else the named parameters of its __init__ (a `**_` catch-all adds none)."""
-    import inspect
+    """The keyword options a registered class (policy, env) takes: the fields of its `config_class` dataclass (or of
+    `cls` itself when it is that dataclass). A class without one is a programming error (TypeError): every
+    registered class declares its options."""
+    cfg = cls if dataclasses.is_dataclass(cls) else getattr(cls, "config_class", None)
+    if cfg is None or not dataclasses.is_dataclass(cfg):
+        raise TypeError(f"{cls.__module__}.{cls.__qualname__} has no config_class (a dataclass of its options)")
+    return {f.name for f in dataclasses.fields(cfg) if f.init}
 
-    cfg = getattr(cls, "config_class", None)
-    if cfg is not None and dataclasses.is_dataclass(cfg):
-        return {f.name for f in dataclasses.fields(cfg) if f.init}
-    params = inspect.signature(cls.__init__).parameters.values()
-    return {p.name for p in params if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+def _refuse_unknown(kind: str, name: str, valid: set[str], keys) -> None:
+    unknown = sorted(k for k in keys if k not in valid)
+    if unknown:
+        shown = ", ".join(f"{kind}.{k}" if kind else k for k in unknown)
+        raise ConfigError(f"{shown}: not an option of {name!r}; valid keys: {', '.join(sorted(valid))}")
 
 
 def check_options(kind: str, name: str, cls: type, kwargs: dict, common: tuple[str, ...] = ()) -> None:
     """ConfigError naming the misspelled key(s) and every valid one, e.g. `policy_args.sise` for wam-ref. `common`:
-    keys callers pass to every class of this kind (each class ignores those it does not use)."""
+    keys callers pass to every class of this kind (each class ignores those it does not use). For a registered class
+    (not a bare config dataclass) the values are checked too: its config is built from them and dropped, so a bad
+    value is one line before any worker or server starts."""
     valid = option_names(cls)
-    unknown = sorted(k for k in kwargs if k not in valid and k not in common)
-    if unknown:
-        keys = ", ".join(f"{kind}.{k}" for k in unknown)
-        raise ConfigError(f"{keys}: not an option of {name!r}; valid keys: {', '.join(sorted(valid))}")
+    _refuse_unknown(kind, name, valid, [k for k in kwargs if k not in common])
+    if not dataclasses.is_dataclass(cls):
+        build_options(cls.config_class, {k: v for k, v in kwargs.items() if k in valid}, kind=kind, name=name)
 
+
+def build_options(cfg_cls: type[T], kwargs: dict[str, Any], base: T | None = None, *, kind: str = "",
+                  name: str = "") -> T:
+    """The options of a registered class: `base` (or the defaults) with `kwargs` on top, checked by the rules at the
+    top of this module (unknown key -> ConfigError naming it and the valid keys; values coerced to the field types,
+    CLI strings included; the config's `validate()` checks ranges). `kind`/`name` only word the errors
+    (`policy_args.horizn: not an option of 'zero'`)."""
+    fields = [f for f in dataclasses.fields(cfg_cls) if f.init]
+    _refuse_unknown(kind, name or cfg_cls.__name__, {f.name for f in fields}, kwargs)
+    data = {f.name: getattr(base, f.name) for f in fields} if base is not None else {}
+    data.update(kwargs)
+    try:
+        return _build(cfg_cls, data, prefix=f"{kind}." if kind else "")
+    except ConfigError as e:      # validate()'s messages start with the bare field name: give it its prefix
+        msg = str(e)
+        if kind and msg.split(" ", 1)[0].rstrip(":") in {f.name for f in fields}:
+            raise ConfigError(f"{kind}.{msg}") from None
+        raise

@@ -1,4 +1,5 @@
-"""The environment interface every simulator implements, and the registry that builds them by name.
+"""The environment contract every simulator implements (`Env`, `EnvSpec`, `TaskInfo`: this file is its one place),
+and the registry that builds them by name.
 
 An Env hosts one simulator instance. One episode is: `reset(task_id, trial)` -> Observation, then repeated
 `execute(chunk)` until `ChunkResult.done`. Only steps whose observation is used are rendered (render skipping):
@@ -12,9 +13,11 @@ from __future__ import annotations
 import abc
 import importlib
 from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from wamkit.core.config import build_options
 from wamkit.core.errors import unknown_choice
 from wamkit.core.types import ChunkResult, Observation
 
@@ -39,14 +42,26 @@ class EnvSpec:
     control_hz: float
 
 
+C = TypeVar("C")
+
+
 class Env(abc.ABC):
     """One simulator instance. Not thread-safe; one per process."""
 
+    name: ClassVar[str]                # registry name; also spec.env
+    config_class: ClassVar[type]       # the dataclass of its options (make_env refuses any other key)
     # known before an env is built (the same as its spec's); 0 = not fixed
-    action_dim: int = 0
-    state_dim: int = 0
+    action_dim: ClassVar[int] = 0
+    state_dim: ClassVar[int] = 0
 
+    config: Any                        # its options, an instance of config_class
     spec: EnvSpec
+
+    @classmethod
+    def make_config(cls, config: C | None = None, **kwargs) -> C:
+        """`config` (or the defaults) with `kwargs` on top, checked and coerced by wamkit.core.config's rules: an
+        unknown key is a ConfigError naming it and the valid keys; CLI strings become the field types."""
+        return build_options(cls.config_class, kwargs, config, kind="env_args", name=cls.name)
 
     @abc.abstractmethod
     def tasks(self) -> list[TaskInfo]:

@@ -41,6 +41,9 @@ def _no_private_macros_warning() -> None:
 
 _no_private_macros_warning()
 
+from dataclasses import dataclass  # noqa: E402
+
+from wamkit.core.config import check_number  # noqa: E402
 from wamkit.core.errors import ConfigError  # noqa: E402
 from wamkit.core.types import ChunkResult, Observation  # noqa: E402
 from wamkit.envs import libero_conventions as C  # noqa: E402
@@ -52,30 +55,46 @@ def _quiet():
     return contextlib.redirect_stdout(io.StringIO())
 
 
+@dataclass(frozen=True)
+class LiberoConfig:
+    suite: str = "libero_object"       # task suite (libero_conventions.SUITES: libero_spatial, libero_10, ...)
+    image_size: int = 256              # square side of every rendered camera image
+    cameras: tuple[str, ...] = ("image", "wrist_image")  # Observation.images keys: image (agentview) | wrist_image
+    max_steps: int | None = None       # policy steps per episode; none = the suite's standard budget
+    seed: int = 0                      # env seed at every reset (the init state fixes the scene anyway)
+
+    def validate(self) -> None:
+        C.suite_max_steps(self.suite)                  # an unknown suite names the valid ones
+        check_number("image_size", self.image_size, lo=1)
+        bad = [c for c in self.cameras if c not in C.CAMERAS]
+        if bad or not self.cameras:
+            raise ConfigError(f"unknown LIBERO camera(s) {bad or self.cameras!r}; valid: {', '.join(C.CAMERAS)}")
+        check_number("max_steps", self.max_steps, lo=1, none_ok=True)
+
+    @property
+    def episode_steps(self) -> int:
+        """max_steps, or the suite's standard budget."""
+        return self.max_steps if self.max_steps is not None else C.suite_max_steps(self.suite)
+
+
 class LiberoEnv(Env):
+    name = "libero"
+    config_class = LiberoConfig
     action_dim = C.ACTION_DIM
     state_dim = C.STATE_DIM
-    default_suite = "libero_object"
+    default_suite = LiberoConfig.suite
 
-    def __init__(self, suite: str = default_suite, image_size: int = 256,
-                 cameras: tuple[str, ...] = ("image", "wrist_image"), max_steps: int | None = None,
-                 seed: int = 0):
-        default_max = C.suite_max_steps(suite)
-        cameras = tuple(cameras)
-        bad = [c for c in cameras if c not in C.CAMERAS]
-        if bad or not cameras:
-            raise ConfigError(f"unknown LIBERO camera(s) {bad or cameras!r}; valid: {', '.join(C.CAMERAS)}")
-        self.suite, self.image_size, self.cameras, self.seed = suite, int(image_size), cameras, int(seed)
-        self.max_steps = int(max_steps) if max_steps is not None else default_max
-        if self.max_steps < 1:
-            raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
-        self.spec = EnvSpec(env="libero", suite=suite, action_dim=C.ACTION_DIM, cameras=cameras,
+    def __init__(self, config: LiberoConfig | None = None, **kwargs):
+        self.config = cfg = self.make_config(config, **kwargs)
+        self.suite, self.image_size, self.cameras, self.seed = cfg.suite, cfg.image_size, cfg.cameras, cfg.seed
+        self.max_steps = cfg.episode_steps
+        self.spec = EnvSpec(env=self.name, suite=cfg.suite, action_dim=C.ACTION_DIM, cameras=cfg.cameras,
                             image_size=self.image_size, state_dim=C.STATE_DIM, max_steps=self.max_steps,
                             control_hz=C.CONTROL_HZ)
         with _quiet():
             from libero.libero import benchmark
 
-            self._benchmark = benchmark.get_benchmark_dict()[suite]()
+            self._benchmark = benchmark.get_benchmark_dict()[cfg.suite]()
         self._init_states = [self._benchmark.get_task_init_states(i) for i in range(self._benchmark.get_num_tasks())]
         self._tasks = [TaskInfo(task_id=i, name=t.name, instruction=t.language, num_trials=len(self._init_states[i]))
                        for i, t in enumerate(self._benchmark.tasks)]

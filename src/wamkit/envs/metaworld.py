@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from wamkit.envs.process_setup import setup_headless_gl
 
 setup_headless_gl()
 
+from wamkit.core.config import check_number  # noqa: E402
 from wamkit.core.errors import ConfigError  # noqa: E402
 from wamkit.core.types import ChunkResult, Observation  # noqa: E402
 from wamkit.envs.base import Env, EnvSpec, TaskInfo  # noqa: E402
@@ -60,39 +62,51 @@ def init_rng(seed: int, task_name: str, trial: int) -> np.random.Generator:
     return np.random.default_rng([int(seed), zlib.crc32(task_name.encode()), int(trial)])
 
 
-class MetaWorldEnv(Env):
-    action_dim = ACTION_DIM
-    state_dim = STATE_DIM
-    default_suite = "mt"
+@dataclass(frozen=True)
+class MetaWorldConfig:
+    suite: str = "mt"                  # the one suite: mt (the tasks are chosen by `tasks`)
+    tasks: tuple[str, ...] = DEFAULT_TASKS  # MetaWorld V3 task names (task_id = position in this list)
+    image_size: int = 224              # square side of every rendered camera image
+    cameras: tuple[str, ...] = ("image",)  # Observation.images keys: image (corner2) | wrist_image (gripperPOV)
+    max_steps: int = 150               # policy steps per episode
+    seed: int = 0                      # seeds every (task, trial) init state together with them
+    render_quality: str = "model"      # model (the scene's own settings) | fast (no MSAA, smaller shadow map)
 
-    def __init__(self, suite: str = default_suite, tasks: tuple[str, ...] | list[str] = DEFAULT_TASKS, image_size: int = 224,
-                 cameras: tuple[str, ...] = ("image",), max_steps: int = 150, seed: int = 0,
-                 render_quality: str = "model"):
-        if suite != "mt":
-            raise ConfigError(f"unknown MetaWorld suite {suite!r}; valid choices: mt")
-        # CLI overrides give one name as a plain string (`env_args.tasks=reach-v3`)
-        cameras = tuple(cameras.split(",")) if isinstance(cameras, str) else tuple(cameras)
-        tasks = tasks.split(",") if isinstance(tasks, str) else tasks
-        bad = [c for c in cameras if c not in CAMERAS]
+    def validate(self) -> None:
+        if self.suite != "mt":
+            raise ConfigError(f"unknown MetaWorld suite {self.suite!r}; valid choices: mt")
+        bad = [c for c in self.cameras if c not in CAMERAS]
         if bad:
             raise ConfigError(f"unknown MetaWorld camera(s) {bad!r}; valid: {', '.join(CAMERAS)}")
         names = all_task_names()
-        tasks = tuple(tasks)
-        unknown = [t for t in tasks if t not in names]
-        if unknown or not tasks:
-            raise ConfigError(f"unknown MetaWorld task(s) {unknown or tasks!r}; valid choices: {', '.join(names)}")
-        if int(max_steps) < 1:
-            raise ConfigError(f"max_steps must be >= 1, got {max_steps}")
-        if render_quality not in RENDER_QUALITY:
-            raise ConfigError(f"render_quality must be one of {', '.join(RENDER_QUALITY)}, got {render_quality!r}")
-        self.render_quality = render_quality
-        self.task_names, self.cameras = tasks, cameras
-        self.image_size, self.max_steps, self.seed = int(image_size), int(max_steps), int(seed)
-        self.spec = EnvSpec(env="metaworld", suite=suite, action_dim=ACTION_DIM, cameras=cameras,
+        unknown = [t for t in self.tasks if t not in names]
+        if unknown or not self.tasks:
+            raise ConfigError(f"unknown MetaWorld task(s) {unknown or self.tasks!r}; valid choices: "
+                              f"{', '.join(names)}")
+        check_number("image_size", self.image_size, lo=1)
+        check_number("max_steps", self.max_steps, lo=1)
+        if self.render_quality not in RENDER_QUALITY:
+            raise ConfigError(f"render_quality must be one of {', '.join(RENDER_QUALITY)}, "
+                              f"got {self.render_quality!r}")
+
+
+class MetaWorldEnv(Env):
+    name = "metaworld"
+    config_class = MetaWorldConfig
+    action_dim = ACTION_DIM
+    state_dim = STATE_DIM
+    default_suite = MetaWorldConfig.suite
+
+    def __init__(self, config: MetaWorldConfig | None = None, **kwargs):
+        self.config = cfg = self.make_config(config, **kwargs)
+        self.render_quality = cfg.render_quality
+        self.task_names, self.cameras = cfg.tasks, cfg.cameras
+        self.image_size, self.max_steps, self.seed = cfg.image_size, cfg.max_steps, cfg.seed
+        self.spec = EnvSpec(env=self.name, suite=cfg.suite, action_dim=ACTION_DIM, cameras=cfg.cameras,
                             image_size=self.image_size, state_dim=STATE_DIM, max_steps=self.max_steps,
                             control_hz=CONTROL_HZ)
         self._tasks = [TaskInfo(task_id=i, name=n, instruction=task_instruction(n), num_trials=TRIALS_PER_TASK)
-                       for i, n in enumerate(tasks)]
+                       for i, n in enumerate(cfg.tasks)]
         self._envs: dict[int, object] = {}       # task_id -> metaworld env (cheap: built once, kept)
         self._renderers: dict[int, object] = {}  # task_id -> mujoco.Renderer
         self._initial_states: dict[int, np.ndarray] = {}  # task_id -> full MuJoCo state right after construction

@@ -1,26 +1,37 @@
-"""The Policy interface: a batch of observations in, a batch of action chunks out.
+"""The policy contracts, in one file: a batch of observations in, a batch of action chunks out.
 
-Contract
-- `predict(observations, seeds)` returns float32 actions of shape (N, horizon, action_dim) in the *environment's*
-  action space (post-processing such as denormalization, rot6d -> axis-angle and gripper mapping is the policy's job).
-- Determinism: the result for observation i depends only on (observation i, seeds[i]) and the weights, never on
-  which other observations share the batch. Schedulers rely on this for schedule-invariant results.
-- `sft_loss(batch)` returns (scalar loss tensor, dict of float metrics) for trainable policies.
-- `spec` says what the policy consumes and produces; it travels with exported checkpoints.
-- `remote_codec()`: a policy whose model runs behind another server (Cosmos3 behind SGLang) returns a RemoteCodec:
-  the caller (the evaluation's server inference) runs encode -> its asynchronous transport -> decode, so the pre- and
-  post-processing run in the evaluation process and several requests can be in flight. Others return None.
+- `Policy` (ABC): every policy. `predict(observations, seeds)` returns float32 actions (N, horizon, action_dim) in
+  the *environment's* action space (denormalization, rot6d -> axis-angle, gripper mapping are the policy's job).
+  Determinism: the result for observation i depends only on (observation i, seeds[i]) and the weights, never on
+  which other observations share the batch; schedulers rely on this for schedule-invariant results.
+  `spec` says what the policy consumes and produces (it travels with exported checkpoints); `config_class` is the
+  dataclass of its options (`config`), next to its code: `make_policy` / `wamkit VERB policy_args.k=v` refuse any
+  other key.
+- `RemoteCodec`: a policy whose model runs behind another server (Cosmos3 behind SGLang) returns one from
+  `remote_codec()`; the caller (the evaluation's server inference) runs encode -> its asynchronous transport ->
+  decode, so pre- and post-processing run in the evaluation process and several requests can be in flight.
+- `ExportablePolicy` / `TrainablePolicy` (Protocols): what `wamkit export` and `wamkit train` need beyond `Policy`;
+  `missing_members(policy, TrainablePolicy)` names what a class lacks. `InitAfterSharding` (optional): torchtitan's
+  build order (build on the meta device, shard, then initialize on each rank's device).
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Sequence, TypeVar, runtime_checkable
 
 import numpy as np
 
+from wamkit.core.config import build_options, check_number
 from wamkit.core.types import Observation
+
+if TYPE_CHECKING:
+    import torch
+
+    from wamkit.data.transforms import ActionPipeline
+
+C = TypeVar("C")
 
 
 @dataclass(frozen=True)
@@ -83,8 +94,29 @@ class RemoteCodec(abc.ABC):
         """(N, H, >= raw_action_dim) server output -> (N, H, action_dim) float32 env actions."""
 
 
+@dataclass(frozen=True)
+class ChunkConfig:
+    """The options every action-chunk policy shares; a policy's config subclasses it (or declares its own)."""
+
+    action_dim: int = 7                # env action dimension (the last axis predict returns)
+    horizon: int = 16                  # actions per chunk
+
+    def validate(self) -> None:
+        check_number("action_dim", self.action_dim, lo=1)
+        check_number("horizon", self.horizon, lo=1)
+
+
 class Policy(abc.ABC):
+    name: ClassVar[str]                # registry name (catalog.py); also spec.name
+    config_class: ClassVar[type]       # the dataclass of its options (make_policy refuses any other key)
+    config: Any                        # its options, an instance of config_class
     spec: PolicySpec
+
+    @classmethod
+    def make_config(cls, config: C | None = None, **kwargs) -> C:
+        """`config` (or the defaults) with `kwargs` on top, checked and coerced by wamkit.core.config's rules: an
+        unknown key is a ConfigError naming it and the valid keys; CLI strings become the field types."""
+        return build_options(cls.config_class, kwargs, config, kind="policy_args", name=cls.name)
 
     @abc.abstractmethod
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
@@ -110,3 +142,68 @@ class Policy(abc.ABC):
 
     def close(self) -> None:  # noqa: B027
         pass
+
+
+# ---- what exporting and training need beyond Policy ---------------------------------------------------------------
+
+@runtime_checkable
+class ExportablePolicy(Protocol):
+    """What `wamkit export` (wamkit.policies.export.save_exported) writes; loading rebuilds the policy by registry
+    name from `export_config()` and loads `module`'s weights strictly. Optional: `save_tokenizer(dir) -> dict` (extra
+    files, merged into the config)."""
+
+    spec: PolicySpec                   # spec.name must be a registered policy name
+    action_pipeline: ActionPipeline    # env <-> model actions (wamkit.data.transforms), saved with the weights
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The network holding every weight (its state_dict is what is saved and loaded)."""
+
+    def export_config(self) -> dict[str, Any]:
+        """JSON-able constructor options that rebuild the same network (keys of the policy's config_class)."""
+
+
+@runtime_checkable
+class TrainablePolicy(ExportablePolicy, Protocol):
+    """What `wamkit train` needs (wamkit.train.trainer), besides `spec.trainable`; the batch is the one
+    wamkit.data.samples collates (docs/CONTRACTS.md)."""
+
+    def fsdp_units(self) -> list[torch.nn.Module]:
+        """Blocks to `fully_shard` one by one, the root (`module`) last."""
+
+    def lr_multipliers(self) -> dict[str, float]:
+        """{parameter-name glob: learning-rate multiplier}; parameters matching none get 1."""
+
+    def sft_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """(scalar loss tensor, float metrics) of one training batch."""
+
+
+@runtime_checkable
+class InitAfterSharding(Protocol):
+    """Optional, on a TrainablePolicy class: torchtitan's build order. The trainer builds the policy with
+    device="meta" when `can_init_after_sharding(policy_args)`, shards it, then calls `init_weights(device)` on each
+    rank (no rank materializes the whole model)."""
+
+    @classmethod
+    def can_init_after_sharding(cls, args: dict[str, Any]) -> bool:
+        """Whether these options allow it (e.g. not when pretrained weights are loaded at construction)."""
+
+    def init_weights(self, device: torch.device) -> None:
+        """Materialize the (sharded) parameters on `device` and initialize them."""
+
+
+def contract_members(contract: type) -> list[str]:
+    """The members a Protocol above declares (its own and its bases'), in declaration order."""
+    names: list[str] = []
+    for klass in reversed(contract.__mro__):
+        if not getattr(klass, "_is_protocol", False) or klass is Protocol:
+            continue
+        for n in [*klass.__dict__.get("__annotations__", {}), *klass.__dict__]:
+            if not n.startswith("_") and n not in names:
+                names.append(n)
+    return names
+
+
+def missing_members(obj: Any, contract: type) -> list[str]:
+    """The members of `contract` that `obj` (a policy or its class) lacks, in declaration order."""
+    return [n for n in contract_members(contract) if not hasattr(obj, n)]

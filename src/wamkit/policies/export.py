@@ -6,9 +6,8 @@
     <dir>/action_pipeline.json  `policy.action_pipeline.to_dict()` (steps + normalizer stats)
     (<dir>/tokenizer/           only when the policy uses a local Hugging Face tokenizer)
 
-A policy is exportable when it has `spec`, `module`, `action_pipeline` and `export_config() -> dict` (JSON-able
-constructor kwargs). Loading rebuilds the policy by registry name from that config (plus overrides such as
-`device=`), then loads the weights strictly.
+A policy is exportable when it implements `wamkit.policies.base.ExportablePolicy`. Loading rebuilds the policy by
+registry name from its `export_config()` (plus overrides such as `device=`), then loads the weights strictly.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from wamkit.core.errors import UserError
+from wamkit.policies.base import ExportablePolicy, missing_members
 from wamkit.policies.catalog import policy_class, policy_names
 from wamkit.policies.manifest import EXPORT_MARKER, PolicyManifest, read_export_manifest
 
@@ -44,9 +44,10 @@ def save_exported(policy, directory) -> Path:
     """Write `policy` as an export directory (created if needed; files overwritten). Returns the directory."""
     from safetensors.torch import save_file
 
-    for attr in ("spec", "module", "action_pipeline", "export_config"):
-        if not hasattr(policy, attr):
-            raise UserError(f"policy {type(policy).__name__} cannot be exported: it has no `{attr}`")
+    missing = missing_members(policy, ExportablePolicy)
+    if missing:
+        raise UserError(f"policy {type(policy).__name__} cannot be exported: it has no "
+                        f"{', '.join(f'`{m}`' for m in missing)} (wamkit.policies.base.ExportablePolicy)")
     name = policy.spec.name
     if name not in policy_names():
         raise UserError(f"policy name {name!r} is not registered; exported policies are rebuilt by registry name")

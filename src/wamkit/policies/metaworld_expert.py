@@ -11,15 +11,15 @@ rule, wamkit.envs.metaworld.task_instruction; policies do not import envs; a tes
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from wamkit.core.errors import UserError
+from wamkit.core.errors import ConfigError, UserError
 from wamkit.core.types import Observation
-from wamkit.policies.base import ActionSpec, InputSpec, Policy, PolicySpec
+from wamkit.policies.base import ActionSpec, ChunkConfig, InputSpec, Policy, PolicySpec
 
-DEFAULT_HORIZON = 1
 # the experts' proportional controllers warn on most steps that their gains exceed [-1, 1] (the env clips, as meant):
 # noise that buries everything else a recording prints
 warnings.filterwarnings("ignore", message=r"Constant\(s\) may be too high", category=UserWarning,
@@ -31,14 +31,25 @@ def task_from_instruction(text: str) -> str:
     return "-".join(text.strip().split()) + "-v3"
 
 
+@dataclass(frozen=True)
+class MetaWorldExpertConfig(ChunkConfig):
+    action_dim: int = 4                # MetaWorld's action dimension (the only one the experts produce)
+    horizon: int = 1                   # actions per chunk: the expert's one action repeated (1 = closed loop)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.action_dim != 4:
+            raise ConfigError(f"action_dim: metaworld-expert produces 4-D actions, got {self.action_dim}")
+
+
 class MetaWorldExpertPolicy(Policy):
-    def __init__(self, action_dim: int = 4, horizon: int = DEFAULT_HORIZON):
-        if int(action_dim) != 4:
-            raise UserError(f"metaworld-expert produces 4-D actions, got action_dim={action_dim}")
-        if int(horizon) < 1:
-            raise UserError(f"horizon must be >= 1, got {horizon}")
-        self.spec = PolicySpec(name="metaworld-expert", input=InputSpec(state_dim=39, text=True),
-                               action=ActionSpec(dim=4, horizon=int(horizon)))
+    name = "metaworld-expert"
+    config_class = MetaWorldExpertConfig
+
+    def __init__(self, config: MetaWorldExpertConfig | None = None, **kwargs):
+        self.config = cfg = self.make_config(config, **kwargs)
+        self.spec = PolicySpec(name=self.name, input=InputSpec(state_dim=39, text=True),
+                               action=ActionSpec(dim=4, horizon=cfg.horizon))
         self._experts: dict[str, object] = {}
 
     def _expert(self, task: str):

@@ -4,22 +4,57 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Literal, Sequence
 
 import numpy as np
 
+from wamkit.core.config import check_number
 from wamkit.core.types import Observation
-from wamkit.policies.base import ActionSpec, Policy, PolicySpec
+from wamkit.policies.base import ActionSpec, ChunkConfig, Policy, PolicySpec
 
 # Gripper convention of the env action space (LIBERO and MetaWorld wrappers): -1 = open, +1 = close.
 GRIPPER_OPEN = -1.0
 
 
+@dataclass(frozen=True)
+class ZeroConfig(ChunkConfig):
+    """`zero`: only the chunk shape (action_dim, horizon)."""
+
+
+@dataclass(frozen=True)
+class RandomConfig(ChunkConfig):
+    scale: float = 1.0                 # actions are uniform in [-scale, scale]
+
+    def validate(self) -> None:
+        super().validate()
+        check_number("scale", self.scale, lo=0)
+
+
+@dataclass(frozen=True)
+class FixedCostConfig(RandomConfig):
+    base_ms: float = 200.0             # inference cost of every batch, in ms
+    per_obs_ms: float = 5.0            # plus this much per observation of the batch, in ms
+    mode: Literal["sleep", "spin"] = "sleep"  # sleep: the CPU is free meanwhile (a GPU model); spin: burn one core
+    scale: float = 0.3                 # actions are uniform in [-scale, scale] (small, so episodes do not fly off)
+    max_batch: int = 64                # largest batch one predict() call gets (max_batch_size())
+
+    def validate(self) -> None:
+        super().validate()
+        check_number("base_ms", self.base_ms, lo=0)
+        check_number("per_obs_ms", self.per_obs_ms, lo=0)
+        check_number("max_batch", self.max_batch, lo=1)
+
+
 class ZeroPolicy(Policy):
     """Holds still: zero deltas, gripper open (last channel = GRIPPER_OPEN)."""
 
-    def __init__(self, action_dim: int = 7, horizon: int = 16):
-        self.spec = PolicySpec(name="zero", action=ActionSpec(dim=action_dim, horizon=horizon))
+    name = "zero"
+    config_class = ZeroConfig
+
+    def __init__(self, config: ZeroConfig | None = None, **kwargs):
+        self.config = cfg = self.make_config(config, **kwargs)
+        self.spec = PolicySpec(name=self.name, action=ActionSpec(dim=cfg.action_dim, horizon=cfg.horizon))
 
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
         a = np.zeros((len(observations), self.spec.action.horizon, self.spec.action.dim), np.float32)
@@ -33,9 +68,13 @@ class ZeroPolicy(Policy):
 class RandomPolicy(Policy):
     """Uniform actions in [-scale, scale]; the chunk for an observation depends only on its seed."""
 
-    def __init__(self, action_dim: int = 7, horizon: int = 16, scale: float = 1.0):
-        self.scale = float(scale)
-        self.spec = PolicySpec(name="random", action=ActionSpec(dim=action_dim, horizon=horizon))
+    name = "random"
+    config_class = RandomConfig
+
+    def __init__(self, config: RandomConfig | None = None, **kwargs):
+        self.config = cfg = self.make_config(config, **kwargs)
+        self.scale = float(cfg.scale)
+        self.spec = PolicySpec(name=self.name, action=ActionSpec(dim=cfg.action_dim, horizon=cfg.horizon))
 
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
         h, d = self.spec.action.horizon, self.spec.action.dim
@@ -54,13 +93,15 @@ class FixedCostPolicy(RandomPolicy):
     mode=sleep models a GPU (the CPU is free while it computes); mode=spin burns one CPU core for that time.
     `scale` defaults to 0.3 so episodes do not fly off; actions depend only on the seed (deterministic)."""
 
-    def __init__(self, action_dim: int = 7, horizon: int = 16, base_ms: float = 200.0, per_obs_ms: float = 5.0,
-                 mode: str = "sleep", scale: float = 0.3, max_batch: int = 64):
-        super().__init__(action_dim=action_dim, horizon=horizon, scale=scale)
-        self.base_ms, self.per_obs_ms, self.mode, self.max_batch = float(base_ms), float(per_obs_ms), mode, max_batch
-        self.spec = PolicySpec(name="fixed-cost", action=ActionSpec(dim=action_dim, horizon=horizon),
-                               extra={"base_ms": self.base_ms, "per_obs_ms": self.per_obs_ms, "mode": mode})
+    name = "fixed-cost"
+    config_class = FixedCostConfig
 
+    def __init__(self, config: FixedCostConfig | None = None, **kwargs):
+        super().__init__(config, **kwargs)
+        cfg = self.config
+        self.base_ms, self.per_obs_ms, self.mode, self.max_batch = cfg.base_ms, cfg.per_obs_ms, cfg.mode, cfg.max_batch
+        self.spec = PolicySpec(name=self.name, action=ActionSpec(dim=cfg.action_dim, horizon=cfg.horizon),
+                               extra={"base_ms": self.base_ms, "per_obs_ms": self.per_obs_ms, "mode": cfg.mode})
     def cost_s(self, n: int) -> float:
         return (self.base_ms + self.per_obs_ms * n) / 1000.0
 

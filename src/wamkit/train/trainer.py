@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from wamkit.core.config import to_dict
 from wamkit.core.errors import UserError
+from wamkit.policies.base import InitAfterSharding, TrainablePolicy, missing_members
 from wamkit.policies.manifest import CHECKPOINT_MANIFEST, PolicyManifest
 from wamkit.train import checkpoint as C
 from wamkit.train.config import TrainConfig
@@ -26,8 +27,6 @@ from wamkit.train.logger import TrainLogger
 from wamkit.train.optim import (EMA, build_optimizer, build_scheduler, check_lr_multipliers, count_params,
                                 lr_factor, select_trainable)
 from wamkit.train.parallelize import parallelize, resolved_precision
-
-TRAINABLE_API = ("module", "fsdp_units", "lr_multipliers", "sft_loss", "action_pipeline")
 
 
 def build_policy(name: str, args: dict, device: str | None = None):
@@ -45,9 +44,10 @@ def build_policy(name: str, args: dict, device: str | None = None):
 def build_for_training(name: str, args: dict, device: torch.device):
     """(policy, deferred): the policy to train, and whether its weights are still to be initialized after
     `parallelize` (torchtitan's order: build on the meta device, shard, then initialize on each rank's device, so no
-    rank ever materializes the whole model). A policy class offers it with `init_weights(device)` and says when
-    (`can_init_after_sharding(args)`, e.g. not when it loads pretrained weights at construction); any other policy,
-    an exported directory, or a `policy_args.device` is built materialized on the rank's device."""
+    rank ever materializes the whole model). A policy class offers it by implementing `InitAfterSharding`
+    (wamkit.policies.base: `can_init_after_sharding(args)`, e.g. false when it loads pretrained weights at
+    construction, and `init_weights(device)`); any other policy, an exported directory, or a `policy_args.device` is
+    built materialized on the rank's device."""
     from wamkit.policies.registry import is_export_dir, policy_class
 
     cls = None
@@ -55,18 +55,18 @@ def build_for_training(name: str, args: dict, device: torch.device):
         cls = import_target(name)
     elif not is_export_dir(name):
         cls = policy_class(name)
-    can = getattr(cls, "can_init_after_sharding", None)
-    deferred = (can is not None and callable(getattr(cls, "init_weights", None)) and "device" not in args
-                and bool(can(args)))
+    deferred = (isinstance(cls, type) and issubclass(cls, InitAfterSharding) and "device" not in args
+                and bool(cls.can_init_after_sharding(args)))
     return build_policy(name, args, device="meta" if deferred else str(device)), deferred
 
 
 def resolve_io(cfg: TrainConfig, policy) -> tuple[list[str], int]:
     """Cameras and horizon of the run; config values must agree with what the policy consumes / produces."""
+    missing = missing_members(policy, TrainablePolicy)     # wamkit.policies.base: what training needs
+    if missing or not policy.spec.trainable:
+        name = policy.spec.name if hasattr(policy, "spec") else type(policy).__name__
+        raise UserError(f"policy {name!r} is not trainable (missing {', '.join(missing) or 'spec.trainable'})")
     spec = policy.spec
-    missing = [a for a in TRAINABLE_API if not hasattr(policy, a)]
-    if missing or not spec.trainable:
-        raise UserError(f"policy {spec.name!r} is not trainable (missing {', '.join(missing) or 'spec.trainable'})")
     cameras = list(cfg.cameras) or list(spec.input.cameras)
     need = [c for c in spec.input.cameras if c not in cameras]
     if need:

@@ -27,14 +27,16 @@ import contextlib
 import importlib
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 
-from wamkit.core.errors import UserError
+from wamkit.core.config import check_number
+from wamkit.core.errors import ConfigError, UserError
 from wamkit.core.types import Observation
-from wamkit.policies.base import ActionSpec, InputSpec, Policy, PolicySpec, RemoteCodec
+from wamkit.policies.base import ActionSpec, ChunkConfig, InputSpec, Policy, PolicySpec, RemoteCodec
 from wamkit.policies.cosmos3 import io as C
 
 # Trained by NVIDIA's LIBERO SFT recipe: the generation tower ("moe_gen") plus the adapters around it.
@@ -154,7 +156,6 @@ def build_framework_model(framework_module: str = "cosmos_framework", experiment
     return model, model.net
 
 
-NORMALIZATIONS = ("client", "server")
 DEFAULT_REQUEST_SEED = 1140          # one seed for every request, as RLinf's evaluation sends (full batches)
 
 
@@ -181,65 +182,93 @@ class Cosmos3Codec(RemoteCodec):
         return C.decode_cosmos3_actions(values, self.pipeline)
 
 
+@dataclass(frozen=True)
+class Cosmos3Config(ChunkConfig):
+    # ---- serving (SGLang)
+    url: str | None = None             # the SGLang action server predict() sends to (eval inference=server needs none)
+    action_stats: Any = None           # q01/q99 of the 10-D training actions: a dict or a stats JSON path
+    action_pipeline: Any = None        # env <-> model actions instead of the one built from action_stats
+    action_dim: int = 7                # env action dimension: LIBERO's 7 (the only one Cosmos3 LIBERO produces)
+    horizon: int = C.ACTION_HORIZON    # actions per chunk: the 16 Cosmos3 LIBERO was trained with
+    num_inference_steps: int = 30      # denoising steps the server runs per request
+    clip_normalized: bool = False      # clip normalized actions to [-1, 1] before denormalizing
+    token: str | None = None           # bearer token of the server
+    timeout_s: float = 300.0           # per request, in seconds
+    max_batch: int | None = None       # largest batch of one request; none = the server's metadata
+    framing: str = C.DEFAULT_FRAMING   # prompt/caption framing: recipe | rlinf (wamkit.policies.cosmos3.io)
+    seed: int | None = DEFAULT_REQUEST_SEED  # the one seed of every request; none = each observation's own seed
+    normalization: Literal["client", "server"] = "client"  # who denormalizes: client (with action_stats) | server
+    # ---- training (cosmos-framework)
+    framework: bool = False            # build the model with cosmos-framework (training; GPU machine)
+    framework_module: str = "cosmos_framework"  # import name of cosmos-framework
+    experiment: str = DEFAULT_EXPERIMENT  # cosmos-framework experiment config
+    model_path: str | None = None      # warm-start weights (safetensors or DCP directory)
+    keys_to_select: tuple[str, ...] = DEFAULT_KEYS_TO_SELECT  # a parameter trains iff its name contains one
+    keys_to_skip_loading: tuple[str, ...] = ()  # parameters (name substrings) not loaded from model_path
+    ema: bool = False                  # keep cosmos's EMA copy of the network
+    vae_path: str | None = None        # Wan VAE weights (else $WAN_VAE_PATH)
+    device: str = "cpu"                # where the framework model's tensors go
+    client: Any = None                 # injected transport: any object with predict(observations, seeds), close()
+
+    def validate(self) -> None:
+        super().validate()
+        if self.action_dim != 7:
+            raise ConfigError(f"action_dim: cosmos3 (LIBERO) produces 7-D env actions, got {self.action_dim}")
+        if self.horizon != C.ACTION_HORIZON:
+            raise ConfigError(f"horizon: cosmos3 (LIBERO) was trained with horizon {C.ACTION_HORIZON}, "
+                              f"got {self.horizon}")
+        C.check_framing(self.framing)
+        check_number("num_inference_steps", self.num_inference_steps, lo=1)
+        check_number("timeout_s", self.timeout_s, lo=0, lo_open=True)
+        check_number("max_batch", self.max_batch, lo=1, none_ok=True)
+        if self.seed is not None and self.seed < 0:
+            raise ConfigError(f"seed: cosmos3 seed must be a non-negative integer or null, got {self.seed!r}")
+        if self.normalization == "server" and (self.action_stats is not None or self.action_pipeline is not None):
+            raise ConfigError("cosmos3 normalization=server means the SGLang server denormalizes (it was started "
+                              "with action stats): drop action_stats here, or they would be applied twice")
+
+
 class Cosmos3Policy(Policy):
     """Cosmos3 (LIBERO): served by SGLang (`url=` for predict(); `wamkit eval inference=server` reaches it through
-    remote_codec()), training via cosmos-framework (`framework=True`). See the module docstring.
+    remote_codec()), training via cosmos-framework (`framework=True`). See the module docstring; options:
+    `Cosmos3Config`."""
 
-    Serving options: `framing` recipe|rlinf (see wamkit.policies.cosmos3.io), `seed` the one seed of every request
-    (None: each observation's own seed from the scheduler, exact but batches only share a seed by chance),
-    `normalization` client|server, `action_stats` (q01/q99 of the 10-D training actions, a dict or a stats JSON),
-    `max_batch` (None: the server's metadata)."""
+    name = "cosmos3"
+    config_class = Cosmos3Config
 
-    def __init__(self, url: str | None = None, action_stats: Any = None, action_pipeline=None,
-                 action_dim: int = 7, horizon: int = C.ACTION_HORIZON, num_inference_steps: int = 30,
-                 clip_normalized: bool = False, token: str | None = None, timeout_s: float = 300.0,
-                 max_batch: int | None = None, framing: str = C.DEFAULT_FRAMING,
-                 seed: int | None = DEFAULT_REQUEST_SEED, normalization: str = "client", framework: bool = False,
-                 framework_module: str = "cosmos_framework",
-                 experiment: str = DEFAULT_EXPERIMENT, model_path: str | None = None,
-                 keys_to_select: Sequence[str] = DEFAULT_KEYS_TO_SELECT, keys_to_skip_loading: Sequence[str] = (),
-                 ema: bool = False, vae_path: str | None = None, device: str = "cpu", client: Any = None):
-        if action_dim != 7:
-            raise UserError(f"cosmos3 (LIBERO) produces 7-D env actions, got action_dim={action_dim}")
-        if horizon != C.ACTION_HORIZON:
-            raise UserError(f"cosmos3 (LIBERO) was trained with horizon {C.ACTION_HORIZON}, got {horizon}")
-        if normalization not in NORMALIZATIONS:
-            raise UserError(f"cosmos3 normalization={normalization!r}: valid choices are {', '.join(NORMALIZATIONS)}")
-        if normalization == "server" and (action_stats is not None or action_pipeline is not None):
-            raise UserError("cosmos3 normalization=server means the SGLang server denormalizes (it was started with "
-                            "action stats): drop action_stats here, or they would be applied twice")
-        if seed is not None and (isinstance(seed, bool) or int(seed) < 0):
-            raise UserError(f"cosmos3 seed must be a non-negative integer or null, got {seed!r}")
-        self.url, self.token, self.timeout_s, self.max_batch = url, token, float(timeout_s), max_batch
-        self.num_inference_steps = int(num_inference_steps)
-        self.clip_normalized = bool(clip_normalized)
-        self.framing = C.check_framing(framing)
-        self.seed = None if seed is None else int(seed)
-        self.normalization = normalization
-        self.action_stats = action_stats
-        if action_pipeline is not None:
+    def __init__(self, config: Cosmos3Config | None = None, **kwargs):
+        self.config = cfg = self.make_config(config, **kwargs)
+        self.url, self.token, self.timeout_s, self.max_batch = cfg.url, cfg.token, cfg.timeout_s, cfg.max_batch
+        self.num_inference_steps = cfg.num_inference_steps
+        self.clip_normalized = cfg.clip_normalized
+        self.framing = cfg.framing
+        self.seed = cfg.seed
+        self.normalization = cfg.normalization
+        self.action_stats = cfg.action_stats
+        if cfg.action_pipeline is not None:
             from wamkit.policies.wam_ref.policy import as_action_pipeline
 
-            self.action_pipeline = as_action_pipeline(action_pipeline)
+            self.action_pipeline = as_action_pipeline(cfg.action_pipeline)
         else:
-            self.action_pipeline = C.cosmos3_action_pipeline(action_stats, clip=self.clip_normalized)
-        self.framework_module, self.experiment = framework_module, experiment
-        self.keys_to_select = tuple(keys_to_select)
+            self.action_pipeline = C.cosmos3_action_pipeline(cfg.action_stats, clip=self.clip_normalized)
+        self.framework_module, self.experiment = cfg.framework_module, cfg.experiment
+        self.keys_to_select = cfg.keys_to_select
         self.trainable_patterns = tuple(f"*{k}*" for k in self.keys_to_select)
-        self.device = device
-        self._client = client   # injected: any object with predict(observations, seeds) and close()
+        self.device = cfg.device
+        self._client = cfg.client   # injected: any object with predict(observations, seeds) and close()
         self._omni = None
         self._global_step = 0
-        if framework:
-            self._omni, _ = build_framework_model(framework_module, experiment, model_path, self.keys_to_select,
-                                                  keys_to_skip_loading, ema=ema, vae_path=vae_path)
+        if cfg.framework:
+            self._omni, _ = build_framework_model(cfg.framework_module, cfg.experiment, cfg.model_path,
+                                                  self.keys_to_select, cfg.keys_to_skip_loading, ema=cfg.ema,
+                                                  vae_path=cfg.vae_path)
         self.spec = PolicySpec(
-            name="cosmos3",
+            name=self.name,
             input=InputSpec(cameras=C.COSMOS3_CAMERAS, image_size=C.CAMERA_SIZE[0], state_dim=0, text=True),
             action=ActionSpec(dim=7, horizon=C.ACTION_HORIZON, representation="rot6d10"),
-            deterministic=True, trainable=framework,
+            deterministic=True, trainable=cfg.framework,
             extra={"domain": C.LIBERO_DOMAIN, "domain_id": C.LIBERO_DOMAIN_ID, "raw_action_dim": C.RAW_ACTION_DIM,
-                   "num_inference_steps": self.num_inference_steps, "url": url, "framing": self.framing,
+                   "num_inference_steps": self.num_inference_steps, "url": cfg.url, "framing": self.framing,
                    "seed": self.seed, "normalization": self.normalization})
 
     # ------------------------------------------------------------------ serving (SGLang)

@@ -13,11 +13,13 @@ the encoding, so the evaluation sees the inner policy's actions (up to float rou
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from wamkit.core.errors import UserError
+from wamkit.core.config import check_number
+from wamkit.core.errors import ConfigError, UserError
 from wamkit.core.types import Observation
 from wamkit.policies.base import ActionSpec, InputSpec, Policy, PolicySpec
 from wamkit.policies.cosmos3 import io as C
@@ -41,17 +43,33 @@ def task_of_prompt(prompt: str) -> str:
     return p[: -len(C.VIEWS_CAPTION)].rstrip(".") if p.endswith(C.VIEWS_CAPTION.strip()) else p
 
 
+@dataclass(frozen=True)
+class Cosmos3StandInConfig:
+    inner: str = "fixed-cost"          # the wamkit policy that answers (registered name or export dir)
+    inner_args: dict[str, Any] = field(default_factory=dict)  # the inner policy's options (inner_args.k=v)
+    action_stats: Any = None           # q01/q99 of the 10-D actions (a dict or stats JSON): the adapter's, required
+    padded_action_dim: int = 64        # channels of each returned action (zero-padded after the 10 real ones)
+    max_batch: int = 8                 # largest batch one predict() call gets (max_batch_size())
+
+    def validate(self) -> None:
+        if self.padded_action_dim < C.RAW_ACTION_DIM:
+            raise ConfigError(f"padded_action_dim must be >= {C.RAW_ACTION_DIM}, got {self.padded_action_dim}")
+        check_number("max_batch", self.max_batch, lo=1)
+
+
 class Cosmos3StandIn(Policy):
-    def __init__(self, inner: str = "fixed-cost", inner_args: dict[str, Any] | None = None, action_stats: Any = None,
-                 padded_action_dim: int = 64, max_batch: int = 8):
+    name = "cosmos3-standin"
+    config_class = Cosmos3StandInConfig
+
+    def __init__(self, config: Cosmos3StandInConfig | None = None, **kwargs):
         from wamkit.policies.registry import make_policy
 
+        self.config = cfg = self.make_config(config, **kwargs)
+        inner, action_stats = cfg.inner, cfg.action_stats
         if action_stats is None:
             raise UserError("cosmos3-standin needs action_stats= (q01/q99 of the 10-D actions, a dict or stats JSON): "
                             "it normalizes like Cosmos3, and the adapter must be given the same stats")
-        if int(padded_action_dim) < C.RAW_ACTION_DIM:
-            raise UserError(f"padded_action_dim must be >= {C.RAW_ACTION_DIM}, got {padded_action_dim}")
-        kw = {"action_dim": 7, "horizon": C.ACTION_HORIZON, **(inner_args or {})}
+        kw = {"action_dim": 7, "horizon": C.ACTION_HORIZON, **cfg.inner_args}
         self.inner = make_policy(inner, **kw)
         ih, idim = self.inner.spec.action.horizon, self.inner.spec.action.dim
         if (ih, idim) != (C.ACTION_HORIZON, 7):
@@ -61,8 +79,8 @@ class Cosmos3StandIn(Policy):
             raise UserError(f"cosmos3-standin's inner policy must not read proprio state (Cosmos3 LIBERO gets none); "
                             f"{inner!r} reads {self.inner.spec.input.state_dim}-D state")
         self.pipeline = C.cosmos3_action_pipeline(action_stats)
-        self.padded, self.max_batch = int(padded_action_dim), int(max_batch)
-        self.spec = PolicySpec(name="cosmos3-standin",
+        self.padded, self.max_batch = cfg.padded_action_dim, cfg.max_batch
+        self.spec = PolicySpec(name=self.name,
                                input=InputSpec(cameras=("image",), image_size=0, state_dim=0, text=True),
                                action=ActionSpec(dim=self.padded, horizon=C.ACTION_HORIZON, representation="rot6d10"),
                                deterministic=self.inner.spec.deterministic,
