@@ -49,7 +49,12 @@ class TrainConfig:
     nproc: int = 1                          # ranks; > 1 relaunches under torchrun (ignored when already under it)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is present, else cpu
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 params/fp32 reduce on GPU, fp32 on CPU
-    activation_checkpointing: bool = False  # recompute activations in backward (less memory, more compute)
+    activation_checkpointing: str = "none"  # recompute activations in backward (less memory, more compute):
+                                            # none | full (every FSDP unit) | vision (the vision tower's units) |
+                                            # comma-separated globs of module names; true/false = full/none
+    reshard_after_forward: Literal["auto", "true", "false"] = "true"  # FSDP2: free the gathered bf16 weights of
+                                            # each unit after its forward (and gather again in backward); auto:
+                                            # false on one rank (nothing to save there but a copy per weight)
     compile: bool = False                   # torch.compile each FSDP unit
     seed: int = 0                           # model init, data order and noise seed
     # outputs
@@ -86,6 +91,30 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ConfigError("resume=true and overwrite=true contradict each other; pick one")
         self.lr_multipliers = _flat_multipliers(self.lr_multipliers)
+        self.activation_checkpointing = ac_mode(self.activation_checkpointing)
+
+
+AC_MODES = ("none", "full", "vision")
+
+
+def ac_mode(value) -> str:
+    """activation_checkpointing as given (bool, true/false/yes/no/1/0, a mode, or globs) -> none | full | vision |
+    'glob,glob'. The globs are checked against the model's module names in parallelize.py."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    v = str(value).strip()
+    low = v.lower()
+    if low in ("true", "yes", "on", "1"):
+        return "full"
+    if low in ("false", "no", "off", "0", ""):
+        return "none"
+    if low in AC_MODES:
+        return low
+    globs = [g.strip() for g in v.split(",")]
+    if any(not g or any(c.isspace() for c in g) for g in globs):
+        raise ConfigError(f"activation_checkpointing must be none, full, vision or comma-separated module-name "
+                          f"globs, got {value!r}")
+    return ",".join(globs)
 
 
 def _flat_multipliers(d: dict, prefix: str = "") -> dict[str, float]:

@@ -1,6 +1,8 @@
 """Parallelism applied from outside the model (torchtitan style), in a fixed order:
 
-1. activation checkpointing on each FSDP unit (composable `checkpoint`: parameter names do not change),
+1. activation checkpointing (composable `checkpoint`: parameter names do not change) on the modules that
+   `activation_checkpointing` selects: none, every FSDP unit (full), the vision tower's units (vision), or the
+   outermost modules whose name matches one of a list of globs (any module, also one inside the root's FSDP group),
 2. torch.compile of each unit (optional),
 3. `fully_shard` on each unit of `policy.fsdp_units()`, then on the root module.
 
@@ -10,10 +12,15 @@ one-rank gloo/NCCL group) and for N ranks.
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from wamkit.core.errors import UserError
+from wamkit.train.config import ac_mode
 
 
 def mixed_precision_policy(mode: str, device_type: str) -> MixedPrecisionPolicy | None:
@@ -30,11 +37,44 @@ def resolved_precision(mode: str, device_type: str) -> str:
     return ("bf16" if device_type == "cuda" else "fp32") if mode == "auto" else mode
 
 
-def apply_activation_checkpointing(units: list[nn.Module]) -> None:
+VISION_NAMES = ("visual", "vision", "vision_tower", "vision_model")   # a module-name component of a vision tower
+
+
+def checkpoint_targets(root: nn.Module, units: list[nn.Module], mode: str) -> list[str]:
+    """Qualified names (in `root`) of the modules to checkpoint for an activation_checkpointing mode (see
+    TrainConfig.activation_checkpointing; ac_mode normalizes it). full: every unit; vision: the units with a name
+    component in VISION_NAMES; globs: the outermost modules whose name matches one (a glob that matches nothing is a
+    UserError naming it). Nested selections are dropped: checkpointing inside a checkpointed module only recomputes
+    twice."""
+    if mode == "none":
+        return []
+    names = {id(m): n for n, m in root.named_modules()}
+    if mode in ("full", "vision"):
+        picked = [names[id(u)] for u in units if id(u) in names and u is not root]
+        if mode == "vision":
+            picked = [n for n in picked if any(c in VISION_NAMES for c in n.split("."))]
+            if not picked:
+                raise UserError("activation_checkpointing=vision: no FSDP unit of this policy is in a vision tower "
+                                f"(a name component among {', '.join(VISION_NAMES)}); pass module-name globs instead")
+        return picked
+    globs = mode.split(",")
+    all_names = [n for n, _ in root.named_modules() if n]
+    bad = [g for g in globs if not any(fnmatch.fnmatchcase(n, g) for n in all_names)]
+    if bad:
+        sample = ", ".join(all_names[:8]) + (f", ... ({len(all_names)} in all)" if len(all_names) > 8 else "")
+        raise UserError(f"activation_checkpointing glob(s) {bad} match no module; modules are: {sample}")
+    picked: list[str] = []
+    for n in all_names:   # named_modules is parent-first: an ancestor is seen before its children
+        if any(fnmatch.fnmatchcase(n, g) for g in globs) and not any(n.startswith(p + ".") for p in picked):
+            picked.append(n)
+    return picked
+
+
+def apply_activation_checkpointing(root: nn.Module, names: list[str]) -> None:
     from torch.distributed._composable import checkpoint
 
-    for u in units:
-        checkpoint(u)
+    for n in names:
+        checkpoint(root.get_submodule(n))
 
 
 def apply_compile(units: list[nn.Module]) -> None:
@@ -42,24 +82,38 @@ def apply_compile(units: list[nn.Module]) -> None:
         u.compile()
 
 
-def apply_fsdp(root: nn.Module, units: list[nn.Module], mesh: DeviceMesh, mp: MixedPrecisionPolicy | None) -> None:
+def resolved_reshard(value, world_size: int) -> bool:
+    """reshard_after_forward (auto | true | false, or a bool) -> bool. auto: false on one rank, where the gathered
+    weights are a bf16 copy of the rank's own and re-gathering them in backward is a second cast-and-copy per weight;
+    true on more ranks (FSDP2's default: frees them between forward and backward)."""
+    if isinstance(value, bool):
+        return value
+    v = str(value).lower()
+    if v == "auto":
+        return world_size > 1
+    return v in ("true", "1", "yes", "on")
+
+
+def apply_fsdp(root: nn.Module, units: list[nn.Module], mesh: DeviceMesh, mp: MixedPrecisionPolicy | None,
+               reshard_after_forward: bool = True) -> None:
     kw = {"mesh": mesh}
     if mp is not None:
         kw["mp_policy"] = mp
     for u in units:
-        fully_shard(u, **kw)
-    fully_shard(root, **kw)
+        fully_shard(u, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(root, **kw)   # the root keeps its weights gathered from forward to backward (FSDP2's default)
 
 
 def parallelize(root: nn.Module, units: list[nn.Module], device_type: str, world_size: int, *,
-                mixed_precision: str = "auto", activation_checkpointing: bool = False,
-                compile: bool = False) -> DeviceMesh:
-    """Shard `root` (in place) over a 1-D mesh of all ranks; returns the mesh. `root` must be fp32."""
+                mixed_precision: str = "auto", activation_checkpointing: str | bool = "none",
+                compile: bool = False, reshard_after_forward: str | bool = "true") -> DeviceMesh:
+    """Shard `root` (in place) over a 1-D mesh of all ranks; returns the mesh. `root` must be fp32.
+    activation_checkpointing: a TrainConfig value (none | full | vision | globs; true/false = full/none)."""
     units = [u for u in units if u is not root]
-    if activation_checkpointing:
-        apply_activation_checkpointing(units)
+    apply_activation_checkpointing(root, checkpoint_targets(root, units, ac_mode(activation_checkpointing)))
     if compile:
         apply_compile(units)
     mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
-    apply_fsdp(root, units, mesh, mixed_precision_policy(mixed_precision, device_type))
+    apply_fsdp(root, units, mesh, mixed_precision_policy(mixed_precision, device_type),
+               resolved_reshard(reshard_after_forward, world_size))
     return mesh
