@@ -100,11 +100,17 @@ def check_sample(policy, samples, collate, cameras: list[str], horizon: int) -> 
         raise UserError(f"training samples have action chunks of {a.shape[1]} steps, the policy predicts {horizon}")
 
 
+HOST_KEYS = ("images",)   # batch entries the policy reads on the host (wam-ref uploads uint8 images and converts them
+                          # on its device); they stay in the loader's pinned memory
+
+
 def _to_device(x, device: torch.device):
+    """A collated batch onto `device`: tensors copied non_blocking (from the loader's pinned memory the copy
+    overlaps the previous step's work), HOST_KEYS left where they are."""
     if torch.is_tensor(x):
         return x.to(device, non_blocking=True)
     if isinstance(x, dict):
-        return {k: _to_device(v, device) for k, v in x.items()}
+        return {k: (v if k in HOST_KEYS else _to_device(v, device)) for k, v in x.items()}
     return x
 
 
