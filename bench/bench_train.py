@@ -11,7 +11,8 @@ per optimizer step); grad_accum (micro-steps per step: micro-batch = batch / (np
 steps per run, after warmup; auto = 20 on cuda, 8 on cpu); warmup (auto = 3 / 2); runs (separate processes of the
 same command; auto = 3 on cuda, 1 on cpu); the trainer's options activation_checkpointing (none|full|vision|globs;
 default none = the trainer's default), reshard_after_forward (true|false|auto), mixed_precision, optimizer
-(auto|fused|foreach|for-loop), compile; trainable ("" = the policy's patterns, "all", or comma-separated globs);
+(auto|fused|foreach|for-loop), compile (none|full|vision|globs, like activation_checkpointing), gc_every (0 = Python's
+automatic GC; N = off, one collection every N steps); trainable ("" = the policy's patterns, "all", or comma-separated globs);
 data=synthetic (one fixed batch, no loading) | loader (a DataLoader with num_workers workers and pinned memory over
 synthetic uint8 samples, through the trainer's device copy: the data path's own cost, no decoding);
 alloc_conf (PYTORCH_CUDA_ALLOC_CONF of the runs, e.g. expandable_segments:True); syncs=true (CUDA: one more step
@@ -49,7 +50,7 @@ DEFAULTS = {"device": "cpu", "policy": "wam-ref", "size": "tiny", "nproc": "1,2"
             "out": str(ROOT / "bench" / "results" / "train.md"), "activation_checkpointing": "none",
             "reshard_after_forward": "true", "mixed_precision": "auto", "note": "", "trainable": "", "json": "",
             "compile": "false", "optimizer": "auto", "profile": "false", "data": "synthetic", "num_workers": "2",
-            "alloc_conf": "", "syncs": "true", "smi_ms": "200"}
+            "alloc_conf": "", "syncs": "true", "smi_ms": "200", "gc_every": "0"}
 SMI_FIELDS = ["index", "clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "utilization.gpu",
               "clocks_throttle_reasons.active"]
 
@@ -263,7 +264,7 @@ def worker(kv):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from wamkit.train.config import TrainConfig, ac_mode
+    from wamkit.train.config import TrainConfig, module_selection
     from wamkit.train.dist import close_distributed, init_distributed
     from wamkit.train.optim import build_optimizer, count_params, select_trainable
     from wamkit.train.parallelize import parallelize, resolved_precision, resolved_reshard
@@ -296,8 +297,8 @@ def worker(kv):
         loss.backward()
     step_flops = flops.get_total_flops() * (micro / fb) * world * ga      # all ranks, all micro-steps: one step
     module.zero_grad(set_to_none=True)
-    ac = ac_mode(kv["activation_checkpointing"])
-    comp = truthy(kv["compile"])
+    ac = module_selection(kv["activation_checkpointing"], "activation_checkpointing")
+    comp = module_selection(kv["compile"], "compile")
     parallelize(module, list(policy.fsdp_units()), dev.type, world, mixed_precision=kv["mixed_precision"],
                 activation_checkpointing=ac, compile=comp, reshard_after_forward=kv["reshard_after_forward"])
     cfg = TrainConfig(optimizer_impl=kv["optimizer"])
@@ -319,6 +320,12 @@ def worker(kv):
         opt.zero_grad(set_to_none=True)
 
     warmup, steps = int(kv["warmup"]), int(kv["steps"])
+    gc_every = int(kv["gc_every"])
+    if gc_every:   # as the trainer's gc_every: automatic GC off, one collection every N steps
+        import gc
+
+        gc.collect()
+        gc.disable()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t_built = time.perf_counter()
@@ -333,6 +340,8 @@ def worker(kv):
         rec["data_wait_s"] = 0.0
         c0, t0 = time.process_time(), time.perf_counter()
         step()
+        if gc_every and (i + 1) % gc_every == 0:
+            gc.collect(1)   # counted in this step's time, as in the trainer's loop
         t1 = time.perf_counter()
         if cuda:
             torch.cuda.synchronize()
@@ -363,6 +372,7 @@ def worker(kv):
     res = {"nproc": world, "device": dev.type, "precision": resolved_precision(kv["mixed_precision"], dev.type),
            "ac": ac, "compile": comp, "optimizer": kv["optimizer"],
            "reshard_after_forward": resolved_reshard(kv["reshard_after_forward"], world), "data": kv["data"],
+           "gc_every": gc_every,
            "params_M": total / 1e6, "trainable_M": trainable / 1e6, "global_batch": micro * world * ga,
            "micro_batch": micro, "grad_accum": ga, "step_s": t_step, "samples_per_s": micro * world * ga / t_step,
            "tflop_per_step": step_flops / 1e12, "achieved_tflops": step_flops / t_step / 1e12,

@@ -204,3 +204,36 @@ def test_bench_train_json_has_the_run_to_run_fields(tmp_path):
         assert r["tflop_per_step"] > 0 and r["host"]["cpu_count"] >= 1 and r["data"] == "loader"
         assert r["ac"] == "none" and r["global_batch"] == 2
     assert "spread between runs" in (tmp_path / "train.md").read_text()
+
+
+def test_compile_selection_and_gc_every_config():
+    cfg = load_config(TrainConfig, None, ["compile=true", "gc_every=50"])
+    assert cfg.compile == "full" and cfg.gc_every == 50
+    assert load_config(TrainConfig, None, ["compile=und.language_model.layers.*"]).compile == \
+        "und.language_model.layers.*"
+    with pytest.raises(ConfigError, match="gc_every"):
+        load_config(TrainConfig, None, ["gc_every=-1"])
+
+
+def test_gc_every_turns_automatic_gc_off_for_the_loop_only(tmp_path, monkeypatch):
+    import gc
+
+    seen = []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: (seen.append((a, gc.isenabled())), real_collect(*a))[1])
+    train(cfg_of(tmp_path, "steps=4", "batch_size=8", "gc_every=2"))
+    assert gc.isenabled()                                            # restored after training
+    assert [a for a, _ in seen].count((1,)) == 2                     # steps 2 and 4
+    assert all(not on for a, on in seen if a == (1,))               # collected by hand while automatic GC was off
+
+
+def test_compile_applies_to_the_selected_modules(one_rank, monkeypatch):
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
+    net = TinyNet(6, 8, 3, 5)
+    parallelize(net, [*net.blocks, net], "cpu", 1, mixed_precision="fp32", compile="blocks.1,out")
+    assert compiled == [net.blocks[1], net.out]
+    net = TinyNet(6, 8, 3, 5)
+    compiled.clear()
+    parallelize(net, [*net.blocks, net], "cpu", 1, mixed_precision="fp32", compile=True)   # true: every unit
+    assert compiled == list(net.blocks)

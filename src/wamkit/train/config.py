@@ -55,7 +55,10 @@ class TrainConfig:
     reshard_after_forward: Literal["auto", "true", "false"] = "true"  # FSDP2: free the gathered bf16 weights of
                                             # each unit after its forward (and gather again in backward); auto:
                                             # false on one rank (nothing to save there but a copy per weight)
-    compile: bool = False                   # torch.compile each FSDP unit
+    compile: str = "none"                   # torch.compile per module: none | full (every FSDP unit) | vision |
+                                            # comma-separated globs of module names; true/false = full/none
+    gc_every: int = 0                       # 0: Python's automatic garbage collection; N: automatic GC off, one
+                                            # collection every N steps (no GC pause inside a step)
     seed: int = 0                           # model init, data order and noise seed
     # outputs
     out: str = "runs/train"                 # run dir: checkpoints/, train_log.jsonl, tb/, config.json
@@ -91,15 +94,18 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ConfigError("resume=true and overwrite=true contradict each other; pick one")
         self.lr_multipliers = _flat_multipliers(self.lr_multipliers)
-        self.activation_checkpointing = ac_mode(self.activation_checkpointing)
+        check_number("gc_every", self.gc_every, 0)
+        self.activation_checkpointing = module_selection(self.activation_checkpointing, "activation_checkpointing")
+        self.compile = module_selection(self.compile, "compile")
 
 
-AC_MODES = ("none", "full", "vision")
+SELECTION_MODES = ("none", "full", "vision")
 
 
-def ac_mode(value) -> str:
-    """activation_checkpointing as given (bool, true/false/yes/no/1/0, a mode, or globs) -> none | full | vision |
-    'glob,glob'. The globs are checked against the model's module names in parallelize.py."""
+def module_selection(value, key: str = "activation_checkpointing") -> str:
+    """A module selection (activation_checkpointing, compile) as given (bool, true/false/yes/no/1/0, a mode, or
+    globs) -> none | full | vision | 'glob,glob'. The globs are checked against the model's module names in
+    parallelize.py (select_modules)."""
     if isinstance(value, bool):
         return "full" if value else "none"
     v = str(value).strip()
@@ -108,13 +114,16 @@ def ac_mode(value) -> str:
         return "full"
     if low in ("false", "no", "off", "0", ""):
         return "none"
-    if low in AC_MODES:
+    if low in SELECTION_MODES:
         return low
     globs = [g.strip() for g in v.split(",")]
     if any(not g or any(c.isspace() for c in g) for g in globs):
-        raise ConfigError(f"activation_checkpointing must be none, full, vision or comma-separated module-name "
-                          f"globs, got {value!r}")
+        raise ConfigError(f"{key} must be none, full, vision or comma-separated module-name globs, got {value!r}")
     return ",".join(globs)
+
+
+def ac_mode(value) -> str:
+    return module_selection(value, "activation_checkpointing")
 
 
 def _flat_multipliers(d: dict, prefix: str = "") -> dict[str, float]:

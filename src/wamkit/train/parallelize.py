@@ -1,10 +1,15 @@
 """Parallelism applied from outside the model (torchtitan style), in a fixed order:
 
 1. activation checkpointing (composable `checkpoint`: parameter names do not change) on the modules that
-   `activation_checkpointing` selects: none, every FSDP unit (full), the vision tower's units (vision), or the
-   outermost modules whose name matches one of a list of globs (any module, also one inside the root's FSDP group),
-2. torch.compile of each unit (optional),
+   `activation_checkpointing` selects (`select_modules`): none, every FSDP unit (full), the vision tower's units
+   (vision), or the outermost modules whose name matches one of a list of globs (any module, also one inside the
+   root's FSDP group),
+2. torch.compile of the modules that `compile` selects (same forms),
 3. `fully_shard` on each unit of `policy.fsdp_units()`, then on the root module.
+
+A module whose forward mutates state outside its outputs cannot be checkpointed: the recomputation in backward
+runs it again (wam-ref's understanding-tower text layers append their K/V to the prefix cache: checkpointing them
+fails with a shape error; `full` and `vision` do not select them when they train).
 
 The policy's model code stays single-device; it never sees a process group. The same path runs for 1 rank (a
 one-rank gloo/NCCL group) and for N ranks.
@@ -20,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from wamkit.core.errors import UserError
-from wamkit.train.config import ac_mode
+from wamkit.train.config import module_selection
 
 
 def mixed_precision_policy(mode: str, device_type: str) -> MixedPrecisionPolicy | None:
@@ -40,12 +45,13 @@ def resolved_precision(mode: str, device_type: str) -> str:
 VISION_NAMES = ("visual", "vision", "vision_tower", "vision_model")   # a module-name component of a vision tower
 
 
-def checkpoint_targets(root: nn.Module, units: list[nn.Module], mode: str) -> list[str]:
-    """Qualified names (in `root`) of the modules to checkpoint for an activation_checkpointing mode (see
-    TrainConfig.activation_checkpointing; ac_mode normalizes it). full: every unit; vision: the units with a name
-    component in VISION_NAMES; globs: the outermost modules whose name matches one (a glob that matches nothing is a
-    UserError naming it). Nested selections are dropped: checkpointing inside a checkpointed module only recomputes
-    twice."""
+def select_modules(root: nn.Module, units: list[nn.Module], mode: str, key: str = "activation_checkpointing"
+                   ) -> list[str]:
+    """Qualified names (in `root`) of the modules a selection picks (TrainConfig.activation_checkpointing /
+    compile; module_selection normalizes it). full: every unit; vision: the units with a name component in
+    VISION_NAMES; globs: the outermost modules whose name matches one (a glob that matches nothing is a UserError
+    naming it). Nested selections are dropped (checkpointing inside a checkpointed module only recomputes twice;
+    a compiled module already covers its children)."""
     if mode == "none":
         return []
     names = {id(m): n for n, m in root.named_modules()}
@@ -54,7 +60,7 @@ def checkpoint_targets(root: nn.Module, units: list[nn.Module], mode: str) -> li
         if mode == "vision":
             picked = [n for n in picked if any(c in VISION_NAMES for c in n.split("."))]
             if not picked:
-                raise UserError("activation_checkpointing=vision: no FSDP unit of this policy is in a vision tower "
+                raise UserError(f"{key}=vision: no FSDP unit of this policy is in a vision tower "
                                 f"(a name component among {', '.join(VISION_NAMES)}); pass module-name globs instead")
         return picked
     globs = mode.split(",")
@@ -62,7 +68,7 @@ def checkpoint_targets(root: nn.Module, units: list[nn.Module], mode: str) -> li
     bad = [g for g in globs if not any(fnmatch.fnmatchcase(n, g) for n in all_names)]
     if bad:
         sample = ", ".join(all_names[:8]) + (f", ... ({len(all_names)} in all)" if len(all_names) > 8 else "")
-        raise UserError(f"activation_checkpointing glob(s) {bad} match no module; modules are: {sample}")
+        raise UserError(f"{key} glob(s) {bad} match no module; modules are: {sample}")
     picked: list[str] = []
     for n in all_names:   # named_modules is parent-first: an ancestor is seen before its children
         if any(fnmatch.fnmatchcase(n, g) for g in globs) and not any(n.startswith(p + ".") for p in picked):
@@ -77,9 +83,13 @@ def apply_activation_checkpointing(root: nn.Module, names: list[str]) -> None:
         checkpoint(root.get_submodule(n))
 
 
-def apply_compile(units: list[nn.Module]) -> None:
-    for u in units:
-        u.compile()
+def checkpoint_targets(root: nn.Module, units: list[nn.Module], mode: str) -> list[str]:
+    return select_modules(root, units, mode, "activation_checkpointing")
+
+
+def apply_compile(root: nn.Module, names: list[str]) -> None:
+    for n in names:
+        root.get_submodule(n).compile()
 
 
 def resolved_reshard(value, world_size: int) -> bool:
@@ -106,13 +116,13 @@ def apply_fsdp(root: nn.Module, units: list[nn.Module], mesh: DeviceMesh, mp: Mi
 
 def parallelize(root: nn.Module, units: list[nn.Module], device_type: str, world_size: int, *,
                 mixed_precision: str = "auto", activation_checkpointing: str | bool = "none",
-                compile: bool = False, reshard_after_forward: str | bool = "true") -> DeviceMesh:
+                compile: str | bool = "none", reshard_after_forward: str | bool = "true") -> DeviceMesh:
     """Shard `root` (in place) over a 1-D mesh of all ranks; returns the mesh. `root` must be fp32.
-    activation_checkpointing: a TrainConfig value (none | full | vision | globs; true/false = full/none)."""
+    activation_checkpointing, compile: TrainConfig values (none | full | vision | globs; true/false = full/none)."""
     units = [u for u in units if u is not root]
-    apply_activation_checkpointing(root, checkpoint_targets(root, units, ac_mode(activation_checkpointing)))
-    if compile:
-        apply_compile(units)
+    ac = module_selection(activation_checkpointing, "activation_checkpointing")
+    apply_activation_checkpointing(root, select_modules(root, units, ac, "activation_checkpointing"))
+    apply_compile(root, select_modules(root, units, module_selection(compile, "compile"), "compile"))
     mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
     apply_fsdp(root, units, mesh, mixed_precision_policy(mixed_precision, device_type),
                resolved_reshard(reshard_after_forward, world_size))

@@ -7,6 +7,7 @@ Every config / data problem raises UserError before the first step.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from pathlib import Path
@@ -156,9 +157,12 @@ def train(cfg: TrainConfig) -> dict:
     """Run (or continue) training; returns a summary dict (rank 0's view)."""
     check_out_dir(cfg)
     info = init_distributed(cfg.device)
+    gc_on = gc.isenabled()
     try:
         return _train(cfg, info)
     finally:
+        if gc_on:
+            gc.enable()   # gc_every turns automatic collection off for the loop
         close_distributed(info)
 
 
@@ -267,6 +271,9 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
     window_steps, t_window, data_wait = 0, time.perf_counter(), 0.0
     last: dict[str, float] = {}
     retries0 = _alloc_retries(info.device)
+    if cfg.gc_every:
+        gc.collect()
+        gc.disable()
 
     def add_dev(name: str, v: torch.Tensor) -> None:
         v = v.detach().float()
@@ -298,6 +305,8 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
         samples_seen += cfg.batch_size
         window_steps += 1
         done = step + 1
+        if cfg.gc_every and done % cfg.gc_every == 0:
+            gc.collect(1)
 
         if done % cfg.log_every == 0 or done == end:
             for name, v in dev_window.items():     # the window's one device read
