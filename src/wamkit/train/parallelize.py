@@ -88,6 +88,16 @@ def checkpoint_targets(root: nn.Module, units: list[nn.Module], mode: str) -> li
 
 
 def apply_compile(root: nn.Module, names: list[str]) -> None:
+    """torch.compile each selected module. Modules of one class share a code object, and a module that differs by
+    a guarded attribute (transformers' decoder layers: `layer_idx`) is one recompilation each: the recompile limit
+    (8 by default, then the rest silently run eagerly) is raised to the number of modules (a process-wide setting)."""
+    if not names:
+        return
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, key, max(getattr(cfg, key), len(names) + 8))
     for n in names:
         root.get_submodule(n).compile()
 
