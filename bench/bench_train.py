@@ -21,9 +21,9 @@ torch.profiler table of one more step); smi_ms (nvidia-smi sampling period, 0 = 
 appended; bench/results/train.md by default); note.
 
 Per step (each run): step_s (wall, the CUDA device synchronized at its end), host_s (until the host had issued the
-whole step: forward, backward, clip, AdamW), gpu_lag_s (how long the final synchronize waited: ~0 means the device
-had nothing queued, i.e. the step was bound by the host), cpu_s (process CPU time, all threads), data_wait_s (time
-blocked on the loader). FLOPs are measured once per run with torch.utils.flop_counter.FlopCounterMode on the
+whole step: forward, backward, clip, AdamW; split into fwd_s / bwd_s / opt_s by when each call returned), gpu_lag_s
+(how long the final synchronize waited: ~0 means the device had nothing queued, i.e. the step was bound by the
+host), cpu_s (process CPU time, all threads), data_wait_s (time blocked on the loader). FLOPs are measured once per run with torch.utils.flop_counter.FlopCounterMode on the
 unsharded model (forward + backward of a micro-batch of up to 4 samples, scaled: every op is per sample); MFU =
 FLOPs per step / median step time / (nproc x peak_tflops). A run's figure is its median step; the headline is the
 median over runs, with the runs' spread ((max - min) / median).
@@ -305,19 +305,28 @@ def worker(kv):
     opt = build_optimizer(module, cfg, dict(policy.lr_multipliers()))
     params = [p for p in module.parameters() if p.requires_grad]
     next_batch, loader = batch_source(kv, policy, micro, dev)
-    rec = {"data_wait_s": 0.0}
+    phases = ("data_wait_s", "fwd_s", "bwd_s", "opt_s")
+    rec = dict.fromkeys(phases, 0.0)
 
     def step():
+        # host-side phase times: when each call returned (the policy's own host syncs make fwd_s include device time)
         for k in range(ga):
             t = time.perf_counter()
             batch = next_batch()
-            rec["data_wait_s"] += time.perf_counter() - t
+            t1 = time.perf_counter()
             module.set_requires_gradient_sync(k == ga - 1)
             loss, _ = policy.sft_loss(batch)
+            t2 = time.perf_counter()
             (loss / ga).backward()
+            t3 = time.perf_counter()
+            rec["data_wait_s"] += t1 - t
+            rec["fwd_s"] += t2 - t1
+            rec["bwd_s"] += t3 - t2
+        t = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        rec["opt_s"] += time.perf_counter() - t
 
     warmup, steps = int(kv["warmup"]), int(kv["steps"])
     gc_every = int(kv["gc_every"])
@@ -329,7 +338,7 @@ def worker(kv):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t_built = time.perf_counter()
-    per_step = {k: [] for k in ("step_s", "host_s", "gpu_lag_s", "cpu_s", "data_wait_s")}
+    per_step = {k: [] for k in ("step_s", "host_s", "gpu_lag_s", "cpu_s", *phases)}
     smi = None
     for i in range(warmup + steps):
         if i == warmup:
@@ -337,7 +346,7 @@ def worker(kv):
             smi = SmiSampler(int(kv["smi_ms"]) if cuda and rank == 0 else 0).start()
         if cuda:
             torch.cuda.synchronize()
-        rec["data_wait_s"] = 0.0
+        rec.update(dict.fromkeys(phases, 0.0))
         c0, t0 = time.process_time(), time.perf_counter()
         step()
         if gc_every and (i + 1) % gc_every == 0:
@@ -347,7 +356,7 @@ def worker(kv):
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         for k, v in (("step_s", t2 - t0), ("host_s", t1 - t0), ("gpu_lag_s", t2 - t1),
-                     ("cpu_s", time.process_time() - c0), ("data_wait_s", rec["data_wait_s"])):
+                     ("cpu_s", time.process_time() - c0), *rec.items()):
             per_step[k].append(v)
     gpu = smi.stop() if smi is not None else {}
     alloc1 = alloc_stats(dev)

@@ -199,7 +199,7 @@ def test_bench_train_json_has_the_run_to_run_fields(tmp_path):
     assert len(d["rows"]) == 2
     for r in d["rows"]:
         assert r["measured_steps"] == 2 and len(r["step_times_s"]) == 3
-        for k in ("step_s", "host_s", "gpu_lag_s", "cpu_s", "data_wait_s"):
+        for k in ("step_s", "host_s", "gpu_lag_s", "cpu_s", "data_wait_s", "fwd_s", "bwd_s", "opt_s"):
             assert len(r["per_step"][k]) == 2 and k in r["median"]
         assert r["tflop_per_step"] > 0 and r["host"]["cpu_count"] >= 1 and r["data"] == "loader"
         assert r["ac"] == "none" and r["global_batch"] == 2
