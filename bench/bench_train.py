@@ -17,7 +17,7 @@ data=synthetic (one fixed batch, no loading) | loader (a DataLoader with num_wor
 synthetic uint8 samples, through the trainer's device copy: the data path's own cost, no decoding);
 alloc_conf (PYTORCH_CUDA_ALLOC_CONF of the runs, e.g. expandable_segments:True); syncs=true (CUDA: one more step
 under torch.cuda.set_sync_debug_mode("warn"), host syncs counted by call site); profile=true (CUDA: a
-torch.profiler table of one more step); smi_ms (nvidia-smi sampling period, 0 = off); json=PATH; out=PATH (markdown
+torch.profiler table of one more step, first run only); smi_ms (nvidia-smi sampling period, 0 = off); json=PATH; out=PATH (markdown
 appended; bench/results/train.md by default); note.
 
 Per step (each run): step_s (wall, the CUDA device synchronized at its end), host_s (until the host had issued the
@@ -462,7 +462,7 @@ def main(argv):
     for n in [int(x) for x in kv["nproc"].split(",")]:
         runs = []
         for k in range(int(kv["runs"])):
-            r = run_once(kv, n)
+            r = run_once(kv if k == 0 else {**kv, "profile": "false"}, n)   # the profile: first run only
             r["run"] = k
             print({x: r[x] for x in ("nproc", "run", "samples_per_s", "step_s", "mfu", "step_cv",
                                      "host_bound_fraction", "peak_mem_gib_rank0")}, flush=True)
