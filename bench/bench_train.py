@@ -11,22 +11,22 @@ per optimizer step); grad_accum (micro-steps per step: micro-batch = batch / (np
 steps per run, after warmup; auto = 20 on cuda, 8 on cpu); warmup (auto = 3 / 2); runs (separate processes of the
 same command; auto = 3 on cuda, 1 on cpu); the trainer's options activation_checkpointing (none|full|vision|globs;
 default none = the trainer's default), reshard_after_forward (true|false|auto), mixed_precision, optimizer
-(auto|fused|foreach|for-loop), compile (none|full|vision|globs, like activation_checkpointing), gc_every (0 = Python's
-automatic GC; N = off, one collection every N steps); trainable ("" = the policy's patterns, "all", or comma-separated globs);
-data=synthetic (one fixed batch, no loading) | loader (a DataLoader with num_workers workers and pinned memory over
-synthetic uint8 samples, through the trainer's device copy: the data path's own cost, no decoding);
-alloc_conf (PYTORCH_CUDA_ALLOC_CONF of the runs, e.g. expandable_segments:True); syncs=true (CUDA: one more step
-under torch.cuda.set_sync_debug_mode("warn"), host syncs counted by call site); profile=true (CUDA: a
-torch.profiler table of one more step, first run only); smi_ms (nvidia-smi sampling period, 0 = off); json=PATH; out=PATH (markdown
-appended; bench/results/train.md by default); note.
+(auto|fused|foreach|for-loop), compile (none|full|vision|globs, like activation_checkpointing), gc_every (0 =
+Python's automatic GC; N = off, one collection every N steps); trainable ("" = the policy's patterns, "all", or
+comma-separated globs); data=synthetic (one fixed batch, no loading) | loader (a DataLoader with num_workers workers
+and pinned memory over synthetic uint8 samples, through the trainer's device copy: the data path's own cost, no
+decoding); alloc_conf (PYTORCH_CUDA_ALLOC_CONF of the runs, e.g. expandable_segments:True); syncs=true (CUDA: one
+more step under torch.cuda.set_sync_debug_mode("warn"), host syncs counted by call site); profile=true (CUDA: a
+torch.profiler table of one more step, first run only); smi_ms (nvidia-smi sampling period, 0 = off); json=PATH;
+out=PATH (markdown appended; bench/results/train.md by default); note.
 
 Per step (each run): step_s (wall, the CUDA device synchronized at its end), host_s (until the host had issued the
 whole step: forward, backward, clip, AdamW; split into fwd_s / bwd_s / opt_s by when each call returned), gpu_lag_s
 (how long the final synchronize waited: ~0 means the device had nothing queued, i.e. the step was bound by the
-host), cpu_s (process CPU time, all threads), data_wait_s (time blocked on the loader). FLOPs are measured once per run with torch.utils.flop_counter.FlopCounterMode on the
-unsharded model (forward + backward of a micro-batch of up to 4 samples, scaled: every op is per sample); MFU =
-FLOPs per step / median step time / (nproc x peak_tflops). A run's figure is its median step; the headline is the
-median over runs, with the runs' spread ((max - min) / median).
+host), cpu_s (process CPU time, all threads), data_wait_s (time blocked on the loader). FLOPs are measured once per
+run with torch.utils.flop_counter.FlopCounterMode on the unsharded model (forward + backward of a micro-batch of up
+to 4 samples, scaled: every op is per sample); MFU = FLOPs per step / median step time / (nproc x peak_tflops). A
+run's figure is its median step; the headline is the median over runs, with the runs' spread ((max - min) / median).
 """
 
 from __future__ import annotations
@@ -282,7 +282,8 @@ def worker(kv):
     policy = build_policy(kv["policy"], {"size": kv["size"]}, device=str(dev))
     module = policy.module
     tr = kv["trainable"]
-    patterns = (["*"] if tr == "all" else tr.split(",")) if tr else list(getattr(policy, "trainable_patterns", []) or [])
+    patterns = ((["*"] if tr == "all" else tr.split(",")) if tr
+                else list(getattr(policy, "trainable_patterns", []) or []))
     if hasattr(policy, "apply_trainable_patterns"):
         policy.apply_trainable_patterns(patterns)
     select_trainable(module, patterns)
@@ -482,7 +483,8 @@ def write(kv, rows, summaries, argv):
     r0 = rows[0]
     dev = r0["device"]
     h = r0["host"]
-    machine = (f"{r0['gpu_name']}, " if dev == "cuda" else "") + f"{h.get('cpu_model', '?')}, {h['cpu_count']} CPU cores"
+    machine = ((f"{r0['gpu_name']}, " if dev == "cuda" else "")
+               + f"{h.get('cpu_model', '?')}, {h['cpu_count']} CPU cores")
     lines = [f"\n## {kv['policy']} {kv['size']} on {dev} ({datetime.datetime.now().strftime('%Y-%m-%d %H:%M')})", "",
              f"- command: `python bench/bench_train.py {' '.join(argv)}`",
              f"- machine: {machine}; torch {r0['torch']}; load average {os.getloadavg()[0]:.1f} at the end",
