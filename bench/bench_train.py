@@ -507,8 +507,14 @@ def write(kv, rows, summaries, argv):
     lines.append("")
     for s in summaries:
         mfu = f", MFU {100 * s['mfu']:.1f}%" if s["mfu"] is not None else ""
+        extra = ""
+        if s.get("per_run_median_sm_clock_mhz"):
+            extra += f"; median SM clock per run {s['per_run_median_sm_clock_mhz']} MHz"
+        if "per_run_alloc_retries" in s:
+            extra += (f"; allocator retries per run {s['per_run_alloc_retries']}, cudaMallocs while measuring "
+                      f"{s['per_run_cuda_mallocs']}")
         lines.append(f"- {s['nproc']} rank(s): median of {s['runs']} run(s) {s['samples_per_s']:.1f} samples/s{mfu}; "
-                     f"spread between runs {100 * s['spread']:.1f}%")
+                     f"spread between runs {100 * s['spread']:.1f}%{extra}")
     if not out.exists():
         out.write_text("# Training throughput (bench/bench_train.py)\n")
     with open(out, "a") as f:
