@@ -10,9 +10,9 @@ Keys (key=value): device cpu|cuda; policy, size; nproc (comma list: one set of r
 per optimizer step); grad_accum (micro-steps per step: micro-batch = batch / (nproc x grad_accum)); steps (measured
 steps per run, after warmup; auto = 20 on cuda, 8 on cpu); warmup (auto = 3 / 2); runs (separate processes of the
 same command; auto = 3 on cuda, 1 on cpu); the trainer's options activation_checkpointing (none|full|vision|globs;
-default none = the trainer's default), reshard_after_forward (true|false|auto), mixed_precision, optimizer
-(auto|fused|foreach|for-loop), compile (none|full|vision|globs, like activation_checkpointing), gc_every (0 =
-Python's automatic GC; N = off, one collection every N steps); trainable ("" = the policy's patterns, "all", or
+default none = the trainer's default), reshard_after_forward (true|false|auto), mixed_precision, cast_root_inputs,
+optimizer (auto|fused|foreach|for-loop), compile (none|full|vision|globs, like activation_checkpointing), gc_every
+(0 = Python's automatic GC; N = off, one collection every N steps); trainable ("" = the policy's patterns, "all", or
 comma-separated globs); data=synthetic (one fixed batch, no loading) | loader (a DataLoader with num_workers workers
 and pinned memory over synthetic uint8 samples, through the trainer's device copy: the data path's own cost, no
 decoding); alloc_conf (PYTORCH_CUDA_ALLOC_CONF of the runs, e.g. expandable_segments:True); syncs=true (CUDA: one
@@ -50,7 +50,8 @@ DEFAULTS = {"device": "cpu", "policy": "wam-ref", "size": "tiny", "nproc": "1,2"
             "out": str(ROOT / "bench" / "results" / "train.md"), "activation_checkpointing": "none",
             "reshard_after_forward": "true", "mixed_precision": "auto", "note": "", "trainable": "", "json": "",
             "compile": "false", "optimizer": "auto", "profile": "false", "data": "synthetic", "num_workers": "2",
-            "alloc_conf": "", "syncs": "true", "smi_ms": "200", "gc_every": "0"}
+            "alloc_conf": "", "syncs": "true", "smi_ms": "200", "gc_every": "0",
+            "cast_root_inputs": "true"}
 SMI_FIELDS = ["index", "clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "utilization.gpu",
               "clocks_throttle_reasons.active"]
 
@@ -301,7 +302,8 @@ def worker(kv):
     ac = module_selection(kv["activation_checkpointing"], "activation_checkpointing")
     comp = module_selection(kv["compile"], "compile")
     parallelize(module, list(policy.fsdp_units()), dev.type, world, mixed_precision=kv["mixed_precision"],
-                activation_checkpointing=ac, compile=comp, reshard_after_forward=kv["reshard_after_forward"])
+                activation_checkpointing=ac, compile=comp, reshard_after_forward=kv["reshard_after_forward"],
+                cast_root_inputs=truthy(kv["cast_root_inputs"]))
     cfg = TrainConfig(optimizer_impl=kv["optimizer"])
     opt = build_optimizer(module, cfg, dict(policy.lr_multipliers()))
     params = [p for p in module.parameters() if p.requires_grad]
@@ -382,7 +384,7 @@ def worker(kv):
     res = {"nproc": world, "device": dev.type, "precision": resolved_precision(kv["mixed_precision"], dev.type),
            "ac": ac, "compile": comp, "optimizer": kv["optimizer"],
            "reshard_after_forward": resolved_reshard(kv["reshard_after_forward"], world), "data": kv["data"],
-           "gc_every": gc_every,
+           "gc_every": gc_every, "cast_root_inputs": truthy(kv["cast_root_inputs"]),
            "params_M": total / 1e6, "trainable_M": trainable / 1e6, "global_batch": micro * world * ga,
            "micro_batch": micro, "grad_accum": ga, "step_s": t_step, "samples_per_s": micro * world * ga / t_step,
            "tflop_per_step": step_flops / 1e12, "achieved_tflops": step_flops / t_step / 1e12,

@@ -237,3 +237,22 @@ def test_compile_applies_to_the_selected_modules(one_rank, monkeypatch):
     compiled.clear()
     parallelize(net, [*net.blocks, net], "cpu", 1, mixed_precision="fp32", compile=True)   # true: every unit
     assert compiled == list(net.blocks)
+
+
+def test_cast_root_inputs_false_keeps_the_flow_time_fp32_under_bf16(one_rank, monkeypatch):
+    """bf16 mixed precision: FSDP2 casts the root's forward inputs (wam-ref's t, actions, noise) to bf16 unless
+    cast_root_inputs=False; both run forward and backward."""
+    from wamkit.policies.wam_ref import model as M
+
+    seen = []
+    orig = M.GenerationTower.time_embedding
+    monkeypatch.setattr(M.GenerationTower, "time_embedding", lambda self, t: (seen.append(t.dtype), orig(self, t))[1])
+    for cast, want in ((True, torch.bfloat16), (False, torch.float32)):
+        torch.manual_seed(0)
+        pol = _wam_ref_tiny()
+        pol.module.float().train()
+        parallelize(pol.module, list(pol.fsdp_units()), "cpu", 1, mixed_precision="bf16", cast_root_inputs=cast)
+        loss, _ = pol.sft_loss(tiny_batch(pol, 2))
+        loss.backward()
+        assert seen[-1] == want and torch.isfinite(loss)
+        assert pol.model.gen.action_in.weight.grad is not None

@@ -52,6 +52,9 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # recompute activations in backward (less memory, more compute):
                                             # none | full (every FSDP unit) | vision (the vision tower's units) |
                                             # comma-separated globs of module names; true/false = full/none
+    cast_root_inputs: bool = True           # bf16: FSDP2 casts the root module's floating forward inputs to bf16
+                                            # (wam-ref: actions, noise, flow time t); false keeps them as given
+                                            # (the model casts where it computes; wam-ref does)
     reshard_after_forward: Literal["auto", "true", "false"] = "true"  # FSDP2: free the gathered bf16 weights of
                                             # each unit after its forward (and gather again in backward); auto:
                                             # false on one rank (nothing to save there but a copy per weight)

@@ -17,6 +17,7 @@ one-rank gloo/NCCL group) and for N ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 
 import torch
@@ -115,25 +116,31 @@ def resolved_reshard(value, world_size: int) -> bool:
 
 
 def apply_fsdp(root: nn.Module, units: list[nn.Module], mesh: DeviceMesh, mp: MixedPrecisionPolicy | None,
-               reshard_after_forward: bool = True) -> None:
+               reshard_after_forward: bool = True, cast_root_inputs: bool = True) -> None:
     kw = {"mesh": mesh}
     if mp is not None:
         kw["mp_policy"] = mp
     for u in units:
         fully_shard(u, reshard_after_forward=reshard_after_forward, **kw)
+    if mp is not None and not cast_root_inputs:
+        kw["mp_policy"] = dataclasses.replace(mp, cast_forward_inputs=False)
     fully_shard(root, **kw)   # the root keeps its weights gathered from forward to backward (FSDP2's default)
 
 
 def parallelize(root: nn.Module, units: list[nn.Module], device_type: str, world_size: int, *,
                 mixed_precision: str = "auto", activation_checkpointing: str | bool = "none",
-                compile: str | bool = "none", reshard_after_forward: str | bool = "true") -> DeviceMesh:
+                compile: str | bool = "none", reshard_after_forward: str | bool = "true",
+                cast_root_inputs: bool = True) -> DeviceMesh:
     """Shard `root` (in place) over a 1-D mesh of all ranks; returns the mesh. `root` must be fp32.
-    activation_checkpointing, compile: TrainConfig values (none | full | vision | globs; true/false = full/none)."""
+    activation_checkpointing, compile: TrainConfig values (none | full | vision | globs; true/false = full/none).
+    cast_root_inputs=False: the root's floating inputs reach its forward as given (with bf16 mixed precision FSDP2
+    would cast them to bf16: wam-ref's flow time t and regression target would be rounded to bf16); the units'
+    inputs are cast as before."""
     units = [u for u in units if u is not root]
     ac = module_selection(activation_checkpointing, "activation_checkpointing")
     apply_activation_checkpointing(root, select_modules(root, units, ac, "activation_checkpointing"))
     apply_compile(root, select_modules(root, units, module_selection(compile, "compile"), "compile"))
     mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
     apply_fsdp(root, units, mesh, mixed_precision_policy(mixed_precision, device_type),
-               resolved_reshard(reshard_after_forward, world_size))
+               resolved_reshard(reshard_after_forward, world_size), cast_root_inputs)
     return mesh

@@ -214,7 +214,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
     precision = resolved_precision(cfg.mixed_precision, info.device.type)
     parallelize(module, list(policy.fsdp_units()), info.device.type, world, mixed_precision=cfg.mixed_precision,
                 activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
-                reshard_after_forward=cfg.reshard_after_forward)
+                reshard_after_forward=cfg.reshard_after_forward, cast_root_inputs=cfg.cast_root_inputs)
     if deferred_init:
         policy.init_weights(info.device)
     optimizer = build_optimizer(module, cfg, multipliers)
