@@ -453,7 +453,8 @@ def run_once(kv, n: int) -> dict:
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not line:
         print(p.stdout[-2000:], p.stderr[-4000:])
-        sys.exit(f"nproc={n} failed")
+        errs = [ln for ln in p.stderr.splitlines() if "Error" in ln][-5:]   # the cause, above torchrun's summary
+        return {"failed": True, "nproc": n, "rc": p.returncode, "errors": errs, "stderr_tail": p.stderr[-3000:]}
     return json.loads(line[0][7:])
 
 
@@ -461,22 +462,38 @@ def main(argv):
     if argv and argv[0] == "worker":
         return worker(parse(argv[1:]))
     kv = parse(argv)
-    rows, summaries = [], []
+    rows, summaries, failures = [], [], []
+
+    def dump():   # after every run: a call cut short by its time limit keeps the runs it finished
+        if kv["json"]:
+            Path(kv["json"]).write_text(json.dumps({"kv": kv, "summary": summaries, "rows": rows,
+                                                    "failures": failures}, indent=2))
+
     for n in [int(x) for x in kv["nproc"].split(",")]:
         runs = []
         for k in range(int(kv["runs"])):
             r = run_once(kv if k == 0 else {**kv, "profile": "false"}, n)   # the profile: first run only
             r["run"] = k
+            if r.get("failed"):   # the same command would fail again (out of memory, ...): next nproc
+                print(f"nproc={n} run {k} failed (rc {r['rc']})", flush=True)
+                failures.append(r)
+                dump()
+                break
             print({x: r[x] for x in ("nproc", "run", "samples_per_s", "step_s", "mfu", "step_cv",
                                      "host_bound_fraction", "peak_mem_gib_rank0")}, flush=True)
             runs.append(r)
-        s = summarize(runs)
-        print("SUMMARY " + json.dumps(s), flush=True)
-        rows += runs
-        summaries.append(s)
-    if kv["json"]:
-        Path(kv["json"]).write_text(json.dumps({"kv": kv, "summary": summaries, "rows": rows}, indent=2))
-    write(kv, rows, summaries, argv)
+            rows.append(r)
+            dump()
+        if runs:
+            s = summarize(runs)
+            print("SUMMARY " + json.dumps(s), flush=True)
+            summaries.append(s)
+            dump()
+    if rows:
+        write(kv, rows, summaries, argv)
+    if failures:
+        sys.exit(f"{len(failures)} run(s) failed: " + ", ".join(f"nproc={f['nproc']} run {f['run']}"
+                                                                  for f in failures))
 
 
 def write(kv, rows, summaries, argv):
