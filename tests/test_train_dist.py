@@ -61,3 +61,16 @@ def test_meta_build_sharded_on_two_ranks_equals_a_materialized_build():
     p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     assert p.stdout.count("meta-init ok") == 2
+
+
+def test_two_ranks_with_step_cost_options_match_one_rank_default(tmp_path):
+    """FSDP2 on 2 gloo ranks with fused AdamW on the DTensor shards, activation checkpointing of every unit, weights
+    kept gathered between forward and backward and manual GC: the losses of a plain 1-rank run."""
+    common = ["steps=6", "batch_size=8", "save_every=0"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    run_train([*common, f"out={two}", "optimizer_impl=fused", "activation_checkpointing=full",
+               "reshard_after_forward=false", "gc_every=2"], nproc=2)
+    train(load_config(TrainConfig, None, [*BASE_ARGS, *common, f"out={one}"]))
+    a, b = losses(two), losses(one)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    close(a, b, range(1, 7))

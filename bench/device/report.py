@@ -59,6 +59,10 @@ def sft(d: dict) -> list[str]:
                    f"({r['trainable_M'] / 1e3:.2f}B) | {r['global_batch']} | {r['step_s']:.3f} | "
                    f"{r['samples_per_s']:.1f} | {r['tflop_per_step']:.1f} | {r['achieved_tflops']:.0f} | "
                    f"{100 * r['mfu']:.1f}% | {r['peak_mem_gib_rank0']:.1f} |")
+    for s in d.get("summary", []):   # bench_train's runs of one command: median over runs and their spread
+        out.append(f"\n{s['nproc']} rank(s), {s['runs']} runs: median {s['samples_per_s']:.1f} samples/s "
+                   f"(MFU {100 * s['mfu']:.1f}%), runs {', '.join(f'{x:.1f}' for x in s['per_run_samples_per_s'])}, "
+                   f"spread {100 * s['spread']:.1f}%")
     return out
 
 

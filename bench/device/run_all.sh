@@ -49,11 +49,12 @@ stamp() { echo "=== $1 done (rc=$2) at +$(( $(date +%s) - T0 )) s ($(date -u +%T
 
 if [ "$SCALE" = smoke ]; then
   NANO="--batches 1,64 --modes eager,graphs,graphs+compile --reps 2 --profile 64 --http 1,8 --http-seconds 3"
-  NANO_T=200; EVAL_T=150; SFT_T=150; SFT="batch=16 steps=2 warmup=1"
+  NANO_T=200; EVAL_T=150; SFT_T=150; SFT="batch=16 steps=2 warmup=1 runs=1"
   [ -z "$EVALSCALES" ] && EVALSCALES="2x4"; EVAL_STEPS=40; EVAL_ROWS="single-batch;auto"
 else
   NANO="--batches 1,2,4,8,16,32,64 --modes eager,graphs,graphs+compile --reps 4 --profile 64 --http 1,16,64 --http-seconds 8"
-  NANO_T=${NANO_T:-420}; EVAL_T=${EVAL_T:-220}; SFT_T=${SFT_T:-120}; SFT="batch=64 steps=6 warmup=2"
+  # SFT: 3 runs (separate processes) x 20 measured steps after 3 warm-up, per variant (~1 min per run for 1b)
+  NANO_T=${NANO_T:-420}; EVAL_T=${EVAL_T:-220}; SFT_T=${SFT_T:-240}; SFT="batch=64 steps=20 warmup=3 runs=3"
   [ -z "$EVALSCALES" ] && EVALSCALES="8x32"; EVAL_STEPS=100; EVAL_ROWS=${EVAL_ROWS:-}
 fi
 [ -n "$NANO_ARGS" ] && NANO="$NANO $NANO_ARGS"
@@ -71,10 +72,12 @@ if part contention; then   # the action server beside controlled CPU / simulatio
 fi
 
 if part sft; then
-  # one bench_train run per variant (';'-separated extra key=value sets; default: the trainer's defaults)
+  # one bench_train call per variant (';'-separated extra key=value sets; default: the trainer's defaults), each
+  # `runs` processes of the same command under one SFT_T limit; a variant's batch=/runs=/steps= override the above
   B=$(echo "$SFT" | sed -n 's/.*batch=\([0-9]*\).*/\1/p')
   SFT_ARGS=$(echo "$SFT" | sed "s/batch=[0-9]*/batch=$(( B * NGPU ))/")
   i=0
+  set -f   # a variant's module-name globs (compile=und.language_model.layers.*) are arguments, not file patterns
   IFS=';' read -ra VARS <<< "${SFT_VARIANTS:-}"
   [ ${#VARS[@]} -eq 0 ] && VARS=("")
   for v in "${VARS[@]}"; do
@@ -85,6 +88,7 @@ if part sft; then
     stamp "sft $v" $?
     i=$(( i + 1 ))
   done
+  set +f
 fi
 
 if part eval; then

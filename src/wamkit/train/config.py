@@ -49,8 +49,19 @@ class TrainConfig:
     nproc: int = 1                          # ranks; > 1 relaunches under torchrun (ignored when already under it)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is present, else cpu
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 params/fp32 reduce on GPU, fp32 on CPU
-    activation_checkpointing: bool = False  # recompute activations in backward (less memory, more compute)
-    compile: bool = False                   # torch.compile each FSDP unit
+    activation_checkpointing: str = "none"  # recompute activations in backward (less memory, more compute):
+                                            # none | full (every FSDP unit) | vision (the vision tower's units) |
+                                            # comma-separated globs of module names; true/false = full/none
+    cast_root_inputs: bool = True           # bf16: FSDP2 casts the root module's floating forward inputs to bf16
+                                            # (wam-ref: actions, noise, flow time t); false keeps them as given
+                                            # (the model casts where it computes; wam-ref does)
+    reshard_after_forward: Literal["auto", "true", "false"] = "true"  # FSDP2: free the gathered bf16 weights of
+                                            # each unit after its forward (and gather again in backward); auto:
+                                            # false on one rank (nothing to save there but a copy per weight)
+    compile: str = "none"                   # torch.compile per module: none | full (every FSDP unit) | vision |
+                                            # comma-separated globs of module names; true/false = full/none
+    gc_every: int = 0                       # 0: Python's automatic garbage collection; N: automatic GC off, one
+                                            # collection every N steps (no GC pause inside a step)
     seed: int = 0                           # model init, data order and noise seed
     # outputs
     out: str = "runs/train"                 # run dir: checkpoints/, train_log.jsonl, tb/, config.json
@@ -86,6 +97,36 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ConfigError("resume=true and overwrite=true contradict each other; pick one")
         self.lr_multipliers = _flat_multipliers(self.lr_multipliers)
+        check_number("gc_every", self.gc_every, 0)
+        self.activation_checkpointing = module_selection(self.activation_checkpointing, "activation_checkpointing")
+        self.compile = module_selection(self.compile, "compile")
+
+
+SELECTION_MODES = ("none", "full", "vision")
+
+
+def module_selection(value, key: str = "activation_checkpointing") -> str:
+    """A module selection (activation_checkpointing, compile) as given (bool, true/false/yes/no/1/0, a mode, or
+    globs) -> none | full | vision | 'glob,glob'. The globs are checked against the model's module names in
+    parallelize.py (select_modules)."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    v = str(value).strip()
+    low = v.lower()
+    if low in ("true", "yes", "on", "1"):
+        return "full"
+    if low in ("false", "no", "off", "0", ""):
+        return "none"
+    if low in SELECTION_MODES:
+        return low
+    globs = [g.strip() for g in v.split(",")]
+    if any(not g or any(c.isspace() for c in g) for g in globs):
+        raise ConfigError(f"{key} must be none, full, vision or comma-separated module-name globs, got {value!r}")
+    return ",".join(globs)
+
+
+def ac_mode(value) -> str:
+    return module_selection(value, "activation_checkpointing")
 
 
 def _flat_multipliers(d: dict, prefix: str = "") -> dict[str, float]:

@@ -7,6 +7,7 @@ Every config / data problem raises UserError before the first step.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from pathlib import Path
@@ -100,12 +101,22 @@ def check_sample(policy, samples, collate, cameras: list[str], horizon: int) -> 
         raise UserError(f"training samples have action chunks of {a.shape[1]} steps, the policy predicts {horizon}")
 
 
+HOST_KEYS = ("images",)   # batch entries the policy reads on the host (wam-ref uploads uint8 images and converts them
+                          # on its device); they stay in the loader's pinned memory
+
+
 def _to_device(x, device: torch.device):
+    """A collated batch onto `device`: tensors copied non_blocking (from the loader's pinned memory the copy
+    overlaps the previous step's work), HOST_KEYS left where they are."""
     if torch.is_tensor(x):
         return x.to(device, non_blocking=True)
     if isinstance(x, dict):
-        return {k: _to_device(v, device) for k, v in x.items()}
+        return {k: (v if k in HOST_KEYS else _to_device(v, device)) for k, v in x.items()}
     return x
+
+
+def _alloc_retries(device: torch.device) -> int:
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else 0
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -146,9 +157,12 @@ def train(cfg: TrainConfig) -> dict:
     """Run (or continue) training; returns a summary dict (rank 0's view)."""
     check_out_dir(cfg)
     info = init_distributed(cfg.device)
+    gc_on = gc.isenabled()
     try:
         return _train(cfg, info)
     finally:
+        if gc_on:
+            gc.enable()   # gc_every turns automatic collection off for the loop
         close_distributed(info)
 
 
@@ -199,7 +213,8 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
     module.train()
     precision = resolved_precision(cfg.mixed_precision, info.device.type)
     parallelize(module, list(policy.fsdp_units()), info.device.type, world, mixed_precision=cfg.mixed_precision,
-                activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+                activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+                reshard_after_forward=cfg.reshard_after_forward, cast_root_inputs=cfg.cast_root_inputs)
     if deferred_init:
         policy.init_weights(info.device)
     optimizer = build_optimizer(module, cfg, multipliers)
@@ -248,22 +263,40 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
                                  sampler_state=batches.state, samples_seen=samples_seen, meta=meta, rank=rank,
                                  world_size=world, keep_last=cfg.keep_last)
 
-    # ---- the loop
+    # ---- the loop. The trainer itself reads nothing back from the device between log windows: the loss and the
+    # grad norm are summed on the device (a policy's float metrics are its own host reads). data_wait_s: time the
+    # loop blocked on the data loader (prefetching workers, pinned memory, non_blocking copies: ~0 when it keeps up)
     window: dict[str, float] = {}
-    window_steps, t_window = 0, time.perf_counter()
+    dev_window: dict[str, torch.Tensor] = {}
+    window_steps, t_window, data_wait = 0, time.perf_counter(), 0.0
     last: dict[str, float] = {}
+    retries0 = _alloc_retries(info.device)
+    if cfg.gc_every:
+        gc.collect()
+        gc.disable()
+
+    def add_dev(name: str, v: torch.Tensor) -> None:
+        v = v.detach().float()
+        dev_window[name] = v if name not in dev_window else dev_window[name] + v
+
     for step in range(start, end):
         for k in range(cfg.grad_accum):
+            t_data = time.perf_counter()
             batch = _to_device(batches.next(), info.device)
+            data_wait += time.perf_counter() - t_data
             module.set_requires_gradient_sync(k == cfg.grad_accum - 1)   # reduce-scatter only on the last micro-step
             loss, metrics = policy.sft_loss(batch)
             (loss / cfg.grad_accum).backward()
-            window["loss"] = window.get("loss", 0.0) + float(loss.detach()) / cfg.grad_accum
+            add_dev("loss", loss / cfg.grad_accum)
             for name, v in metrics.items():
-                if name != "loss":
+                if name == "loss":
+                    continue
+                if torch.is_tensor(v):
+                    add_dev(name, v / cfg.grad_accum)
+                else:
                     window[name] = window.get(name, 0.0) + float(v) / cfg.grad_accum
         grad_norm = _full(torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip or math.inf, foreach=True))
-        window["grad_norm"] = window.get("grad_norm", 0.0) + float(grad_norm)
+        add_dev("grad_norm", grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -272,8 +305,13 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
         samples_seen += cfg.batch_size
         window_steps += 1
         done = step + 1
+        if cfg.gc_every and done % cfg.gc_every == 0:
+            gc.collect(1)
 
         if done % cfg.log_every == 0 or done == end:
+            for name, v in dev_window.items():     # the window's one device read
+                window[name] = window.get(name, 0.0) + float(v)
+            window["data_wait_s"] = data_wait
             keys = sorted(window)
             vec = torch.tensor([window[k] for k in keys], dtype=torch.float64)
             dist.all_reduce(vec)                    # mean over ranks (grad_norm is global: same on every rank)
@@ -281,9 +319,11 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
             last = {k: float(v) / window_steps / world for k, v in zip(keys, vec)}
             last.update(lr=cfg.lr * lr_factor(step, cfg.warmup, cfg.decay, cfg.steps),
                         samples_per_s=cfg.batch_size * window_steps / dt, steps_per_s=window_steps / dt,
-                        samples_seen=samples_seen)
+                        step_s=dt / window_steps, samples_seen=samples_seen)
+            if info.device.type == "cuda":           # allocator retries (cudaFree + retry: fragmentation) so far
+                last["alloc_retries"] = float(_alloc_retries(info.device) - retries0)
             log.log(done, last)
-            window, window_steps, t_window = {}, 0, time.perf_counter()
+            window, dev_window, window_steps, t_window, data_wait = {}, {}, 0, time.perf_counter(), 0.0
         if (cfg.save_every and done % cfg.save_every == 0) or done == end:
             save(done)
 
