@@ -85,7 +85,8 @@ def test_auto_plan_follows_measured_costs():
 
 def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
     """The auto batcher holds waiting observations for the next env predicted to finish its chunk only if it comes
-    within a, the fixed cost of one inference call; an env far from done (or a cheap call) means: send now."""
+    within STRAGGLER_WAIT x a (a: the fixed cost of one inference call); an env far from done (or a cheap call)
+    means: send now."""
     import collections
     import time
 
@@ -107,7 +108,9 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
         ab.pending = [(None, 0, None, None, now - waited)]
         return ab._deadline() - now
 
-    assert deadline(a=0.8, started_ago=0.1) <= 0.01                 # next env in ~0.9 s > 0.8 s: send now
-    assert deadline(a=0.8, started_ago=0.6) == pytest.approx(1.2 * 0.4 + 0.005, abs=0.02)   # ~0.4 s away: wait
-    assert deadline(a=0.8, started_ago=0.6, waited=0.7) == pytest.approx(0.1, abs=0.02)     # capped at arrival + a
+    w = AutoBatcher.STRAGGLER_WAIT * 0.8                            # how long waiting is worth (0.4 s)
+    assert deadline(a=0.8, started_ago=0.1) <= 0.01                 # next env in ~0.9 s > w: send now
+    assert deadline(a=0.8, started_ago=0.55) <= 0.01                # ~0.45 s away > w: send now
+    assert deadline(a=0.8, started_ago=0.7) == pytest.approx(1.2 * 0.3 + 0.005, abs=0.02)   # ~0.3 s away: wait
+    assert deadline(a=0.8, started_ago=0.7, waited=0.3) == pytest.approx(w - 0.3, abs=0.02)  # capped at arrival + w
     assert deadline(a=0.002, started_ago=0.6) <= 0.01               # cheap calls: never worth waiting

@@ -64,3 +64,53 @@ def test_a_slower_accelerator_gets_larger_batches():
     r = ps.REGIMES["gpu-metaworld-16"]
     slow = dataclasses.replace(r, infer_a=3 * r.infer_a)
     assert ps.run(slow, "auto")["mean_batch"] > ps.run(r, "auto")["mean_batch"]
+
+
+@pytest.mark.parametrize("mode,batch,pipelines", [("auto", 1, 1), ("pipelines", 2, 2), ("pipelines", 4, 1)])
+def test_an_env_keeps_its_task_while_episodes_of_it_are_queued(mode, batch, pipelines):
+    """Episodes go to the env that has their task loaded (LIBERO's soft reset keeps the scene), every planned
+    episode runs exactly once, and an env changes task only when its task has nothing left in the queue."""
+    import asyncio
+
+    from wamkit.eval.plan import make_plan
+    from wamkit.eval.scheduler import Scheduler, SchedulerOptions
+
+    r = dataclasses.replace(ps.REGIMES["sim-bound-8"], envs=4, chunks=2)
+    seen: dict[int, list[int]] = {}
+
+    class Recording(ps.SimEnv):
+        async def reset(self, task_id, trial):
+            seen.setdefault(self.index, []).append(task_id)
+            return await super().reset(task_id, trial)
+
+    class Fifo(Scheduler):                                    # the plain order: head of the queue
+        def _next_episode(self, i):
+            return self.queue.popleft() if self.queue else None
+
+    def run(cls):
+        seen.clear()
+
+        async def go():
+            cores = asyncio.Semaphore(r.cores)
+            envs = [Recording(i, r, cores) for i in range(r.envs)]
+            done = []
+            plan = make_plan("sim", [0, 1, 2], 7)             # 21 episodes, task-major
+            opts = SchedulerOptions(mode=mode, batch=batch, pipelines=pipelines, cores=r.cores,
+                                    run_to_max_steps=True)
+            await cls(envs, ps.SimAccelerator(r), plan, opts, done.append).run()
+            return done
+
+        loop = ps.VirtualTimeLoop()
+        with ps._virtual_clock(loop):
+            done = loop.run_until_complete(go())
+        loop.close()
+        keys = [o.episode.key for o in done]
+        assert len(keys) == 21 and len(set(keys)) == 21
+        return sum(sum(a != b for a, b in zip(t, t[1:])) for t in seen.values()), dict(seen)
+
+    fifo, _ = run(Fifo)
+    switches, tasks = run(Scheduler)
+    assert switches < fifo, (switches, fifo)
+    assert switches <= len(tasks), tasks                     # about one task change per env at most
+    for t in tasks.values():
+        assert t == sorted(t)                                  # a task once left is never come back to

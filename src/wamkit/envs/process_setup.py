@@ -2,9 +2,44 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+import threading
 from pathlib import Path
+
+# thread pools of the numeric libraries a simulator process loads (numpy's BLAS, OpenMP): one thread each in an env
+# process. N env processes on N cores with a pool of N threads apiece (OpenBLAS busy-waits between calls) oversubscribe
+# the machine N-fold; one env is one core's work.
+SINGLE_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                      "VECLIB_MAXIMUM_THREADS")
+
+
+@contextlib.contextmanager
+def single_threaded_children():
+    """While a child process is spawned: its numeric libraries get one thread (they read these variables when they
+    load, before any code of ours runs in the child). The user's own settings win; this process is unchanged after."""
+    global _added
+    with _lock:   # env workers start from several threads at once: the first sets, the last restores
+        _holders[0] += 1
+        if _holders[0] == 1:
+            _added = [v for v in SINGLE_THREAD_VARS if v not in os.environ]
+            for v in _added:
+                os.environ[v] = "1"
+    try:
+        yield
+    finally:
+        with _lock:
+            _holders[0] -= 1
+            if _holders[0] == 0:
+                for v in _added:
+                    os.environ.pop(v, None)
+                _added = []
+
+
+_lock = threading.Lock()
+_holders = [0]
+_added: list[str] = []
 
 
 def cache_dir() -> Path:

@@ -29,6 +29,7 @@ import numpy as np
 from wamkit.core.lifecycle import StartClosingContext
 from wamkit.core.types import ChunkResult, Observation
 from wamkit.envs.base import EnvSpec, TaskInfo
+from wamkit.envs.process_setup import single_threaded_children
 
 
 class EnvWorkerCrashed(RuntimeError):
@@ -181,7 +182,8 @@ class EnvWorker(StartClosingContext):
         parent, child = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=_worker_main, args=(child, self.env_name, self.env_kwargs, self.index),
                            name=f"wamkit-env-{self.index}", daemon=True)
-        proc.start()
+        with single_threaded_children():
+            proc.start()
         child.close()  # so that the child's death shows as EOF on our end
         self._proc, self._conn = proc, parent
         _LIVE.add(self)

@@ -10,7 +10,8 @@
              group; several requests in flight; the batch size and in-flight depth are chosen from measured
              simulation and inference times (see AutoBatcher.plan).
 
-Common to all: each env takes the next (task, init state) as soon as its episode ends; every planned episode runs
+Common to all: each env takes its next episode as soon as its current one ends (one of the same task while any is
+queued, so the scene stays loaded; see Scheduler._next_episode); every planned episode runs
 exactly once (a crashed env worker is restarted and its episode re-run from its init state; so is a stalled one, see
 CallDeadlines); the policy's noise seed is a function of (episode, env step) only, so per-episode results do not
 depend on the schedule."""
@@ -136,6 +137,7 @@ class Scheduler:
         self.sim_samples: deque[tuple[float, int]] = deque(maxlen=200)   # (seconds, concurrent sims)
         self.sim_started: dict[int, float] = {}   # env index -> monotonic start of the chunk it is simulating
         self.batcher: AutoBatcher | None = None
+        self.env_task: dict[int, int] = {}        # env index -> task of the last episode it took
 
     # ---- env-side primitives (with timeline spans) -------------------------------------------------------------
     async def _call(self, i: int, kind: str, coro):
@@ -196,8 +198,33 @@ class Scheduler:
         self._warm = {w for w in self._warm if w[0] != i}
         await asyncio.to_thread(self.envs[i].restart)
 
-    def _next_episode(self) -> Episode | None:
-        return self.queue.popleft() if self.queue else None
+    def _next_episode(self, i: int) -> Episode | None:
+        """Env i's next episode. An env keeps its task while episodes of it are queued (a loaded scene is reused:
+        LIBERO's soft reset); one that needs a task takes the task with the most queued episodes per env already on
+        it (ties: the earliest in the plan), so the envs spread over the tasks and each rebuilds its scene about
+        once. Which env runs an episode never changes its result (seeds depend on the episode and step only)."""
+        if not self.queue:
+            return None
+        task = self.env_task.get(i)
+        first: dict[int, int] = {}
+        count: dict[int, int] = {}
+        for k, ep in enumerate(self.queue):
+            first.setdefault(ep.task_id, k)
+            count[ep.task_id] = count.get(ep.task_id, 0) + 1
+        if task not in count:
+            on = {}
+            for j, t in self.env_task.items():
+                if j != i:
+                    on[t] = on.get(t, 0) + 1
+            task = max(count, key=lambda t: (count[t] / (1 + on.get(t, 0)), -first[t]))
+            self.env_task[i] = task
+        k = first[task]
+        ep = self.queue[k]
+        del self.queue[k]
+        return ep
+        ep = self.queue.popleft()
+        self.env_task[i] = ep.task_id
+        return ep
 
     # ---- one episode, actions from `get_actions` ----------------------------------------------------------------
     async def _run_episode(self, i: int, ep: Episode, get_actions) -> EpisodeOutcome:
@@ -236,7 +263,7 @@ class Scheduler:
     async def _env_loop(self, i: int, get_actions) -> None:
         self.active_envs += 1
         try:
-            while (ep := self._next_episode()) is not None:
+            while (ep := self._next_episode(i)) is not None:
                 out = await self._run_episode(i, ep, get_actions)
                 self.on_done(out)
         finally:
@@ -267,7 +294,7 @@ class Scheduler:
         b = max(1, self.opts.batch)
 
         async def start(i: int):
-            while (ep := self._next_episode()) is not None:
+            while (ep := self._next_episode(i)) is not None:
                 try:
                     return {"ep": ep, "obs": await self._reset(i, ep), "steps": 0, "t0": time.time(),
                             "frames": [], "attempts": 1, "digest": chunk_digest()}
