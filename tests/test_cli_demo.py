@@ -141,7 +141,7 @@ def test_kept_envs_are_built_once_and_closed_by_the_stage(monkeypatch):
     envs = demo_cmd.KeptEnvs()
     for n in (1, 2, 2, 1):                             # serial rows take one env, auto rows two
         ws = envs(env="libero", kwargs={"suite": "s"}, n=n)
-        runner._start_workers(ws)
+        runner.start_env_workers(ws)
         for w in ws:
             w.close()                                  # what run_eval does at its end: the env keeps running
     assert _FakeWorker.started == 2 and [w.index for w in envs.workers] == [0, 1]

@@ -47,7 +47,16 @@ def test_worker_matches_in_process_sync_and_async():
         w.start()
     try:
         assert workers[0].spec == env.spec and [t.name for t in workers[0].tasks] == ["reach-v3", "push-v3"]
+        assert workers[0].loaded_task is None
         _same(workers[0].reset_sync(1, 3), o_ref)
+        assert workers[0].loaded_task == 1
+        # the env processes run single-threaded numeric libraries; this process's environment is left as it was
+        child_env = open(f"/proc/{workers[0].pid}/environ", "rb").read().split(b"\0")
+        from wamkit.envs.process_setup import SINGLE_THREAD_VARS
+
+        for v in SINGLE_THREAD_VARS:
+            if v not in os.environ:
+                assert f"{v}=1".encode() in child_env
         r = workers[0].execute_sync(ACTS)
         _same(r.obs, r_ref.obs)
         assert (r.steps, r.episode_steps, r.done, r.success) == (r_ref.steps, r_ref.episode_steps, r_ref.done,
@@ -96,7 +105,7 @@ def test_kill_mid_call_raises_promptly_and_restart_works():
             w.reset_sync(0, 0)
         old = w.pid
         w.restart()
-        assert w.alive and w.pid != old
+        assert w.alive and w.pid != old and w.loaded_task is None
         o = w.reset_sync(0, 1)
         assert o.images["image"].shape == (224, 224, 3)
     finally:

@@ -114,3 +114,34 @@ def test_an_env_keeps_its_task_while_episodes_of_it_are_queued(mode, batch, pipe
     assert switches <= len(tasks), tasks                     # about one task change per env at most
     for t in tasks.values():
         assert t == sorted(t)                                  # a task once left is never come back to
+
+
+def test_envs_kept_from_an_earlier_run_start_on_the_task_they_have_loaded():
+    import asyncio
+
+    from wamkit.eval.plan import make_plan
+    from wamkit.eval.scheduler import Scheduler, SchedulerOptions
+
+    r = dataclasses.replace(ps.REGIMES["sim-bound-8"], envs=3, chunks=1)
+    first: dict[int, int] = {}
+
+    class Loaded(ps.SimEnv):
+        async def reset(self, task_id, trial):
+            first.setdefault(self.index, task_id)
+            return await super().reset(task_id, trial)
+
+    async def go():
+        cores = asyncio.Semaphore(r.cores)
+        envs = [Loaded(i, r, cores) for i in range(3)]
+        for e, t in zip(envs, (2, 0, 1)):
+            e.loaded_task = t
+        opts = SchedulerOptions(mode="auto", cores=r.cores, run_to_max_steps=True)
+        done = []
+        await Scheduler(envs, ps.SimAccelerator(r), make_plan("sim", [0, 1, 2], 2), opts, done.append).run()
+        return done
+
+    loop = ps.VirtualTimeLoop()
+    with ps._virtual_clock(loop):
+        done = loop.run_until_complete(go())
+    loop.close()
+    assert first == {0: 2, 1: 0, 2: 1} and len(done) == 6

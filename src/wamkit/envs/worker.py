@@ -169,6 +169,7 @@ class EnvWorker(StartClosingContext):
         self._buf: np.ndarray | None = None
         self._layout: dict = {}
         self._busy = False
+        self.loaded_task: int | None = None   # task of the last successful reset (None: no scene built)
         self._stale = False  # a cancelled call's reply is still on its way: drain it before the next call
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
@@ -256,18 +257,23 @@ class EnvWorker(StartClosingContext):
                 pass
             self._shm = None
         self._busy = self._stale = False
+        self.loaded_task = None
         _LIVE.discard(self)
 
     # ---- calls ---------------------------------------------------------------------------------------------------
     def reset_sync(self, task_id: int, trial: int) -> Observation:
-        return self._unpack_obs(self._call_sync(("reset", int(task_id), int(trial))))
+        obs = self._unpack_obs(self._call_sync(("reset", int(task_id), int(trial))))
+        self.loaded_task = int(task_id)
+        return obs
 
     def execute_sync(self, actions, render_every_step: bool = False, run_to_max_steps: bool = False) -> ChunkResult:
         msg = ("execute", np.asarray(actions, np.float32), bool(render_every_step), bool(run_to_max_steps))
         return self._unpack_chunk(self._call_sync(msg))
 
     async def reset(self, task_id: int, trial: int) -> Observation:
-        return self._unpack_obs(await self._call_async(("reset", int(task_id), int(trial))))
+        obs = self._unpack_obs(await self._call_async(("reset", int(task_id), int(trial))))
+        self.loaded_task = int(task_id)   # the scene the process has built (schedulers keep an env on its task)
+        return obs
 
     async def execute(self, actions, render_every_step: bool = False, run_to_max_steps: bool = False) -> ChunkResult:
         msg = ("execute", np.asarray(actions, np.float32), bool(render_every_step), bool(run_to_max_steps))

@@ -125,7 +125,7 @@ def local_env_workers(env: str, kwargs: dict[str, Any], n: int):
     return [EnvWorker(env, kwargs, index=i) for i in range(n)]
 
 
-def _start_workers(workers) -> None:
+def start_env_workers(workers) -> None:
     """Start every env worker (in parallel); a user error inside the env (unknown suite...) becomes a UserError."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -167,7 +167,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         t_build = time.time()
         with console.status(f"starting {n_envs} {cfg.env} env worker(s): each builds its simulator "
                             f"(LIBERO: ~15-20 s) ...") if cfg.progress else contextlib.nullcontext():
-            _start_workers(workers)
+            start_env_workers(workers)
         if cfg.progress:
             console.print(f"{n_envs} {cfg.env} env worker(s) ready in {time.time() - t_build:.1f} s")
         spec, tasks = workers[0].spec, workers[0].tasks

@@ -137,7 +137,9 @@ class Scheduler:
         self.sim_samples: deque[tuple[float, int]] = deque(maxlen=200)   # (seconds, concurrent sims)
         self.sim_started: dict[int, float] = {}   # env index -> monotonic start of the chunk it is simulating
         self.batcher: AutoBatcher | None = None
-        self.env_task: dict[int, int] = {}        # env index -> task of the last episode it took
+        # env index -> the task whose scene it has loaded (workers kept from an earlier run report theirs)
+        self.env_task: dict[int, int] = {i: t for i, e in enumerate(envs)
+                                         if isinstance(t := getattr(e, "loaded_task", None), int)}
 
     # ---- env-side primitives (with timeline spans) -------------------------------------------------------------
     async def _call(self, i: int, kind: str, coro):
@@ -197,6 +199,7 @@ class Scheduler:
         log.warning("env worker %d crashed or stalled; restarting it and re-running its episode", i)
         self._warm = {w for w in self._warm if w[0] != i}
         await asyncio.to_thread(self.envs[i].restart)
+        self.env_task.pop(i, None)   # a fresh process: no scene loaded (its episode is re-run where it is)
 
     def _next_episode(self, i: int) -> Episode | None:
         """Env i's next episode. An env keeps its task while episodes of it are queued (a loaded scene is reused:
