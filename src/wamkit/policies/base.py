@@ -174,8 +174,9 @@ class TrainablePolicy(ExportablePolicy, Protocol):
     def lr_multipliers(self) -> dict[str, float]:
         """{parameter-name glob: learning-rate multiplier}; parameters matching none get 1."""
 
-    def sft_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        """(scalar loss tensor, float metrics) of one training batch."""
+    def sft_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+        """(scalar loss tensor, metrics) of one training batch. A metric may be a 0-d tensor on the device (the
+        trainer sums those on the device and reads them once per log window: no host sync every step)."""
 
 
 @runtime_checkable

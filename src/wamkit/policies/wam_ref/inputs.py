@@ -80,8 +80,11 @@ class InputProcessor:
         device, dtype = self.placement.device, self.placement.dtype
         arrs = []
         for a in images:
-            a = np.asarray(a)
-            t = torch.as_tensor(a if a.flags.writeable else a.copy())   # decoded wire images are read-only views
+            if torch.is_tensor(a):   # a training batch's pinned host tensor, or already on the device
+                t = a
+            else:
+                a = np.asarray(a)
+                t = torch.as_tensor(a if a.flags.writeable else a.copy())   # decoded wire images: read-only views
             if t.ndim != 3 or t.shape[-1] != 3:
                 raise UserError(f"wam-ref expects HxWx3 uint8 images, got shape {tuple(t.shape)}")
             arrs.append(t)
@@ -92,7 +95,7 @@ class InputProcessor:
         std = torch.tensor(self.image_std, device=device)[:, None, None]
         out = []
         for g in groups:
-            x = g.to(device).permute(0, 3, 1, 2).float() / 255.0
+            x = g.to(device, non_blocking=True).permute(0, 3, 1, 2).float() / 255.0
             if x.shape[2:] != (self.image_size, self.image_size):
                 x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False,
                                   antialias=True).clamp_(0.0, 1.0)

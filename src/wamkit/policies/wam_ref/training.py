@@ -96,4 +96,6 @@ class WamRefTraining:
         t = torch.sigmoid(torch.randn((b,), device=self.device))   # logit-normal(0, 1)
         per_sample = self.model(**inputs, actions=actions, action_mask=mask, noise=noise, t=t)
         loss = per_sample.mean()
-        return loss, {"loss": float(loss.detach()), "t_mean": float(t.mean())}
+        # 0-d tensors, not floats: reading them here would stop the host after the forward every step (the trainer
+        # sums tensor metrics on the device and reads them once per log window)
+        return loss, {"loss": loss.detach(), "t_mean": t.mean().detach()}
