@@ -39,7 +39,7 @@ from starlette.routing import Route
 from wamkit.policies.base import Policy
 from wamkit.protocol import ProtocolError, build_response, decode_body, encode_body, is_msgpack, parse_request
 from wamkit.protocol.messages import ActionRequest
-from wamkit.serve.batcher import Batcher, QueueFull
+from wamkit.serve.batcher import DynamicBatcher, QueueFull
 from wamkit.serve.config import INSTANCE_ENV, ServeConfig
 from wamkit.serve.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics, wants_prometheus
 from wamkit.serve.errors import OFFLOAD_BYTES, error_response
@@ -76,7 +76,8 @@ class ActionServer:
         self.token = cfg.resolved_token()
         self.model = cfg.model_name or self.spec.name
         self.metrics = ServerMetrics()
-        self.batcher = Batcher(policy.predict, self.max_batch_size, cfg.max_wait_ms, cfg.max_queue, self.metrics)
+        self.batcher = DynamicBatcher(policy.predict, self.max_batch_size, cfg.max_wait_ms, cfg.max_queue, self.metrics,
+                                      max_wait_fraction=cfg.max_wait_fraction)
         self.decode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="wamkit-decode")
         self._log_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -231,9 +232,9 @@ class ActionServer:
         t0 = time.perf_counter()
         self.metrics.count("requests")
         self._check_token(request)
-        body = await self._read_body(request)
         ct = request.headers.get("content-type", "")
         binary = is_msgpack(ct) or "msgpack" in request.headers.get("accept", "").lower()
+        body = await self._read_body(request)
         if len(body) > OFFLOAD_BYTES:
             req = await asyncio.get_running_loop().run_in_executor(self.decode_pool, self._decode, body, ct)
         else:

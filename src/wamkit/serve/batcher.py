@@ -2,10 +2,20 @@
 
 - Every observation carries a group key (parameters except seed, camera names and image shapes, state length);
   a batch only ever holds observations of one key.
-- A group is dispatched when it holds max_batch_size observations or its oldest observation has waited max_wait_ms
-  (or the batcher is closing). Among ready groups the one with the oldest observation goes first (FIFO fairness).
-- predict runs in one worker thread; the event loop keeps accepting and parsing requests meanwhile, so observations
-  that arrive while a batch computes form the next batch.
+- A group is dispatched when it holds max_batch_size observations, or once it has waited its fill window since it could
+  first have run: since its oldest observation arrived or the previous batch finished, whichever is later (at once
+  when the batcher is closing). The window is max_wait_ms, raised to max_wait_fraction x the recent batch compute
+  time (EMA): waiting costs the device at most that fraction of its time when nobody comes, and a lone client still
+  waits only max_wait_ms plus a fraction of its own (small) batch. Among ready groups the one with the oldest
+  observation goes first (FIFO fairness).
+- One batch computes at a time (predict in one worker thread) while the next one forms: the event loop keeps
+  accepting and decoding requests, so observations that arrive during a batch queue for the next one. Counting the
+  window from the end of the previous batch, not from arrival, is what keeps batches full under closed-loop load: N
+  clients whose chunks were just answered come back over some tens of milliseconds (their answer, their next
+  request, its decoding); the group waits for them instead of leaving with the observations that queued during the
+  previous batch, which would settle into several partial batches per round, each paying the policy's fixed cost.
+  The window starts once the finished batch's requests have had their turn on the event loop (their responses are
+  written), not while they still hold it.
 - The queue is bounded (max_queue observations): submit raises QueueFull (the server answers 503 + Retry-After).
 - close() stops accepting, runs everything already queued, then stops the worker thread.
 """
@@ -55,14 +65,15 @@ class _Item:
     t: float                              # time.perf_counter() at arrival
 
 
-class Batcher:
+class DynamicBatcher:
     def __init__(self, predict: Callable[[Sequence[Observation], Sequence[int]], np.ndarray], max_batch_size: int,
-                 max_wait_ms: float, max_queue: int, metrics: Any = None):
+                 max_wait_ms: float, max_queue: int, metrics: Any = None, max_wait_fraction: float = 0.0):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.predict = predict
         self.max_batch_size = int(max_batch_size)
         self.max_wait_s = max(0.0, float(max_wait_ms)) / 1000.0
+        self.max_wait_fraction = max(0.0, float(max_wait_fraction))
         self.max_queue = int(max_queue)
         self.metrics = metrics
         self._groups: collections.OrderedDict[Hashable, collections.deque[_Item]] = collections.OrderedDict()
@@ -71,7 +82,7 @@ class Batcher:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._busy = False
+        self._free_since = time.perf_counter()   # when the previous batch finished (the device became free)
         self._ema_batch_s = 0.0
 
     # ------------------------------------------------------------------ lifecycle
@@ -136,18 +147,24 @@ class Batcher:
         batches_ahead = self._queued / self.max_batch_size + 1
         return max(1.0, round(batches_ahead * max(self._ema_batch_s, 0.01), 1))
 
+    def fill_window_s(self) -> float:
+        """How long a partial batch waits for more observations once it could run (module doc)."""
+        return max(self.max_wait_s, self.max_wait_fraction * self._ema_batch_s)
+
     # ------------------------------------------------------------------ loop
     def _pick(self) -> tuple[Hashable | None, float]:
-        """(ready group key or None, seconds until the oldest observation's deadline)."""
+        """(ready group key or None, seconds until the earliest group deadline)."""
         now = time.perf_counter()
-        best, best_t, oldest_t = None, None, None
+        best, best_t, first_deadline = None, None, None
+        window = self.fill_window_s()
         for key, dq in self._groups.items():
             t = dq[0].t
-            oldest_t = t if oldest_t is None else min(oldest_t, t)
-            if self._closing or len(dq) >= self.max_batch_size or now - t >= self.max_wait_s:
+            deadline = max(t, self._free_since) + window
+            first_deadline = deadline if first_deadline is None else min(first_deadline, deadline)
+            if self._closing or len(dq) >= self.max_batch_size or now >= deadline:
                 if best_t is None or t < best_t:
                     best, best_t = key, t
-        wait = 0.0 if oldest_t is None else max(0.0, oldest_t + self.max_wait_s - now)
+        wait = 0.0 if first_deadline is None else max(0.0, first_deadline - now)
         return best, wait
 
     async def _loop(self) -> None:
@@ -188,7 +205,8 @@ class Batcher:
                 raise RuntimeError(f"policy returned shape {list(out.shape)} for a batch of {len(batch)}")
         except Exception as e:  # the requests in this batch fail; the server keeps serving
             err = e
-        dt = time.perf_counter() - p0
+        self._free_since = time.perf_counter()
+        dt = self._free_since - p0
         t1 = t0 + dt
         self._ema_batch_s = dt if self._ema_batch_s == 0 else 0.8 * self._ema_batch_s + 0.2 * dt
         if self.metrics is not None:
@@ -216,3 +234,5 @@ class Batcher:
             r.remaining -= 1
             if r.remaining == 0:
                 r.future.set_result(r.actions)
+        await asyncio.sleep(0)               # the answered requests write their responses first ...
+        self._free_since = time.perf_counter()   # ... then the next batch's clock starts

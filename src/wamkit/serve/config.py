@@ -34,7 +34,9 @@ class ServeConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # the policy's device unless policy_args.device says; auto: GPU
                                             # when present
     max_batch_size: int = 0                 # 0: the policy's max_batch_size()
-    max_wait_ms: float = 5.0                # how long a batch may wait to fill up
+    max_wait_ms: float = 5.0                # how long a partial batch waits to fill once it could run (after its
+                                            # first observation arrived and the previous batch finished)
+    max_wait_fraction: float = 0.1          # ... raised to this fraction of the recent batch compute time (0: off)
     max_queue: int = 1024                   # observations waiting; beyond that 503 + Retry-After
     max_body_mb: float = 64.0               # request body cap (413 beyond)
     token: str | None = None                # bearer token; None: env WAMKIT_TOKEN, else no auth
@@ -66,6 +68,8 @@ class ServeConfig:
             raise ConfigError(f"max_batch_size: must be >= 0, got {self.max_batch_size}")
         if self.max_wait_ms < 0:
             raise ConfigError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms}")
+        if not 0 <= self.max_wait_fraction <= 1:
+            raise ConfigError(f"max_wait_fraction: must be in 0..1, got {self.max_wait_fraction}")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue: must be >= 1, got {self.max_queue}")
         if self.torch_threads < 0:
