@@ -56,8 +56,9 @@ class _HTTPError(Exception):
 
 
 
-def served_max_batch(cfg: ServeConfig, policy: Policy) -> int:
-    """The batch cap the server runs with: max_batch_size (0: the policy's own), never above the policy's."""
+def served_max_batch_size(cfg: ServeConfig, policy: Policy) -> int:
+    """The server's max_batch_size (the most observations one policy.predict call gets, what metadata reports as
+    capabilities.max_batch_size): the configured one (0: the policy's own), never above the policy's."""
     pmax = int(policy.max_batch_size())
     return min(cfg.max_batch_size, pmax) if cfg.max_batch_size > 0 else pmax
 
@@ -69,7 +70,7 @@ class ActionServer:
         self.cfg = cfg
         self.policy = policy
         self.spec = policy.spec
-        self.max_batch_size = served_max_batch(cfg, policy)
+        self.max_batch_size = served_max_batch_size(cfg, policy)
         self.max_body = int(cfg.max_body_mb * 1024 * 1024)
         self.limits = cfg.decode_limits()
         self.instance_id = os.environ.get(INSTANCE_ENV) or None
@@ -78,7 +79,7 @@ class ActionServer:
         self.metrics = ServerMetrics()
         self.batcher = DynamicBatcher(policy.predict, self.max_batch_size, cfg.max_wait_ms, cfg.max_queue, self.metrics,
                                       max_wait_fraction=cfg.max_wait_fraction)
-        self.decode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="wamkit-decode")
+        self.decode_pool = ThreadPoolExecutor(max_workers=cfg.decode_threads, thread_name_prefix="wamkit-decode")
         self._log_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -209,7 +210,8 @@ class ActionServer:
                              "batched_action_modes": ["policy"], "multiple_candidates": False,
                              "realtime_websocket": True, "multiple_cameras": True, "state": True,
                              "per_observation_seeds": True, "openpi_websocket": True, "msgpack": True},
-            "server": {"name": "wamkit", "max_wait_ms": self.cfg.max_wait_ms, "max_queue": self.cfg.max_queue,
+            "server": {"name": "wamkit", "max_wait_ms": self.cfg.max_wait_ms,
+                       "max_wait_fraction": self.cfg.max_wait_fraction, "max_queue": self.cfg.max_queue,
                        "max_body_bytes": self.max_body, "auth": self.token is not None,
                        "instance_id": self.instance_id, "max_image_pixels": self.limits.max_image_pixels,
                        "max_decoded_bytes": self.limits.max_decoded_bytes, "max_depth": self.limits.max_depth},
@@ -223,7 +225,8 @@ class ActionServer:
         """JSON; Prometheus text at /metrics/prometheus, or at /metrics when Accept asks for text/plain or OpenMetrics
         (what a Prometheus scrape sends)."""
         self._check_token(request)
-        gauges = dict(queued=self.batcher.queued, max_batch_size=self.max_batch_size, max_wait_ms=self.cfg.max_wait_ms)
+        gauges = dict(queued=self.batcher.queued, max_batch_size=self.max_batch_size, max_wait_ms=self.cfg.max_wait_ms,
+                      fill_window_ms=round(self.batcher.fill_window_s() * 1000.0, 3))
         if request.url.path.endswith("/prometheus") or wants_prometheus(request.headers.get("accept", "")):
             return Response(self.metrics.prometheus(**gauges), media_type=PROMETHEUS_CONTENT_TYPE)
         return JSONResponse(self.metrics.snapshot(**gauges))
@@ -265,13 +268,13 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
         import torch
 
         torch.set_num_threads(cfg.torch_threads or max(1, min(4, os.cpu_count() or 1)))
+    srv = ActionServer(cfg, policy)
     if cfg.warmup:  # before uvicorn listens: /health answers only once the one-off work is done
         t0 = time.perf_counter()
-        done = policy.warmup(served_max_batch(cfg, policy))
+        done = policy.warmup(srv.max_batch_size)
         if done:
             log.warning("warm-up done in %.1f s (%s)", time.perf_counter() - t0,
                         ", ".join(f"{k}: {v:.1f} s" for k, v in done.items()))
-    srv = ActionServer(cfg, policy)
 
     def guarded(fn):
         async def handler(request: Request) -> Response:
