@@ -8,7 +8,8 @@
         --device cuda --batch 64 --clients 64 --seconds 30 --out /tmp/http_frontend.json
 
 1. in-process: `policy.predict` on batches of B observations, back to back (after `policy.warmup(B)`): obs/s.
-2. HTTP: `wamkit serve policy=... max_batch_size=B` (more keys with --serve-args k=v), N concurrent client loops,
+2. HTTP: `wamkit serve policy=... max_batch_size=B` (more keys with --serve-args k=v; one server per --variants
+   entry, by default refill off and max_wait_fraction=0.25, see docs/serving.md "Batching"), N concurrent client loops,
    spread over --client-procs processes, each one wamkit ActionClient (wamkit.protocol.client); every loop sends one
    observation per request and waits for its chunk (closed loop, like N env workers). Per codec (msgpack: raw arrays;
    json: the same arrays as base64 bytes): obs/s over the timed window (after a warm-up window), latency p50/p99, the
@@ -152,12 +153,45 @@ def http_run(args, url: str, binary: bool, cams: list[str], state_dim: int) -> d
             "server_compute_ms_p50": m1["compute_ms"]["p50"], "server_queue_ms_p50": m1["queue_ms"]["p50"]}
 
 
+def http_variant(args, policy_args: dict, serve_args: dict, inproc: dict | None) -> list[dict]:
+    """One `wamkit serve` (or --url) with `serve_args`, measured with every codec."""
+    from wamkit.serve import WamkitServerWorker
+
+    serve_args = dict(serve_args)
+    log = Path(args.out or "/tmp/bench_http_frontend.json").with_suffix(".server.log")
+    w = WamkitServerWorker(args.policy, policy_args, max_batch_size=args.batch,
+                           max_wait_ms=float(serve_args.pop("max_wait_ms", 5.0)),
+                           extra_args={"device": args.device, "log_every_s": 0, "max_queue": 4096, **serve_args},
+                           log_path=log)
+    rows = []
+    with (contextlib.nullcontext() if args.url else w):
+        url = args.url or w.url
+        if not args.url:
+            w.wait_healthy(timeout=900)
+        import httpx
+
+        md = httpx.get(url + "/v1/actions/metadata", timeout=30).json()
+        cams = [c for c in md["input"]["image_keys"] if c] or ["image"]
+        sd = md["input"]["state_dim"] or 0
+        for codec in [c for c in args.codecs.split(",") if c]:
+            r = {"variant": serve_args, **http_run(args, url, codec == "msgpack", cams, sd)}
+            if inproc:
+                r["ratio"] = r["obs_s"] / inproc["obs_s"]
+            rows.append(r)
+            print(f"http {codec} N={args.clients} {serve_args}: {r['obs_s']:.1f} obs/s mean batch "
+                  f"{r['mean_batch'] and round(r['mean_batch'], 1)} p50 {r['p50_ms'] and round(r['p50_ms'])} ms "
+                  f"ratio {r.get('ratio', float('nan')):.2f} errors {r['errors']}", file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", default="fixed-cost")
     ap.add_argument("--policy-args", nargs="*", default=["base_ms=240", "per_obs_ms=20", "max_batch=64"],
                     help="policy constructor keys, k=v")
-    ap.add_argument("--serve-args", nargs="*", default=[], help="more `wamkit serve` keys, k=v")
+    ap.add_argument("--serve-args", nargs="*", default=[], help="more `wamkit serve` keys, k=v (every variant)")
+    ap.add_argument("--variants", nargs="*", default=["max_wait_fraction=0", "max_wait_fraction=0.25"],
+                    help="one server per variant: comma-separated `wamkit serve` keys (k=v,k=v)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--batch", type=int, default=64, help="B: in-process batch and the server's max_batch_size")
     ap.add_argument("--clients", type=int, default=64, help="N concurrent client loops")
@@ -182,31 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         res["in_process"] = in_process(args, policy_args)
         print(f"in-process B={args.batch}: {res['in_process']['obs_s']:.1f} obs/s "
               f"({res['in_process']['batch_ms']:.0f} ms per batch)", file=sys.stderr, flush=True)
-    from wamkit.serve import WamkitServerWorker
-
-    log = Path(args.out or "/tmp/bench_http_frontend.json").with_suffix(".server.log")
-    w = WamkitServerWorker(args.policy, policy_args, max_batch_size=args.batch,
-                           max_wait_ms=float(serve_args.pop("max_wait_ms", 5.0)),
-                           extra_args={"device": args.device, "log_every_s": 0, "max_queue": 4096, **serve_args},
-                           log_path=log)
     res["http"] = []
-    with (contextlib.nullcontext() if args.url else w):
-        url = args.url or w.url
-        if not args.url:
-            w.wait_healthy(timeout=900)
-        import httpx
-
-        md = httpx.get(url + "/v1/actions/metadata", timeout=30).json()
-        cams = [c for c in md["input"]["image_keys"] if c] or ["image"]
-        sd = md["input"]["state_dim"] or 0
-        for codec in [c for c in args.codecs.split(",") if c]:
-            r = http_run(args, url, codec == "msgpack", cams, sd)
-            if "in_process" in res:
-                r["ratio"] = r["obs_s"] / res["in_process"]["obs_s"]
-            res["http"].append(r)
-            print(f"http {codec} N={args.clients}: {r['obs_s']:.1f} obs/s mean batch "
-                  f"{r['mean_batch'] and round(r['mean_batch'], 1)} p50 {r['p50_ms'] and round(r['p50_ms'])} ms "
-                  f"ratio {r.get('ratio', float('nan')):.2f} errors {r['errors']}", file=sys.stderr, flush=True)
+    for variant in args.variants:
+        extra = {**serve_args, **parse_kv([kv for kv in variant.split(",") if kv])}
+        res["http"] += http_variant(args, policy_args, extra, res.get("in_process"))
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:

@@ -1,7 +1,6 @@
-"""The server's DynamicBatcher on its own (no HTTP): the fill window counts from the end of the previous batch, so
-observations that queued during a batch wait for the clients that batch just answered instead of leaving alone.
-A predict that blocks on an event controls when a batch ends; arrival times are set explicitly (no sleeps, no timing
-thresholds)."""
+"""The server's DynamicBatcher on its own (no HTTP): after a batch, observations that queued during it wait for the
+clients that batch just answered instead of leaving alone. A predict that blocks on a semaphore controls when a
+batch ends; the windows are either 1 ms or enormous, so no assertion depends on timing."""
 
 from __future__ import annotations
 
@@ -44,26 +43,26 @@ async def _wait_started(p: GatedPredict) -> None:
         await asyncio.sleep(0.001)
 
 
-def test_queued_during_a_batch_waits_for_the_next_arrivals():
-    """Batch A (full) computes; B (2 obs) queues meanwhile and is made to look long overdue (arrived 10 min ago, the
-    window is 60 s). When A ends, B still waits: its window starts at A's end. C (2 obs, A's clients coming back)
-    joins it: one full batch B+C, not B alone then C alone."""
+def test_queued_during_a_batch_waits_for_the_answered_clients():
+    """Batch A (full, 4) computes; B (2 obs) queues meanwhile. When A ends, B does not leave after max_wait_ms (1 ms):
+    A's 4 clients are expected back, so B's window is max_wait_fraction x the batch time (huge here). C (2 obs, two
+    of A's clients coming back) joins it: one full batch B+C, not B alone then C alone. (With max_wait_fraction 0,
+    the default, B would leave alone: the next test.)"""
     async def main():
         p = GatedPredict()
-        b = DynamicBatcher(p, max_batch_size=4, max_wait_ms=60000, max_queue=64)
+        b = DynamicBatcher(p, max_batch_size=4, max_wait_ms=1, max_queue=64, max_wait_fraction=1e6)
         await b.start()
         ta = asyncio.create_task(_submit(b, [1, 2, 3, 4]))
         await _wait_started(p)
         tb = asyncio.create_task(_submit(b, [5, 6]))
         while b.queued < 2:
             await asyncio.sleep(0.001)
-        for dq in b._groups.values():               # B has "waited" far longer than max_wait_ms
-            for it in dq:
-                it.t -= 600.0
         p.release.release()                          # A ends
         a, _ = await ta
+        for _ in range(20):                           # give the batcher every chance to (wrongly) send B alone
+            await asyncio.sleep(0.005)
         assert a[:, 0, 0].tolist() == [1, 2, 3, 4]
-        assert len(p.batches) == 1 and not tb.done()  # B did not leave alone
+        assert len(p.batches) == 1 and not tb.done()
         tc = asyncio.create_task(_submit(b, [7, 8]))
         await _wait_started(p)
         p.release.release()
@@ -71,17 +70,41 @@ def test_queued_during_a_batch_waits_for_the_next_arrivals():
         await b.close()
         return p.batches, bb, cc, tim_b
 
-    batches, bb, cc, tim_b = asyncio.run(main())
+    batches, bb, cc, tim_b = asyncio.run(asyncio.wait_for(main(), 60))
     assert batches == [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert bb[:, 0, 0].tolist() == [5, 6] and cc[:, 0, 0].tolist() == [7, 8]
     assert tim_b["batch_size"] == 4
 
 
-def test_a_lone_partial_batch_leaves_after_its_window():
-    """Nobody else comes: a partial batch still runs (window 1 ms), and closing flushes what is queued."""
+def test_without_refill_the_queued_group_leaves_alone():
+    """max_wait_fraction 0 (the default): B, queued during A for longer than max_wait_ms, runs as soon as A ends."""
     async def main():
         p = GatedPredict()
-        b = DynamicBatcher(p, max_batch_size=8, max_wait_ms=1, max_queue=64)
+        b = DynamicBatcher(p, max_batch_size=4, max_wait_ms=1, max_queue=64)
+        await b.start()
+        ta = asyncio.create_task(_submit(b, [1, 2, 3, 4]))
+        await _wait_started(p)
+        tb = asyncio.create_task(_submit(b, [5, 6]))
+        while b.queued < 2:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)                     # B is older than max_wait_ms
+        p.release.release()
+        await ta
+        await _wait_started(p)                        # B runs alone
+        p.release.release()
+        await tb
+        await b.close()
+        return p.batches
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == [[1, 2, 3, 4], [5, 6]]
+
+
+def test_clients_that_came_back_wait_only_max_wait_ms():
+    """A batch of 1 ends and its client comes back with 2 observations: nobody else is expected, so the partial batch
+    leaves after max_wait_ms (1 ms), not after the long window (max_wait_fraction 1e6 x the batch time)."""
+    async def main():
+        p = GatedPredict()
+        b = DynamicBatcher(p, max_batch_size=8, max_wait_ms=1, max_queue=64, max_wait_fraction=1e6)
         await b.start()
         t = asyncio.create_task(_submit(b, [3]))
         await _wait_started(p)
@@ -94,17 +117,35 @@ def test_a_lone_partial_batch_leaves_after_its_window():
         await b.close()
         return p.batches, out, timing
 
-    batches, out, timing = asyncio.run(main())
+    batches, out, timing = asyncio.run(asyncio.wait_for(main(), 60))
     assert batches == [[3], [4, 5]] and out.shape == (1, 2, 3) and timing["batch_size"] == 1
 
 
-def test_fill_window_follows_the_batch_time():
+def test_closing_flushes_a_waiting_partial_batch():
+    async def main():
+        p = GatedPredict()
+        b = DynamicBatcher(p, max_batch_size=8, max_wait_ms=600000, max_queue=64)
+        await b.start()
+        t = asyncio.create_task(_submit(b, [9, 10]))
+        while b.queued < 2:
+            await asyncio.sleep(0.001)
+        p.release.release()                          # pre-release: the flushed batch runs straight through
+        await b.close()
+        return p.batches, await t
+
+    batches, (out, _) = asyncio.run(asyncio.wait_for(main(), 60))
+    assert batches == [[9, 10]] and out[:, 0, 0].tolist() == [9, 10]
+
+
+def test_refill_window_follows_the_batch_time():
     b = DynamicBatcher(lambda o, s: None, max_batch_size=4, max_wait_ms=5, max_queue=8, max_wait_fraction=0.1)
-    assert b.fill_window_s() == pytest.approx(0.005)
-    b._ema_batch_s = 1.5                              # a 1.5 s GPU batch: wait up to 150 ms for it to fill
-    assert b.fill_window_s() == pytest.approx(0.15)
-    b.max_wait_fraction = 0.0
-    assert b.fill_window_s() == pytest.approx(0.005)
+    b._ema_batch_s = 1.5                              # a 1.5 s GPU batch that answered 4 observations
+    b._answered, b._arrived = 4, 1
+    assert b.refill_window_s() == pytest.approx(0.15)  # 3 still expected: wait up to 150 ms after it
+    b._arrived = 4
+    assert b.refill_window_s() == 0.0                 # all back: max_wait_ms from the oldest arrival only
+    b._arrived, b.max_wait_fraction = 1, 0.0
+    assert b.refill_window_s() == 0.0                 # off (the default)
 
 
 @pytest.mark.parametrize("key,value", [("max_wait_fraction", 1.5), ("max_wait_fraction", -0.1),

@@ -226,7 +226,7 @@ class ActionServer:
         (what a Prometheus scrape sends)."""
         self._check_token(request)
         gauges = dict(queued=self.batcher.queued, max_batch_size=self.max_batch_size, max_wait_ms=self.cfg.max_wait_ms,
-                      fill_window_ms=round(self.batcher.fill_window_s() * 1000.0, 3))
+                      refill_window_ms=round(self.batcher.refill_window_s() * 1000.0, 3))
         if request.url.path.endswith("/prometheus") or wants_prometheus(request.headers.get("accept", "")):
             return Response(self.metrics.prometheus(**gauges), media_type=PROMETHEUS_CONTENT_TYPE)
         return JSONResponse(self.metrics.snapshot(**gauges))
@@ -261,9 +261,16 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
     """The Starlette app for `cfg` (the policy is built from cfg.policy / cfg.policy_args unless given)."""
     if policy is None:
         from wamkit.core.device import resolve_device
-        from wamkit.policies import make_policy
 
-        policy = make_policy(cfg.policy, **{"device": resolve_device(cfg.device), **cfg.policy_args})
+        kwargs = {"device": resolve_device(cfg.device), **cfg.policy_args}
+        if cfg.policy_process:  # the policy's GIL is not the event loop's (wamkit.serve.policy_process)
+            from wamkit.serve.policy_process import PolicyProcess
+
+            policy = PolicyProcess(cfg.policy, kwargs, cfg.torch_threads)
+        else:
+            from wamkit.policies import make_policy
+
+            policy = make_policy(cfg.policy, **kwargs)
     if "torch" in sys.modules:  # only policies that use torch have imported it
         import torch
 

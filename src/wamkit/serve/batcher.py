@@ -2,20 +2,20 @@
 
 - Every observation carries a group key (parameters except seed, camera names and image shapes, state length);
   a batch only ever holds observations of one key.
-- A group is dispatched when it holds max_batch_size observations, or once it has waited its fill window since it could
-  first have run: since its oldest observation arrived or the previous batch finished, whichever is later (at once
-  when the batcher is closing). The window is max_wait_ms, raised to max_wait_fraction x the recent batch compute
-  time (EMA): waiting costs the device at most that fraction of its time when nobody comes, and a lone client still
-  waits only max_wait_ms plus a fraction of its own (small) batch. Among ready groups the one with the oldest
-  observation goes first (FIFO fairness).
+- A group is dispatched when it holds max_batch_size observations, when its oldest observation has waited max_wait_ms,
+  or at once when the batcher is closing. Among ready groups the one with the oldest observation goes first (FIFO).
+- Refill (max_wait_fraction > 0; 0, the default, turns it off): while the clients the previous batch just answered
+  are still coming back (fewer observations have arrived since that batch finished than it held), a partial group
+  waits for them up to max_wait_fraction x the recent batch compute time (EMA), counted from the end of that batch.
+  Closed-loop clients (a fleet of robots, benchmark loops: one observation each, the next one sent as soon as the
+  chunk is back) otherwise settle into several partial batches per round, each paying the policy's fixed cost: the
+  observations that queued during a batch leave as soon as it ends, without the ones it just answered (64 clients at
+  max_batch_size 64: mean batch ~30 instead of 64). When the answered clients do not come back within the window
+  (they step a simulator first, as the pipelined evaluation's other pipeline does), the device idles at most that
+  fraction of a batch time, which is why it is off by default.
 - One batch computes at a time (predict in one worker thread) while the next one forms: the event loop keeps
-  accepting and decoding requests, so observations that arrive during a batch queue for the next one. Counting the
-  window from the end of the previous batch, not from arrival, is what keeps batches full under closed-loop load: N
-  clients whose chunks were just answered come back over some tens of milliseconds (their answer, their next
-  request, its decoding); the group waits for them instead of leaving with the observations that queued during the
-  previous batch, which would settle into several partial batches per round, each paying the policy's fixed cost.
-  The window starts once the finished batch's requests have had their turn on the event loop (their responses are
-  written), not while they still hold it.
+  accepting and decoding requests, so observations that arrive during a batch queue for the next one. The refill
+  window starts once the finished batch's requests have had their turn on the event loop (responses written).
 - The queue is bounded (max_queue observations): submit raises QueueFull (the server answers 503 + Retry-After).
 - close() stops accepting, runs everything already queued, then stops the worker thread.
 """
@@ -83,6 +83,8 @@ class DynamicBatcher:
         self._task: asyncio.Task | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._free_since = time.perf_counter()   # when the previous batch finished (the device became free)
+        self._answered = 0                       # observations the previous batch answered
+        self._arrived = 0                        # observations submitted since it finished
         self._ema_batch_s = 0.0
 
     # ------------------------------------------------------------------ lifecycle
@@ -133,6 +135,7 @@ class DynamicBatcher:
                 dq = self._groups[keys[i]] = collections.deque()
             dq.append(_Item(observations[i], int(seeds[i]), req, i, now))
         self._queued += n
+        self._arrived += n
         self._wake.set()
         actions = await req.future
         timing = {"queue_ms": round((req.t_start - req.t_arrival) * 1000.0, 3),
@@ -147,19 +150,22 @@ class DynamicBatcher:
         batches_ahead = self._queued / self.max_batch_size + 1
         return max(1.0, round(batches_ahead * max(self._ema_batch_s, 0.01), 1))
 
-    def fill_window_s(self) -> float:
-        """How long a partial batch waits for more observations once it could run (module doc)."""
-        return max(self.max_wait_s, self.max_wait_fraction * self._ema_batch_s)
+    def refill_window_s(self) -> float:
+        """How long a partial group waits, from the end of the previous batch, for the clients it answered (0: it does
+        not; module doc)."""
+        if self.max_wait_fraction <= 0 or self._arrived >= self._answered:
+            return 0.0
+        return self.max_wait_fraction * self._ema_batch_s
 
     # ------------------------------------------------------------------ loop
     def _pick(self) -> tuple[Hashable | None, float]:
         """(ready group key or None, seconds until the earliest group deadline)."""
         now = time.perf_counter()
         best, best_t, first_deadline = None, None, None
-        window = self.fill_window_s()
+        refill = self.refill_window_s()
         for key, dq in self._groups.items():
             t = dq[0].t
-            deadline = max(t, self._free_since) + window
+            deadline = max(t + self.max_wait_s, self._free_since + refill)
             first_deadline = deadline if first_deadline is None else min(first_deadline, deadline)
             if self._closing or len(dq) >= self.max_batch_size or now >= deadline:
                 if best_t is None or t < best_t:
@@ -205,8 +211,7 @@ class DynamicBatcher:
                 raise RuntimeError(f"policy returned shape {list(out.shape)} for a batch of {len(batch)}")
         except Exception as e:  # the requests in this batch fail; the server keeps serving
             err = e
-        self._free_since = time.perf_counter()
-        dt = self._free_since - p0
+        dt = time.perf_counter() - p0
         t1 = t0 + dt
         self._ema_batch_s = dt if self._ema_batch_s == 0 else 0.8 * self._ema_batch_s + 0.2 * dt
         if self.metrics is not None:
@@ -236,3 +241,4 @@ class DynamicBatcher:
                 r.future.set_result(r.actions)
         await asyncio.sleep(0)               # the answered requests write their responses first ...
         self._free_since = time.perf_counter()   # ... then the next batch's clock starts
+        self._answered, self._arrived = len(batch), 0

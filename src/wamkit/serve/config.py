@@ -35,9 +35,12 @@ class ServeConfig:
                                             # when present
     max_batch_size: int = 0                 # the most observations one policy.predict call gets (metadata:
                                             # capabilities.max_batch_size); 0: the policy's max_batch_size()
-    max_wait_ms: float = 5.0                # how long a partial batch waits to fill once it could run (after its
-                                            # first observation arrived and the previous batch finished)
-    max_wait_fraction: float = 0.1          # ... raised to this fraction of the recent batch compute time (0: off)
+    max_wait_ms: float = 5.0                # how long a batch may wait to fill up (from its oldest observation)
+    max_wait_fraction: float = 0.0          # refill: after a batch, a partial batch waits up to this fraction of the
+                                            # batch time for the clients just answered (closed-loop clients: 0.25;
+                                            # 0: off; docs/serving.md "Batching")
+    policy_process: bool = False            # run the policy in a child process: its host work (CUDA launches) and
+                                            # the event loop (HTTP, decoding, batching) then never share one GIL
     decode_threads: int = 2                 # threads decoding request bodies over 256 KB off the event loop (PNG
                                             # decoding runs in parallel; JSON/base64 parsing holds the GIL)
     max_queue: int = 1024                   # observations waiting; beyond that 503 + Retry-After
