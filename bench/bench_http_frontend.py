@@ -71,6 +71,15 @@ def in_process(args, policy_args: dict) -> dict:
         if dt >= args.inproc_seconds and n >= 3 * args.batch:
             break
     pol.close()
+    del pol
+    if "torch" in sys.modules:          # give the GPU memory back before the server loads its own copy
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return {"obs_s": n / dt, "batch": args.batch, "batches": n // args.batch, "seconds": dt,
             "batch_ms": dt * 1000.0 / (n // args.batch)}
 

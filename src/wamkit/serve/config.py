@@ -72,7 +72,7 @@ class ServeConfig:
             raise ConfigError(f"port: must be in 0..65535, got {self.port}")
         if self.max_batch_size < 0:
             raise ConfigError(f"max_batch_size: must be >= 0, got {self.max_batch_size}")
-        if self.max_wait_ms < 0:
+        if not self.max_wait_ms >= 0:
             raise ConfigError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms}")
         if not 0 <= self.max_wait_fraction <= 1:
             raise ConfigError(f"max_wait_fraction: must be in 0..1, got {self.max_wait_fraction}")
