@@ -1,19 +1,25 @@
 """HTTP front-end vs in-process: does `wamkit serve` with N concurrent clients reach the policy's own throughput?
 
-    # CPU (a policy that sleeps like a GPU: 240 + 20 ms per observation, i.e. the H200's nano-shape cost curve)
-    python bench/bench_http_frontend.py --policy fixed-cost --policy-args base_ms=240 per_obs_ms=20 max_batch=64 \
-        --batch 64 --clients 64 --codecs msgpack,json --seconds 20 --out bench/results/http_frontend.json
-    # GPU
-    python bench/bench_http_frontend.py --policy wam-ref --policy-args size=nano-shape cuda_graphs=true \
-        --device cuda --batch 64 --clients 64 --seconds 30 --out /tmp/http_frontend.json
+    # CPU: a policy that sleeps like a GPU computes, 240 + 20 ms per observation (the H200's nano-shape cost curve)
+    PYTHONPATH=src python bench/bench_http_frontend.py --policy fixed-cost \
+        --policy-args base_ms=240 per_obs_ms=20 max_batch=64 --batch 64 --clients 64 --seconds 20 \
+        --out bench/results/http_frontend.json
+    # GPU (one H200): two commands of ~6 minutes each (every variant builds its own server)
+    PYTHONPATH=src python bench/bench_http_frontend.py --policy wam-ref --policy-args size=nano-shape \
+        dtype=bfloat16 num_inference_steps=30 horizon=16 action_dim=7 cuda_graphs=true --device cuda \
+        --batch 64 --clients 64 --client-procs 8 --seconds 20 --warmup-seconds 10 --inproc-seconds 15 \
+        --variants max_wait_fraction=0 max_wait_fraction=0.25 --out /tmp/http_frontend_h200_a.json
+    (the same with --variants policy_process=true policy_process=true,max_wait_fraction=0.25 --out ..._b.json)
 
 1. in-process: `policy.predict` on batches of B observations, back to back (after `policy.warmup(B)`): obs/s.
-2. HTTP: `wamkit serve policy=... max_batch_size=B` (more keys with --serve-args k=v; one server per --variants
-   entry, by default refill off and max_wait_fraction=0.25, see docs/serving.md "Batching"), N concurrent client loops,
-   spread over --client-procs processes, each one wamkit ActionClient (wamkit.protocol.client); every loop sends one
-   observation per request and waits for its chunk (closed loop, like N env workers). Per codec (msgpack: raw arrays;
-   json: the same arrays as base64 bytes): obs/s over the timed window (after a warm-up window), latency p50/p99, the
-   server's mean batch over the window (from /metrics deltas), ratio = HTTP obs/s / in-process obs/s.
+2. HTTP: `wamkit serve policy=... max_batch_size=B` (more keys with --serve-args k=v), one server per --variants
+   entry (default: as is; max_wait_fraction=0.25 (refill); policy_process=true; both: docs/serving.md "Batching").
+   N concurrent client loops spread over --client-procs processes, each process one wamkit ActionClient
+   (wamkit.protocol.client); every loop sends one observation (the policy's cameras at --image-side px, its state)
+   per request and waits for its chunk (closed loop, like N env workers). Per codec (msgpack: raw uint8 arrays;
+   json: what ActionClient(binary=False) sends, PNG + base64): obs/s over the timed window (after a warm-up
+   window), latency p50/p99, the server's mean batch and batch-size histogram over the window (/metrics deltas),
+   ratio = HTTP obs/s / in-process obs/s at the same batch size.
 Output: one JSON document (stdout and --out).
 """
 
@@ -199,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy-args", nargs="*", default=["base_ms=240", "per_obs_ms=20", "max_batch=64"],
                     help="policy constructor keys, k=v")
     ap.add_argument("--serve-args", nargs="*", default=[], help="more `wamkit serve` keys, k=v (every variant)")
-    ap.add_argument("--variants", nargs="*", default=["max_wait_fraction=0", "max_wait_fraction=0.25"],
+    ap.add_argument("--variants", nargs="*", default=["max_wait_fraction=0", "max_wait_fraction=0.25",
+                                                      "policy_process=true",
+                                                      "policy_process=true,max_wait_fraction=0.25"],
                     help="one server per variant: comma-separated `wamkit serve` keys (k=v,k=v)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--batch", type=int, default=64, help="B: in-process batch and the server's max_batch_size")

@@ -6,7 +6,8 @@
   or at once when the batcher is closing. Among ready groups the one with the oldest observation goes first (FIFO).
 - Refill (max_wait_fraction > 0; 0, the default, turns it off): while the clients the previous batch just answered
   are still coming back (fewer observations have arrived since that batch finished than it held), a partial group
-  waits for them up to max_wait_fraction x the recent batch compute time (EMA), counted from the end of that batch.
+  waits for them up to max_wait_fraction x the longest of the last 8 batch compute times, counted from the end of
+  that batch (the longest, so that a few small batches of stragglers do not shrink the window that lets them merge).
   Closed-loop clients (a fleet of robots, benchmark loops: one observation each, the next one sent as soon as the
   chunk is back) otherwise settle into several partial batches per round, each paying the policy's fixed cost: the
   observations that queued during a batch leave as soon as it ends, without the ones it just answered (64 clients at
@@ -86,6 +87,7 @@ class DynamicBatcher:
         self._answered = 0                       # observations the previous batch answered
         self._arrived = 0                        # observations submitted since it finished
         self._ema_batch_s = 0.0
+        self._recent_batch_s: collections.deque[float] = collections.deque(maxlen=8)  # compute times, newest last
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -155,7 +157,7 @@ class DynamicBatcher:
         not; module doc)."""
         if self.max_wait_fraction <= 0 or self._arrived >= self._answered:
             return 0.0
-        return self.max_wait_fraction * self._ema_batch_s
+        return self.max_wait_fraction * max(self._recent_batch_s, default=0.0)
 
     # ------------------------------------------------------------------ loop
     def _pick(self) -> tuple[Hashable | None, float]:
@@ -214,6 +216,7 @@ class DynamicBatcher:
         dt = time.perf_counter() - p0
         t1 = t0 + dt
         self._ema_batch_s = dt if self._ema_batch_s == 0 else 0.8 * self._ema_batch_s + 0.2 * dt
+        self._recent_batch_s.append(dt)
         if self.metrics is not None:
             self.metrics.batch(len(batch), dt * 1000.0)
         seen: set[int] = set()
