@@ -139,12 +139,12 @@ def test_closing_flushes_a_waiting_partial_batch():
 
 def test_refill_window_follows_the_batch_time():
     b = DynamicBatcher(lambda o, s: None, max_batch_size=4, max_wait_ms=5, max_queue=8, max_wait_fraction=0.1)
-    b._recent_batch_s.extend([0.3, 1.5, 0.4])         # the longest recent batch: 1.5 s; the last answered 4
-    b._answered, b._arrived = 4, 1
-    assert b.refill_window_s() == pytest.approx(0.15)  # 3 still expected: wait up to 150 ms after it
-    b._arrived = 4
+    b._recent_batch_s.extend([0.3, 1.5, 0.4])         # the longest recent batch: 1.5 s
+    b._out = 3                                        # 3 answered observations not back yet
+    assert b.refill_window_s() == pytest.approx(0.15)  # wait up to 150 ms after the last batch
+    b._out = 0
     assert b.refill_window_s() == 0.0                 # all back: max_wait_ms from the oldest arrival only
-    b._arrived, b.max_wait_fraction = 1, 0.0
+    b._out, b.max_wait_fraction = 3, 0.0
     assert b.refill_window_s() == 0.0                 # off (the default)
 
 

@@ -4,16 +4,18 @@
   a batch only ever holds observations of one key.
 - A group is dispatched when it holds max_batch_size observations, when its oldest observation has waited max_wait_ms,
   or at once when the batcher is closing. Among ready groups the one with the oldest observation goes first (FIFO).
-- Refill (max_wait_fraction > 0; 0, the default, turns it off): while the clients the previous batch just answered
-  are still coming back (fewer observations have arrived since that batch finished than it held), a partial group
-  waits for them up to max_wait_fraction x the longest of the last 8 batch compute times, counted from the end of
-  that batch (the longest, so that a few small batches of stragglers do not shrink the window that lets them merge).
-  Closed-loop clients (a fleet of robots, benchmark loops: one observation each, the next one sent as soon as the
-  chunk is back) otherwise settle into several partial batches per round, each paying the policy's fixed cost: the
-  observations that queued during a batch leave as soon as it ends, without the ones it just answered (64 clients at
-  max_batch_size 64: mean batch ~30 instead of 64). When the answered clients do not come back within the window
-  (they step a simulator first, as the pipelined evaluation's other pipeline does), the device idles at most that
-  fraction of a batch time, which is why it is off by default.
+- Refill (max_wait_fraction > 0; 0, the default, turns it off): while clients the server answered are still coming
+  back (more observations answered than arrived since; the count is kept across batches, so a small batch of
+  stragglers does not end the wait for the others), a partial group waits for them up to max_wait_fraction x the
+  longest of the last 8 batch compute times, counted from the end of the previous batch. If that window passes,
+  the missing ones are given up on (the count restarts at 0) and the rule above applies. Closed-loop clients (a
+  fleet of robots, benchmark loops: one observation each, the next one sent as soon as the chunk is back) otherwise
+  settle into two partial batches per round, each paying the policy's fixed cost: the observations that queued during
+  a batch leave as soon as it ends, without the ones it just answered (64 clients at max_batch_size 64: mean batch
+  ~32 instead of 64). Refill pays when the clients come back within about the policy's fixed cost; when they take
+  longer (they step a simulator first, as the pipelined evaluation's other pipeline does, or encode PNGs on a busy
+  CPU) the alternating halves hide their turnaround better and the device would idle for the window: off by
+  default.
 - One batch computes at a time (predict in one worker thread) while the next one forms: the event loop keeps
   accepting and decoding requests, so observations that arrive during a batch queue for the next one. The refill
   window starts once the finished batch's requests have had their turn on the event loop (responses written).
@@ -84,8 +86,7 @@ class DynamicBatcher:
         self._task: asyncio.Task | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._free_since = time.perf_counter()   # when the previous batch finished (the device became free)
-        self._answered = 0                       # observations the previous batch answered
-        self._arrived = 0                        # observations submitted since it finished
+        self._out = 0                            # observations answered and not (yet) followed by a new one
         self._ema_batch_s = 0.0
         self._recent_batch_s: collections.deque[float] = collections.deque(maxlen=8)  # compute times, newest last
 
@@ -137,7 +138,7 @@ class DynamicBatcher:
                 dq = self._groups[keys[i]] = collections.deque()
             dq.append(_Item(observations[i], int(seeds[i]), req, i, now))
         self._queued += n
-        self._arrived += n
+        self._out = max(0, self._out - n)
         self._wake.set()
         actions = await req.future
         timing = {"queue_ms": round((req.t_start - req.t_arrival) * 1000.0, 3),
@@ -155,7 +156,7 @@ class DynamicBatcher:
     def refill_window_s(self) -> float:
         """How long a partial group waits, from the end of the previous batch, for the clients it answered (0: it does
         not; module doc)."""
-        if self.max_wait_fraction <= 0 or self._arrived >= self._answered:
+        if self.max_wait_fraction <= 0 or self._out <= 0:
             return 0.0
         return self.max_wait_fraction * max(self._recent_batch_s, default=0.0)
 
@@ -165,6 +166,8 @@ class DynamicBatcher:
         now = time.perf_counter()
         best, best_t, first_deadline = None, None, None
         refill = self.refill_window_s()
+        if refill and now >= self._free_since + refill:   # the missing ones are not coming: give up on them
+            self._out, refill = 0, 0.0
         for key, dq in self._groups.items():
             t = dq[0].t
             deadline = max(t + self.max_wait_s, self._free_since + refill)
@@ -244,4 +247,4 @@ class DynamicBatcher:
                 r.future.set_result(r.actions)
         await asyncio.sleep(0)               # the answered requests write their responses first ...
         self._free_since = time.perf_counter()   # ... then the next batch's clock starts
-        self._answered, self._arrived = len(batch), 0
+        self._out += len(batch)
