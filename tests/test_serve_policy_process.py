@@ -4,6 +4,7 @@ policy key is still a one-line UserError; a predict that fails is a 500 and the 
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -68,3 +69,39 @@ def test_policy_process_predict_error_is_a_500_and_serving_goes_on():
         r = _post(c, good, [2])
         assert r.status_code == 500 and "policy process exited" in r.json()["error"]["message"]
         assert c.get("/health").status_code == 200
+
+
+def test_arena_round_trip_and_growth():
+    """What the child sees through shared memory is exactly what the parent packed, cameras, state and task; a larger
+    batch gets a new (larger) file; no file is left in /dev/shm."""
+    from wamkit.serve.policy_process import _Arena, _unpack
+
+    rng = np.random.default_rng(0)
+
+    def obs(n, side):
+        return [Observation({"image": rng.integers(0, 256, (side, side, 3), dtype=np.uint8),
+                             "wrist": rng.integers(0, 256, (side // 2, side, 3), dtype=np.uint8)},
+                            rng.standard_normal(5).astype(np.float32) if i % 2 else None, f"task {i}")
+                for i in range(n)]
+
+    arena = _Arena()
+    try:
+        for batch in (obs(3, 16), obs(2, 16), obs(8, 512)):
+            path, layout = arena.pack(batch)
+            assert path is None or os.path.exists(path)
+            first = arena.mm
+            got = _unpack(arena.mm, layout)
+            arena.mapped()
+            assert path is None or not os.path.exists(path)
+            for a, b in zip(batch, got):
+                assert a.task == b.task and a.images.keys() == b.images.keys()
+                for c in a.images:
+                    np.testing.assert_array_equal(a.images[c], b.images[c])
+                assert (a.state is None) == (b.state is None)
+                if a.state is not None:
+                    np.testing.assert_array_equal(a.state, b.state)
+            del got
+            assert arena.mm is first
+        assert arena.size >= 8 * (512 * 512 * 3 + 256 * 512 * 3)
+    finally:
+        arena.close()

@@ -7,8 +7,12 @@ next requests only in the gaps: they trickle into the batcher and batches stay s
 does no policy work at all, and the policy process's GIL belongs to predict.
 
 - The child is started with multiprocessing's spawn context, builds the policy with make_policy(name, **kwargs) and
-  answers over one Pipe: ("predict", observations, seeds) -> actions, ("warmup", n) -> seconds per step, ("close",).
-  Observations travel pickled (one copy of the images per batch, a few ms for 64 observations of two 256 px cameras).
+  answers over one Pipe: ("predict", arena, layout, seeds) -> actions, ("warmup", n) -> seconds per step, ("close",).
+- Arrays travel through shared memory: the parent copies each batch's images and states into one memory-mapped file
+  in /dev/shm (grown when a batch needs more; unlinked as soon as the child has mapped it, so nothing is left behind)
+  and sends only their layout (offsets, shapes, dtypes, task texts); the child hands the policy views of it, valid
+  for that call. 64 observations of two 256 px cameras: one 25 MB memcpy instead of pickling them through the pipe
+  (~10 vs ~90 ms on a 2-core CPU).
 - Errors: a failing build raises here (UserError stays UserError: `wamkit serve` exits 2 with its line); a failing
   predict raises RuntimeError with the child's message (the server answers 500 and keeps serving); a child that died
   raises RuntimeError on every call.
@@ -18,10 +22,12 @@ does no policy work at all, and the policy process's GIL belongs to predict.
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing as mp
 import os
 import signal
 import sys
+import tempfile
 import threading
 from typing import Any, Sequence
 
@@ -30,6 +36,69 @@ import numpy as np
 from wamkit.core.errors import UserError
 from wamkit.core.types import Observation
 from wamkit.policies.base import Policy
+
+
+class _Arena:
+    """The parent's shared-memory file for batch arrays (module doc)."""
+
+    def __init__(self):
+        self.mm: mmap.mmap | None = None
+        self.path: str | None = None        # set until the child has mapped it, then unlinked
+        self.size = 0
+
+    def pack(self, observations: Sequence[Observation]) -> tuple[str | None, list]:
+        """Copy the arrays in; (path of a new file for the child to map, or None; layout per observation)."""
+        arrays, layout, total = [], [], 0
+
+        def put(a: np.ndarray) -> tuple[int, tuple[int, ...], str]:
+            nonlocal total
+            a = np.ascontiguousarray(a)
+            arrays.append((total, a))
+            total += a.nbytes
+            return total - a.nbytes, a.shape, a.dtype.str
+
+        for o in observations:
+            layout.append(({c: put(a) for c, a in o.images.items()}, None if o.state is None else put(o.state),
+                           o.task))
+        new = None
+        if self.mm is None or total > self.size:
+            self.close()
+            self.size = max(1 << 20, int(total * 1.25))
+            fd, self.path = tempfile.mkstemp(prefix="wamkit-policy-",
+                                             dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            try:
+                os.ftruncate(fd, self.size)
+                self.mm = mmap.mmap(fd, self.size)
+            finally:
+                os.close(fd)
+            new = self.path
+        for off, a in arrays:
+            np.frombuffer(self.mm, np.uint8, a.nbytes, off)[:] = a.reshape(-1).view(np.uint8)
+        return new, layout
+
+    def mapped(self) -> None:
+        """The child has mapped the file: remove its name (the mapping lives on in both processes)."""
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            self.path = None
+
+    def close(self) -> None:
+        self.mapped()
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+
+
+def _unpack(mm: mmap.mmap, layout: list) -> list[Observation]:
+    def view(spec):
+        off, shape, dtype = spec
+        return np.ndarray(tuple(shape), dtype=np.dtype(dtype), buffer=mm, offset=off)
+
+    return [Observation({c: view(a) for c, a in ims.items()}, None if st is None else view(st), task)
+            for ims, st, task in layout]
 
 
 def _child(conn, name: str, kwargs: dict[str, Any], torch_threads: int) -> None:
@@ -48,6 +117,7 @@ def _child(conn, name: str, kwargs: dict[str, Any], torch_threads: int) -> None:
         conn.send(("user" if isinstance(e, UserError) else "error", f"{type(e).__name__}: {e}" if not
                    isinstance(e, UserError) else str(e)))
         return
+    mm = None
     try:
         while True:
             try:
@@ -58,7 +128,11 @@ def _child(conn, name: str, kwargs: dict[str, Any], torch_threads: int) -> None:
                 return
             try:
                 if msg[0] == "predict":
-                    out: Any = np.asarray(policy.predict(msg[1], msg[2]), np.float32)
+                    _, path, layout, seeds = msg
+                    if path is not None:   # a new (larger) file; the old mapping goes with its last view
+                        with open(path, "r+b") as f:
+                            mm = mmap.mmap(f.fileno(), 0)
+                    out: Any = np.asarray(policy.predict(_unpack(mm, layout), seeds), np.float32)
                 else:
                     out = policy.warmup(msg[1])
                 conn.send(("ok", out))
@@ -80,6 +154,7 @@ class PolicyProcess(Policy):
         self._proc.start()
         child.close()
         self._lock = threading.Lock()
+        self._arena = _Arena()
         try:
             self.spec, self._max_batch_size = self._call(None, timeout_s=start_timeout_s)
         except BaseException:
@@ -88,9 +163,12 @@ class PolicyProcess(Policy):
                 self._proc.kill()
             raise
 
-    def _call(self, msg: tuple | None, timeout_s: float | None = None) -> Any:
+    def _call(self, msg: tuple | None, timeout_s: float | None = None, observations=None) -> Any:
         with self._lock:
             try:
+                if observations is not None:
+                    path, layout = self._arena.pack(observations)
+                    msg = ("predict", path, layout, msg[1])
                 if msg is not None:
                     self._conn.send(msg)
                 if timeout_s is not None and not self._conn.poll(timeout_s):
@@ -98,6 +176,9 @@ class PolicyProcess(Policy):
                 kind, value = self._conn.recv()
             except (EOFError, OSError, BrokenPipeError):
                 raise RuntimeError(f"policy process exited (exit code {self._proc.exitcode})") from None
+            finally:
+                if observations is not None:
+                    self._arena.mapped()
         if kind == "ok":
             return value
         if kind == "user":
@@ -109,7 +190,7 @@ class PolicyProcess(Policy):
         return self._proc.pid
 
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
-        return self._call(("predict", list(observations), [int(s) for s in seeds]))
+        return self._call(("predict", [int(s) for s in seeds]), observations=observations)
 
     def max_batch_size(self) -> int:
         return self._max_batch_size
@@ -129,3 +210,4 @@ class PolicyProcess(Policy):
                 self._proc.kill()
                 self._proc.join(timeout=5)
         self._conn.close()
+        self._arena.close()
