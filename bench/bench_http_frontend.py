@@ -34,6 +34,7 @@ import multiprocessing as mp
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -173,7 +174,7 @@ def http_variant(args, policy_args: dict, serve_args: dict, inproc: dict | None)
     from wamkit.serve import WamkitServerWorker
 
     serve_args = dict(serve_args)
-    log = Path(args.out or "/tmp/bench_http_frontend.json").with_suffix(".server.log")
+    log = Path(tempfile.gettempdir()) / (Path(args.out or "bench_http_frontend").stem + ".server.log")
     w = WamkitServerWorker(args.policy, policy_args, max_batch_size=args.batch,
                            max_wait_ms=float(serve_args.pop("max_wait_ms", 5.0)),
                            extra_args={"device": args.device, "log_every_s": 0, "max_queue": 4096, **serve_args},
