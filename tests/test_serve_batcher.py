@@ -148,6 +148,22 @@ def test_refill_window_follows_the_batch_time():
     assert b.refill_window_s() == 0.0                 # off (the default)
 
 
+def test_refill_gives_up_and_pauses_when_clients_are_slower_than_the_window():
+    from wamkit.serve.batcher import REFILL_PAUSE_BATCHES
+
+    b = DynamicBatcher(lambda o, s: None, max_batch_size=64, max_wait_ms=5, max_queue=128, max_wait_fraction=0.25)
+    b._recent_batch_s.append(1.0)
+    b._out = 30                                       # 30 answered observations out ...
+    b._free_since -= 10.0                             # ... for 10 s: far past the 250 ms window
+    assert b.refill_window_s() == pytest.approx(0.25)
+    b._pick()
+    assert b._out == 0 and b._refill_paused == REFILL_PAUSE_BATCHES
+    b._out = 30
+    assert b.refill_window_s() == 0.0                 # paused: queued observations leave by max_wait_ms alone
+    b._refill_paused = 0
+    assert b.refill_window_s() == pytest.approx(0.25)
+
+
 @pytest.mark.parametrize("key,value", [("max_wait_fraction", 1.5), ("max_wait_fraction", -0.1),
                                        ("decode_threads", 0)])
 def test_new_keys_are_checked(key, value):

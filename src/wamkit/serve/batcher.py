@@ -8,7 +8,9 @@
   back (more observations answered than arrived since; the count is kept across batches, so a small batch of
   stragglers does not end the wait for the others), a partial group waits for them up to max_wait_fraction x the
   longest of the last 8 batch compute times, counted from the end of the previous batch. If that window passes,
-  the missing ones are given up on (the count restarts at 0) and the rule above applies. Closed-loop clients (a
+  the missing ones are given up on (the count restarts at 0), the rule above applies, and refill pauses for the next
+  8 batches (clients slower than the window: waiting only idles the device; a probe every 8 batches costs at most
+  1/8 of a window per batch). Closed-loop clients (a
   fleet of robots, benchmark loops: one observation each, the next one sent as soon as the chunk is back) otherwise
   settle into two partial batches per round, each paying the policy's fixed cost: the observations that queued during
   a batch leave as soon as it ends, without the ones it just answered (64 clients at max_batch_size 64: mean batch
@@ -35,6 +37,9 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from wamkit.core.types import Observation
+
+
+REFILL_PAUSE_BATCHES = 8   # after a refill window passed without the clients coming back, batches without refill
 
 
 class QueueFull(Exception):
@@ -87,6 +92,7 @@ class DynamicBatcher:
         self._pool: ThreadPoolExecutor | None = None
         self._free_since = time.perf_counter()   # when the previous batch finished (the device became free)
         self._out = 0                            # observations answered and not (yet) followed by a new one
+        self._refill_paused = 0                  # batches left before refill is tried again after a give-up
         self._ema_batch_s = 0.0
         self._recent_batch_s: collections.deque[float] = collections.deque(maxlen=8)  # compute times, newest last
 
@@ -156,7 +162,7 @@ class DynamicBatcher:
     def refill_window_s(self) -> float:
         """How long a partial group waits, from the end of the previous batch, for the clients it answered (0: it does
         not; module doc)."""
-        if self.max_wait_fraction <= 0 or self._out <= 0:
+        if self.max_wait_fraction <= 0 or self._out <= 0 or self._refill_paused > 0:
             return 0.0
         return self.max_wait_fraction * max(self._recent_batch_s, default=0.0)
 
@@ -167,7 +173,7 @@ class DynamicBatcher:
         best, best_t, first_deadline = None, None, None
         refill = self.refill_window_s()
         if refill and now >= self._free_since + refill:   # the missing ones are not coming: give up on them
-            self._out, refill = 0, 0.0
+            self._out, refill, self._refill_paused = 0, 0.0, REFILL_PAUSE_BATCHES
         for key, dq in self._groups.items():
             t = dq[0].t
             deadline = max(t + self.max_wait_s, self._free_since + refill)
@@ -248,3 +254,4 @@ class DynamicBatcher:
         await asyncio.sleep(0)               # the answered requests write their responses first ...
         self._free_since = time.perf_counter()   # ... then the next batch's clock starts
         self._out += len(batch)
+        self._refill_paused = max(0, self._refill_paused - 1)
