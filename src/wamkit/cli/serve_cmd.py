@@ -1,4 +1,5 @@
-"""`wamkit serve [config.yaml] policy=NAME port=P max_batch_size=N max_wait_ms=MS token=... policy_args.k=v ...`
+"""`wamkit serve [config.yaml] policy=NAME port=P max_batch_size=N max_wait_ms=MS max_wait_fraction=F token=...
+policy_args.k=v ...`
 
 Runs the action server (wamkit.serve.app) on uvicorn. SIGTERM / Ctrl-C: stop accepting, finish in-flight work, exit.
 The token may also come from the environment variable WAMKIT_TOKEN. A host other than loopback needs a token (or
@@ -75,6 +76,7 @@ def main(argv: list[str]) -> int:
         threading.Thread(target=_watch_parent, args=(cfg.parent_pid, server), daemon=True).start()
     auth = "token required" if srv.token else "no auth"
     print(f"wamkit serve: policy={cfg.policy} max_batch_size={srv.max_batch_size} max_wait_ms={cfg.max_wait_ms} "
-          f"on http://{cfg.host}:{port} ({auth})", file=sys.stderr, flush=True)
+          f"max_wait_fraction={cfg.max_wait_fraction} on http://{cfg.host}:{port} ({auth})", file=sys.stderr,
+          flush=True)
     server.run(sockets=[sock])
     return 0

@@ -39,7 +39,7 @@ from starlette.routing import Route
 from wamkit.policies.base import Policy
 from wamkit.protocol import ProtocolError, build_response, decode_body, encode_body, is_msgpack, parse_request
 from wamkit.protocol.messages import ActionRequest
-from wamkit.serve.batcher import Batcher, QueueFull
+from wamkit.serve.batcher import DynamicBatcher, QueueFull
 from wamkit.serve.config import INSTANCE_ENV, ServeConfig
 from wamkit.serve.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics, wants_prometheus
 from wamkit.serve.errors import OFFLOAD_BYTES, error_response
@@ -56,8 +56,9 @@ class _HTTPError(Exception):
 
 
 
-def served_max_batch(cfg: ServeConfig, policy: Policy) -> int:
-    """The batch cap the server runs with: max_batch_size (0: the policy's own), never above the policy's."""
+def served_max_batch_size(cfg: ServeConfig, policy: Policy) -> int:
+    """The server's max_batch_size (the most observations one policy.predict call gets, what metadata reports as
+    capabilities.max_batch_size): the configured one (0: the policy's own), never above the policy's."""
     pmax = int(policy.max_batch_size())
     return min(cfg.max_batch_size, pmax) if cfg.max_batch_size > 0 else pmax
 
@@ -69,15 +70,16 @@ class ActionServer:
         self.cfg = cfg
         self.policy = policy
         self.spec = policy.spec
-        self.max_batch_size = served_max_batch(cfg, policy)
+        self.max_batch_size = served_max_batch_size(cfg, policy)
         self.max_body = int(cfg.max_body_mb * 1024 * 1024)
         self.limits = cfg.decode_limits()
         self.instance_id = os.environ.get(INSTANCE_ENV) or None
         self.token = cfg.resolved_token()
         self.model = cfg.model_name or self.spec.name
         self.metrics = ServerMetrics()
-        self.batcher = Batcher(policy.predict, self.max_batch_size, cfg.max_wait_ms, cfg.max_queue, self.metrics)
-        self.decode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="wamkit-decode")
+        self.batcher = DynamicBatcher(policy.predict, self.max_batch_size, cfg.max_wait_ms, cfg.max_queue, self.metrics,
+                                      max_wait_fraction=cfg.max_wait_fraction)
+        self.decode_pool = ThreadPoolExecutor(max_workers=cfg.decode_threads, thread_name_prefix="wamkit-decode")
         self._log_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -208,7 +210,8 @@ class ActionServer:
                              "batched_action_modes": ["policy"], "multiple_candidates": False,
                              "realtime_websocket": True, "multiple_cameras": True, "state": True,
                              "per_observation_seeds": True, "openpi_websocket": True, "msgpack": True},
-            "server": {"name": "wamkit", "max_wait_ms": self.cfg.max_wait_ms, "max_queue": self.cfg.max_queue,
+            "server": {"name": "wamkit", "max_wait_ms": self.cfg.max_wait_ms,
+                       "max_wait_fraction": self.cfg.max_wait_fraction, "max_queue": self.cfg.max_queue,
                        "max_body_bytes": self.max_body, "auth": self.token is not None,
                        "instance_id": self.instance_id, "max_image_pixels": self.limits.max_image_pixels,
                        "max_decoded_bytes": self.limits.max_decoded_bytes, "max_depth": self.limits.max_depth},
@@ -222,7 +225,8 @@ class ActionServer:
         """JSON; Prometheus text at /metrics/prometheus, or at /metrics when Accept asks for text/plain or OpenMetrics
         (what a Prometheus scrape sends)."""
         self._check_token(request)
-        gauges = dict(queued=self.batcher.queued, max_batch_size=self.max_batch_size, max_wait_ms=self.cfg.max_wait_ms)
+        gauges = dict(queued=self.batcher.queued, max_batch_size=self.max_batch_size, max_wait_ms=self.cfg.max_wait_ms,
+                      refill_window_ms=round(self.batcher.refill_window_s() * 1000.0, 3))
         if request.url.path.endswith("/prometheus") or wants_prometheus(request.headers.get("accept", "")):
             return Response(self.metrics.prometheus(**gauges), media_type=PROMETHEUS_CONTENT_TYPE)
         return JSONResponse(self.metrics.snapshot(**gauges))
@@ -231,9 +235,9 @@ class ActionServer:
         t0 = time.perf_counter()
         self.metrics.count("requests")
         self._check_token(request)
-        body = await self._read_body(request)
         ct = request.headers.get("content-type", "")
         binary = is_msgpack(ct) or "msgpack" in request.headers.get("accept", "").lower()
+        body = await self._read_body(request)
         if len(body) > OFFLOAD_BYTES:
             req = await asyncio.get_running_loop().run_in_executor(self.decode_pool, self._decode, body, ct)
         else:
@@ -257,20 +261,27 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
     """The Starlette app for `cfg` (the policy is built from cfg.policy / cfg.policy_args unless given)."""
     if policy is None:
         from wamkit.core.device import resolve_device
-        from wamkit.policies import make_policy
 
-        policy = make_policy(cfg.policy, **{"device": resolve_device(cfg.device), **cfg.policy_args})
+        kwargs = {"device": resolve_device(cfg.device), **cfg.policy_args}
+        if cfg.policy_process:  # the policy's GIL is not the event loop's (wamkit.serve.policy_process)
+            from wamkit.serve.policy_process import PolicyProcess
+
+            policy = PolicyProcess(cfg.policy, kwargs, cfg.torch_threads)
+        else:
+            from wamkit.policies import make_policy
+
+            policy = make_policy(cfg.policy, **kwargs)
     if "torch" in sys.modules:  # only policies that use torch have imported it
         import torch
 
         torch.set_num_threads(cfg.torch_threads or max(1, min(4, os.cpu_count() or 1)))
+    srv = ActionServer(cfg, policy)
     if cfg.warmup:  # before uvicorn listens: /health answers only once the one-off work is done
         t0 = time.perf_counter()
-        done = policy.warmup(served_max_batch(cfg, policy))
+        done = policy.warmup(srv.max_batch_size)
         if done:
             log.warning("warm-up done in %.1f s (%s)", time.perf_counter() - t0,
                         ", ".join(f"{k}: {v:.1f} s" for k, v in done.items()))
-    srv = ActionServer(cfg, policy)
 
     def guarded(fn):
         async def handler(request: Request) -> Response:

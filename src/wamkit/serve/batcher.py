@@ -2,10 +2,25 @@
 
 - Every observation carries a group key (parameters except seed, camera names and image shapes, state length);
   a batch only ever holds observations of one key.
-- A group is dispatched when it holds max_batch_size observations or its oldest observation has waited max_wait_ms
-  (or the batcher is closing). Among ready groups the one with the oldest observation goes first (FIFO fairness).
-- predict runs in one worker thread; the event loop keeps accepting and parsing requests meanwhile, so observations
-  that arrive while a batch computes form the next batch.
+- A group is dispatched when it holds max_batch_size observations, when its oldest observation has waited max_wait_ms,
+  or at once when the batcher is closing. Among ready groups the one with the oldest observation goes first (FIFO).
+- Refill (max_wait_fraction > 0; 0, the default, turns it off): while clients the server answered are still coming
+  back (more observations answered than arrived since; the count is kept across batches, so a small batch of
+  stragglers does not end the wait for the others), a partial group waits for them up to max_wait_fraction x the
+  longest of the last 8 batch compute times, counted from the end of the previous batch. If that window passes,
+  the missing ones are given up on (the count restarts at 0), the rule above applies, and refill pauses for the next
+  8 batches (clients slower than the window: waiting only idles the device; a probe every 8 batches costs at most
+  1/8 of a window per batch). Closed-loop clients (a
+  fleet of robots, benchmark loops: one observation each, the next one sent as soon as the chunk is back) otherwise
+  settle into two partial batches per round, each paying the policy's fixed cost: the observations that queued during
+  a batch leave as soon as it ends, without the ones it just answered (64 clients at max_batch_size 64: mean batch
+  ~32 instead of 64). Refill pays when the clients come back within about the policy's fixed cost; when they take
+  longer (they step a simulator first, as the pipelined evaluation's other pipeline does, or encode PNGs on a busy
+  CPU) the alternating halves hide their turnaround better and the device would idle for the window: off by
+  default.
+- One batch computes at a time (predict in one worker thread) while the next one forms: the event loop keeps
+  accepting and decoding requests, so observations that arrive during a batch queue for the next one. The refill
+  window starts once the finished batch's requests have had their turn on the event loop (responses written).
 - The queue is bounded (max_queue observations): submit raises QueueFull (the server answers 503 + Retry-After).
 - close() stops accepting, runs everything already queued, then stops the worker thread.
 """
@@ -22,6 +37,9 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from wamkit.core.types import Observation
+
+
+REFILL_PAUSE_BATCHES = 8   # after a refill window passed without the clients coming back, batches without refill
 
 
 class QueueFull(Exception):
@@ -55,14 +73,15 @@ class _Item:
     t: float                              # time.perf_counter() at arrival
 
 
-class Batcher:
+class DynamicBatcher:
     def __init__(self, predict: Callable[[Sequence[Observation], Sequence[int]], np.ndarray], max_batch_size: int,
-                 max_wait_ms: float, max_queue: int, metrics: Any = None):
+                 max_wait_ms: float, max_queue: int, metrics: Any = None, max_wait_fraction: float = 0.0):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.predict = predict
         self.max_batch_size = int(max_batch_size)
         self.max_wait_s = max(0.0, float(max_wait_ms)) / 1000.0
+        self.max_wait_fraction = max(0.0, float(max_wait_fraction))
         self.max_queue = int(max_queue)
         self.metrics = metrics
         self._groups: collections.OrderedDict[Hashable, collections.deque[_Item]] = collections.OrderedDict()
@@ -71,8 +90,11 @@ class Batcher:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._busy = False
+        self._free_since = time.perf_counter()   # when the previous batch finished (the device became free)
+        self._out = 0                            # observations answered and not (yet) followed by a new one
+        self._refill_paused = 0                  # batches left before refill is tried again after a give-up
         self._ema_batch_s = 0.0
+        self._recent_batch_s: collections.deque[float] = collections.deque(maxlen=8)  # compute times, newest last
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -122,6 +144,7 @@ class Batcher:
                 dq = self._groups[keys[i]] = collections.deque()
             dq.append(_Item(observations[i], int(seeds[i]), req, i, now))
         self._queued += n
+        self._out = max(0, self._out - n)
         self._wake.set()
         actions = await req.future
         timing = {"queue_ms": round((req.t_start - req.t_arrival) * 1000.0, 3),
@@ -136,18 +159,29 @@ class Batcher:
         batches_ahead = self._queued / self.max_batch_size + 1
         return max(1.0, round(batches_ahead * max(self._ema_batch_s, 0.01), 1))
 
+    def refill_window_s(self) -> float:
+        """How long a partial group waits, from the end of the previous batch, for the clients it answered (0: it does
+        not; module doc)."""
+        if self.max_wait_fraction <= 0 or self._out <= 0 or self._refill_paused > 0:
+            return 0.0
+        return self.max_wait_fraction * max(self._recent_batch_s, default=0.0)
+
     # ------------------------------------------------------------------ loop
     def _pick(self) -> tuple[Hashable | None, float]:
-        """(ready group key or None, seconds until the oldest observation's deadline)."""
+        """(ready group key or None, seconds until the earliest group deadline)."""
         now = time.perf_counter()
-        best, best_t, oldest_t = None, None, None
+        best, best_t, first_deadline = None, None, None
+        refill = self.refill_window_s()
+        if refill and now >= self._free_since + refill:   # the missing ones are not coming: give up on them
+            self._out, refill, self._refill_paused = 0, 0.0, REFILL_PAUSE_BATCHES
         for key, dq in self._groups.items():
             t = dq[0].t
-            oldest_t = t if oldest_t is None else min(oldest_t, t)
-            if self._closing or len(dq) >= self.max_batch_size or now - t >= self.max_wait_s:
+            deadline = max(t + self.max_wait_s, self._free_since + refill)
+            first_deadline = deadline if first_deadline is None else min(first_deadline, deadline)
+            if self._closing or len(dq) >= self.max_batch_size or now >= deadline:
                 if best_t is None or t < best_t:
                     best, best_t = key, t
-        wait = 0.0 if oldest_t is None else max(0.0, oldest_t + self.max_wait_s - now)
+        wait = 0.0 if first_deadline is None else max(0.0, first_deadline - now)
         return best, wait
 
     async def _loop(self) -> None:
@@ -191,6 +225,7 @@ class Batcher:
         dt = time.perf_counter() - p0
         t1 = t0 + dt
         self._ema_batch_s = dt if self._ema_batch_s == 0 else 0.8 * self._ema_batch_s + 0.2 * dt
+        self._recent_batch_s.append(dt)
         if self.metrics is not None:
             self.metrics.batch(len(batch), dt * 1000.0)
         seen: set[int] = set()
@@ -216,3 +251,7 @@ class Batcher:
             r.remaining -= 1
             if r.remaining == 0:
                 r.future.set_result(r.actions)
+        await asyncio.sleep(0)               # the answered requests write their responses first ...
+        self._free_since = time.perf_counter()   # ... then the next batch's clock starts
+        self._out += len(batch)
+        self._refill_paused = max(0, self._refill_paused - 1)

@@ -33,8 +33,16 @@ class ServeConfig:
     port: int = 8000                        # TCP port (0: pick a free one)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # the policy's device unless policy_args.device says; auto: GPU
                                             # when present
-    max_batch_size: int = 0                 # 0: the policy's max_batch_size()
-    max_wait_ms: float = 5.0                # how long a batch may wait to fill up
+    max_batch_size: int = 0                 # the most observations one policy.predict call gets (metadata:
+                                            # capabilities.max_batch_size); 0: the policy's max_batch_size()
+    max_wait_ms: float = 5.0                # how long a batch may wait to fill up (from its oldest observation)
+    max_wait_fraction: float = 0.0          # refill: after a batch, a partial batch waits up to this fraction of the
+                                            # batch time for the clients just answered (closed-loop clients: 0.25;
+                                            # 0: off; docs/serving.md "Batching")
+    policy_process: bool = False            # run the policy in a child process: its host work (CUDA launches) and
+                                            # the event loop (HTTP, decoding, batching) then never share one GIL
+    decode_threads: int = 2                 # threads decoding request bodies over 256 KB off the event loop (PNG
+                                            # decoding runs in parallel; JSON/base64 parsing holds the GIL)
     max_queue: int = 1024                   # observations waiting; beyond that 503 + Retry-After
     max_body_mb: float = 64.0               # request body cap (413 beyond)
     token: str | None = None                # bearer token; None: env WAMKIT_TOKEN, else no auth
@@ -64,10 +72,14 @@ class ServeConfig:
             raise ConfigError(f"port: must be in 0..65535, got {self.port}")
         if self.max_batch_size < 0:
             raise ConfigError(f"max_batch_size: must be >= 0, got {self.max_batch_size}")
-        if self.max_wait_ms < 0:
+        if not self.max_wait_ms >= 0:
             raise ConfigError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms}")
+        if not 0 <= self.max_wait_fraction <= 1:
+            raise ConfigError(f"max_wait_fraction: must be in 0..1, got {self.max_wait_fraction}")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue: must be >= 1, got {self.max_queue}")
+        if self.decode_threads < 1:
+            raise ConfigError(f"decode_threads: must be >= 1, got {self.decode_threads}")
         if self.torch_threads < 0:
             raise ConfigError(f"torch_threads: must be >= 0, got {self.torch_threads}")
         if self.max_body_mb <= 0:

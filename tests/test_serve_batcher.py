@@ -1,0 +1,171 @@
+"""The server's DynamicBatcher on its own (no HTTP): after a batch, observations that queued during it wait for the
+clients that batch just answered instead of leaving alone. A predict that blocks on a semaphore controls when a
+batch ends; the windows are either 1 ms or enormous, so no assertion depends on timing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from wamkit.core.errors import ConfigError
+from wamkit.core.types import Observation
+from wamkit.serve.batcher import DynamicBatcher
+from wamkit.serve.config import ServeConfig
+
+
+class GatedPredict:
+    """predict that records each batch's seeds and blocks until released (one release per batch)."""
+
+    def __init__(self):
+        self.batches: list[list[int]] = []
+        self.started = threading.Semaphore(0)
+        self.release = threading.Semaphore(0)
+
+    def __call__(self, obs, seeds):
+        self.batches.append([int(s) for s in seeds])
+        self.started.release()
+        self.release.acquire()
+        return np.asarray(seeds, np.float32)[:, None, None] * np.ones((1, 2, 3), np.float32)
+
+
+OBS = Observation({"image": np.zeros((4, 4, 3), np.uint8)}, None, "t")
+
+
+async def _submit(b: DynamicBatcher, seeds: list[int]):
+    return await b.submit([OBS] * len(seeds), seeds, ["k"] * len(seeds))
+
+
+async def _wait_started(p: GatedPredict) -> None:
+    while not p.started.acquire(blocking=False):
+        await asyncio.sleep(0.001)
+
+
+def test_queued_during_a_batch_waits_for_the_answered_clients():
+    """Batch A (full, 4) computes; B (2 obs) queues meanwhile. When A ends, B does not leave after max_wait_ms (1 ms):
+    A's 4 clients are expected back, so B's window is max_wait_fraction x the batch time (huge here). C (2 obs, two
+    of A's clients coming back) joins it: one full batch B+C, not B alone then C alone. (With max_wait_fraction 0,
+    the default, B would leave alone: the next test.)"""
+    async def main():
+        p = GatedPredict()
+        b = DynamicBatcher(p, max_batch_size=4, max_wait_ms=1, max_queue=64, max_wait_fraction=1e6)
+        await b.start()
+        ta = asyncio.create_task(_submit(b, [1, 2, 3, 4]))
+        await _wait_started(p)
+        tb = asyncio.create_task(_submit(b, [5, 6]))
+        while b.queued < 2:
+            await asyncio.sleep(0.001)
+        p.release.release()                          # A ends
+        a, _ = await ta
+        for _ in range(20):                           # give the batcher every chance to (wrongly) send B alone
+            await asyncio.sleep(0.005)
+        assert a[:, 0, 0].tolist() == [1, 2, 3, 4]
+        assert len(p.batches) == 1 and not tb.done()
+        tc = asyncio.create_task(_submit(b, [7, 8]))
+        await _wait_started(p)
+        p.release.release()
+        (bb, tim_b), (cc, _) = await tb, await tc
+        await b.close()
+        return p.batches, bb, cc, tim_b
+
+    batches, bb, cc, tim_b = asyncio.run(asyncio.wait_for(main(), 60))
+    assert batches == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert bb[:, 0, 0].tolist() == [5, 6] and cc[:, 0, 0].tolist() == [7, 8]
+    assert tim_b["batch_size"] == 4
+
+
+def test_without_refill_the_queued_group_leaves_alone():
+    """max_wait_fraction 0 (the default): B, queued during A for longer than max_wait_ms, runs as soon as A ends."""
+    async def main():
+        p = GatedPredict()
+        b = DynamicBatcher(p, max_batch_size=4, max_wait_ms=1, max_queue=64)
+        await b.start()
+        ta = asyncio.create_task(_submit(b, [1, 2, 3, 4]))
+        await _wait_started(p)
+        tb = asyncio.create_task(_submit(b, [5, 6]))
+        while b.queued < 2:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)                     # B is older than max_wait_ms
+        p.release.release()
+        await ta
+        await _wait_started(p)                        # B runs alone
+        p.release.release()
+        await tb
+        await b.close()
+        return p.batches
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == [[1, 2, 3, 4], [5, 6]]
+
+
+def test_clients_that_came_back_wait_only_max_wait_ms():
+    """A batch of 1 ends and its client comes back with 2 observations: nobody else is expected, so the partial batch
+    leaves after max_wait_ms (1 ms), not after the long window (max_wait_fraction 1e6 x the batch time)."""
+    async def main():
+        p = GatedPredict()
+        b = DynamicBatcher(p, max_batch_size=8, max_wait_ms=1, max_queue=64, max_wait_fraction=1e6)
+        await b.start()
+        t = asyncio.create_task(_submit(b, [3]))
+        await _wait_started(p)
+        p.release.release()
+        out, timing = await t
+        t2 = asyncio.create_task(_submit(b, [4, 5]))
+        await _wait_started(p)
+        p.release.release()
+        await t2
+        await b.close()
+        return p.batches, out, timing
+
+    batches, out, timing = asyncio.run(asyncio.wait_for(main(), 60))
+    assert batches == [[3], [4, 5]] and out.shape == (1, 2, 3) and timing["batch_size"] == 1
+
+
+def test_closing_flushes_a_waiting_partial_batch():
+    async def main():
+        p = GatedPredict()
+        b = DynamicBatcher(p, max_batch_size=8, max_wait_ms=600000, max_queue=64)
+        await b.start()
+        t = asyncio.create_task(_submit(b, [9, 10]))
+        while b.queued < 2:
+            await asyncio.sleep(0.001)
+        p.release.release()                          # pre-release: the flushed batch runs straight through
+        await b.close()
+        return p.batches, await t
+
+    batches, (out, _) = asyncio.run(asyncio.wait_for(main(), 60))
+    assert batches == [[9, 10]] and out[:, 0, 0].tolist() == [9, 10]
+
+
+def test_refill_window_follows_the_batch_time():
+    b = DynamicBatcher(lambda o, s: None, max_batch_size=4, max_wait_ms=5, max_queue=8, max_wait_fraction=0.1)
+    b._recent_batch_s.extend([0.3, 1.5, 0.4])         # the longest recent batch: 1.5 s
+    b._out = 3                                        # 3 answered observations not back yet
+    assert b.refill_window_s() == pytest.approx(0.15)  # wait up to 150 ms after the last batch
+    b._out = 0
+    assert b.refill_window_s() == 0.0                 # all back: max_wait_ms from the oldest arrival only
+    b._out, b.max_wait_fraction = 3, 0.0
+    assert b.refill_window_s() == 0.0                 # off (the default)
+
+
+def test_refill_gives_up_and_pauses_when_clients_are_slower_than_the_window():
+    from wamkit.serve.batcher import REFILL_PAUSE_BATCHES
+
+    b = DynamicBatcher(lambda o, s: None, max_batch_size=64, max_wait_ms=5, max_queue=128, max_wait_fraction=0.25)
+    b._recent_batch_s.append(1.0)
+    b._out = 30                                       # 30 answered observations out ...
+    b._free_since -= 10.0                             # ... for 10 s: far past the 250 ms window
+    assert b.refill_window_s() == pytest.approx(0.25)
+    b._pick()
+    assert b._out == 0 and b._refill_paused == REFILL_PAUSE_BATCHES
+    b._out = 30
+    assert b.refill_window_s() == 0.0                 # paused: queued observations leave by max_wait_ms alone
+    b._refill_paused = 0
+    assert b.refill_window_s() == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("key,value", [("max_wait_fraction", 1.5), ("max_wait_fraction", -0.1),
+                                       ("decode_threads", 0)])
+def test_new_keys_are_checked(key, value):
+    with pytest.raises(ConfigError, match=key):
+        ServeConfig(**{key: value}).validate()
