@@ -2,7 +2,7 @@
 
     # CPU: a policy that sleeps like a GPU computes, 240 + 20 ms per observation (the H200's nano-shape cost curve)
     PYTHONPATH=src python bench/bench_http_frontend.py --policy fixed-cost \
-        --policy-args base_ms=240 per_obs_ms=20 max_batch=64 --batch 64 --clients 64 --seconds 20 \
+        --policy-args base_ms=240 per_obs_ms=20 max_batch_size=64 --batch 64 --clients 64 --seconds 20 \
         --out bench/results/http_frontend.json
     # GPU (one H200): two commands of ~6 minutes each (every variant builds its own server)
     PYTHONPATH=src python bench/bench_http_frontend.py --policy wam-ref --policy-args size=nano-shape \
@@ -203,7 +203,7 @@ def http_variant(args, policy_args: dict, serve_args: dict, inproc: dict | None)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", default="fixed-cost")
-    ap.add_argument("--policy-args", nargs="*", default=["base_ms=240", "per_obs_ms=20", "max_batch=64"],
+    ap.add_argument("--policy-args", nargs="*", default=["base_ms=240", "per_obs_ms=20", "max_batch_size=64"],
                     help="policy constructor keys, k=v")
     ap.add_argument("--serve-args", nargs="*", default=[], help="more `wamkit serve` keys, k=v (every variant)")
     ap.add_argument("--variants", nargs="*", default=["max_wait_fraction=0", "max_wait_fraction=0.25",

@@ -28,7 +28,7 @@ from wamkit.core.types import Observation
 from wamkit.protocol import build_request, decode_body, encode_body, parse_request
 from wamkit.serve import ActionClient, WamkitServerWorker
 
-POLICY_ARGS = {"base_ms": 20, "per_obs_ms": 1, "mode": "sleep", "max_batch": 1024}
+POLICY_ARGS = {"base_ms": 20, "per_obs_ms": 1, "mode": "sleep", "max_batch_size": 1024}
 BATCHES = (1, 4, 16, 64)
 CONCURRENCY = (1, 8, 32)
 

@@ -1,6 +1,6 @@
 """A cost model of an evaluation for the scheduler's planner: envs that cost a fixed simulation time per chunk on C
 cores, and one accelerator that runs one batch at a time in a + b*n seconds. The real Scheduler runs on it (its
-modes, the AutoBatcher, the same code as `wamkit eval`); only time is modelled: the event loop runs on a virtual
+modes, the RequestPlanner, the same code as `wamkit eval`); only time is modelled: the event loop runs on a virtual
 clock that jumps to the next timer whenever nothing is ready (the scheduler's own clock reads are pointed at it), so
 a run of thousands of chunks takes well under a second, gives the same numbers every time, and does not depend on
 how busy this machine is.
@@ -155,7 +155,7 @@ class SimAccelerator(Inference):
     def __init__(self, r: Regime):
         super().__init__()
         self.r = r
-        self.max_batch = r.max_batch
+        self.max_request_size = r.max_batch
         self.busy_s = 0.0
         self._lock: asyncio.Lock | None = None
         self._calls: dict[int, list] = {}   # id -> [work left, future]
@@ -223,8 +223,8 @@ def run(r: Regime, mode: str, batch: int = 1, pipelines: int = 1) -> dict:
         envs = [SimEnv(i, r, cores) for i in range(n)]
         inf = SimAccelerator(r)
         done = []
-        opts = SchedulerOptions(mode=mode, batch=batch, pipelines=pipelines, cores=r.cores, run_to_max_steps=True,
-                                env_timeout_min_s=600)
+        opts = SchedulerOptions(mode=mode, request_size=batch, pipelines=pipelines, cores=r.cores,
+                                run_to_max_steps=True, env_timeout_min_s=600)
         sched = Scheduler(envs, inf, make_plan("sim", [0], r.episodes), opts, done.append)
         loop = asyncio.get_running_loop()
         t0 = loop.time()

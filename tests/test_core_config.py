@@ -39,9 +39,32 @@ def test_yaml_then_overrides(tmp_path):
 
 
 def test_serial_keeps_the_other_keys():
-    # bench eval derives its rows from one base config: serial must not rewrite num_envs/batch/pipelines
-    cfg = load_config(EvalConfig, None, ["mode=serial", "num_envs=4", "batch=8"])
-    assert (cfg.num_envs, cfg.batch) == (4, 8)
+    # bench eval derives its rows from one base config: serial must not rewrite num_envs/request_size/pipelines
+    cfg = load_config(EvalConfig, None, ["mode=serial", "num_envs=4", "request_size=8"])
+    assert (cfg.num_envs, cfg.request_size) == (4, 8)
+
+
+def test_renamed_keys_still_load_with_one_warning_and_both_spellings_are_refused():
+    import warnings
+
+    from wamkit.core import config as C
+
+    C._warned_renames.clear()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = load_config(EvalConfig, None, ["batch=4", "max_batch=16"])
+        b = load_config(EvalConfig, None, ["batch=2"])
+    assert (a.request_size, a.max_request_size, b.request_size) == (4, 16, 2)
+    msgs = [str(x.message) for x in w if issubclass(x.category, FutureWarning)]
+    assert len(msgs) == 2 and any("'batch' is now 'request_size'" in m for m in msgs)   # once per key
+    with pytest.raises(ConfigError, match="both given"):
+        load_config(EvalConfig, None, ["batch=4", "request_size=4"])
+    # the same for a policy's options: wam-ref's old `max_batch`
+    from wamkit.policies.registry import make_policy
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert make_policy("fixed-cost", max_batch=8).max_batch_size() == 8
 
 
 def test_optional_and_nested_defaults():

@@ -44,8 +44,8 @@ def test_cosmos3_schedule_invariance_through_the_standin(tmp_path):
             "server.policy_args.inner_args.size=tiny", "server.policy_args.inner_args.num_inference_steps=2",
             "server.policy_args.inner_args.image_size=64", "progress=false"]
     views = []
-    for i, extra in enumerate((["mode=serial"], ["mode=pipelines", "num_envs=2", "batch=1", "pipelines=2"],
-                               ["mode=pipelines", "num_envs=2", "batch=2", "pipelines=1"],
+    for i, extra in enumerate((["mode=serial"], ["mode=pipelines", "num_envs=2", "request_size=1", "pipelines=2"],
+                               ["mode=pipelines", "num_envs=2", "request_size=2", "pipelines=1"],
                                ["mode=auto", "num_envs=2"])):
         s = run_eval(load_config(EvalConfig, None, base + extra + [f"out={tmp_path / str(i)}"]))
         assert s["config"]["server"]["protocol"] == "auto" and s["scheduler"]["requests"] > 0

@@ -62,8 +62,8 @@ def test_metaworld_results_contract(mw_serial, tmp_path):
 @pytest.mark.metaworld
 @pytest.mark.parametrize("mode_args", [
     ("mode=auto", "num_envs=3"),
-    ("mode=pipelines", "num_envs=2", "batch=1", "pipelines=2"),
-    ("mode=pipelines", "num_envs=2", "batch=2", "pipelines=1"),
+    ("mode=pipelines", "num_envs=2", "request_size=1", "pipelines=2"),
+    ("mode=pipelines", "num_envs=2", "request_size=2", "pipelines=1"),
     ("mode=auto", "num_envs=2", "inference=server"),
     ("mode=auto", "num_envs=3", "inference=server", "server.replicas=2"),
 ], ids=["auto3", "B1P2", "B2P1", "auto-server", "auto-2servers"])
@@ -242,7 +242,7 @@ def test_libero_schedule_invariance(tmp_path):
             "max_steps=24", "image_size=64", "progress=false"]
     views = []
     for i, extra in enumerate((["mode=serial"], ["mode=auto", "num_envs=2"],
-                               ["mode=pipelines", "num_envs=2", "batch=1", "pipelines=2"])):
+                               ["mode=pipelines", "num_envs=2", "request_size=1", "pipelines=2"])):
         run_eval(load_config(EvalConfig, None, base + extra + [f"out={tmp_path / str(i)}"]))
         views.append(outcome_view(results(tmp_path / str(i))))
     assert views[0] == views[1] == views[2]

@@ -29,7 +29,7 @@ def test_deadline_follows_the_slowest_measured_call_and_first_calls_get_the_allo
 
 
 class _Inference:
-    max_batch = 8
+    max_request_size = 8
     latencies: list = []
 
     async def predict(self, observations, seeds):

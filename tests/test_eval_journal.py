@@ -62,20 +62,20 @@ def test_auto_plan_follows_measured_costs():
     with the batch (comparable to a chunk of simulation) -> cohorts that overlap (several requests in flight)."""
     import collections
 
-    from wamkit.eval.scheduler import AutoBatcher
+    from wamkit.eval.scheduler import RequestPlanner
 
     class Inf:
-        max_batch = 64
+        max_request_size = 64
         latencies: list = []
 
     def plan(a, b, s0, envs=4, cores=2):
         sched = type("S", (), {})()
         sched.inference = Inf()
         sched.inference.latencies = [(n, a + b * n) for n in (1, 2, 4, 8)]
-        sched.opts = type("O", (), {"max_batch": 0, "depth": 0, "cores": cores})()
+        sched.opts = type("O", (), {"max_request_size": 0, "depth": 0, "cores": cores})()
         sched.sim_samples = collections.deque([(s0, 1)] * 5)
         sched.active_envs = envs
-        return AutoBatcher(sched).plan()
+        return RequestPlanner(sched).plan()
 
     assert plan(a=0.001, b=0.0001, s0=1.0) == (4, 1)        # inference ~free: batch everyone
     n, k = plan(a=0.1, b=0.25, s0=1.0, envs=4, cores=4)     # batch of 4 = 1.1 s ~ one chunk of sim: overlap
@@ -90,25 +90,25 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
     import collections
     import time
 
-    from wamkit.eval.scheduler import AutoBatcher
+    from wamkit.eval.scheduler import RequestPlanner
 
     class Inf:
-        max_batch = 64
+        max_request_size = 64
         latencies: list = []
 
     def deadline(a, started_ago, s0=1.0, waited=0.0):
         sched = type("S", (), {})()
         sched.inference = Inf()
         sched.inference.latencies = [(n, a + 0.001 * n) for n in (1, 2, 4)]
-        sched.opts = type("O", (), {"max_batch": 0, "depth": 0, "cores": 2})()
+        sched.opts = type("O", (), {"max_request_size": 0, "depth": 0, "cores": 2})()
         sched.sim_samples = collections.deque([(s0, 1)] * 5)
         now = time.monotonic()
         sched.sim_started = {1: now - started_ago}
-        ab = AutoBatcher(sched)
+        ab = RequestPlanner(sched)
         ab.pending = [(None, 0, None, None, now - waited)]
         return ab._deadline() - now
 
-    w = AutoBatcher.STRAGGLER_WAIT * 0.8                            # how long waiting is worth (0.4 s)
+    w = RequestPlanner.STRAGGLER_WAIT * 0.8                            # how long waiting is worth (0.4 s)
     assert deadline(a=0.8, started_ago=0.1) <= 0.01                 # next env in ~0.9 s > w: send now
     assert deadline(a=0.8, started_ago=0.55) <= 0.01                # ~0.45 s away > w: send now
     assert deadline(a=0.8, started_ago=0.7) == pytest.approx(1.2 * 0.3 + 0.005, abs=0.02)   # ~0.3 s away: wait

@@ -69,7 +69,7 @@ def test_env_configs_validate_without_a_simulator():
 # ---- configs: typed values, ranges, config= and keywords ----------------------------------------------------------
 
 def test_cli_strings_become_typed_values():
-    p = make_policy("fixed-cost", base_ms="0", per_obs_ms="1.5", mode="spin", horizon="4", max_batch="8")
+    p = make_policy("fixed-cost", base_ms="0", per_obs_ms="1.5", mode="spin", horizon="4", max_batch_size="8")
     assert p.config.base_ms == 0.0 and p.config.per_obs_ms == 1.5 and p.config.horizon == 4
     assert p.max_batch_size() == 8 and p.spec.action.horizon == 4
     mw = env_class("metaworld").make_config(tasks="reach-v3", cameras="image,wrist_image", max_steps="5")

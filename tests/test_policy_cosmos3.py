@@ -235,10 +235,10 @@ def test_normalization_options_refuse_double_denormalization(fake_sglang):
 
 
 def test_batch_limit_comes_from_the_server(fake_sglang):
-    """max_batch=None: the server's metadata (8 here); max_batch=1 splits every prompt group; 503 Retry-After is
+    """max_request_size=None: the server's metadata (8 here); max_request_size=1 splits every prompt group; 503 Retry-After is
     retried and nothing is lost or doubled."""
     pol = make_policy("cosmos3", url=fake_sglang, action_stats={"q01": Q01.tolist(), "q99": Q99.tolist()},
-                      max_batch=1, seed=None)
+                      max_request_size=1, seed=None)
     _FakeSGLang.busy = 2                                   # the next two requests get 503 Retry-After: 0
     a = pol.predict(_obs3(), [5, 5, 9])
     np.testing.assert_allclose(a[:, 0, 0], [0.05, 0.05, 0.09], atol=1e-5)

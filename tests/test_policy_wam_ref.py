@@ -307,7 +307,7 @@ def test_graph_buckets_and_warmup():
     assert _buckets(None, 64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
     assert _buckets(None, 6) == (1, 2, 4, 6)
     assert _buckets("3,1,40", 8) == (1, 3, 8)
-    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, max_batch=8)
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, max_batch_size=8)
     assert pol.engine.graph_bucket(5) == 8 and pol.engine.graph_bucket(1) == 1
     assert list(pol.warmup(8)) == ["1"]   # on the CPU: one predict (graphs are CUDA-only)
     with pytest.raises(UserError, match="kv_layout"):
@@ -389,7 +389,7 @@ def test_config_normalizes_cli_strings_and_rejects_bad_values():
     from wamkit.policies.wam_ref.config import WamRefConfig
 
     c = WamRefConfig(cameras="image,wrist_image", cuda_graphs="true", compile="false", horizon="8",
-                     image_size="64", trainable_patterns=["gen.*", "und.*"], graph_buckets="4,1", max_batch=8)
+                     image_size="64", trainable_patterns=["gen.*", "und.*"], graph_buckets="4,1", max_batch_size=8)
     assert c.cameras == ("image", "wrist_image") and c.cuda_graphs is True and c.compile is False
     assert (c.horizon, c.image_size, c.trainable_patterns, c.buckets) == (8, 64, ("gen.*", "und.*"), (1, 4, 8))
     for bad, key in (({"kv_layout": "cat"}, "kv_layout"), ({"dtype": "int8"}, "dtype"), ({"size": "huge"}, "huge"),

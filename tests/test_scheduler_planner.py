@@ -1,5 +1,5 @@
 """auto's planner against the fixed (B, P) grid, on modelled costs (bench/planner_sim.py): the real Scheduler and
-AutoBatcher run on a virtual clock, so these numbers are exact and repeatable, independent of this machine's load."""
+RequestPlanner run on a virtual clock, so these numbers are exact and repeatable, independent of this machine's load."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_an_env_keeps_its_task_while_episodes_of_it_are_queued(mode, batch, pipe
             envs = [Recording(i, r, cores) for i in range(r.envs)]
             done = []
             plan = make_plan("sim", [0, 1, 2], 7)             # 21 episodes, task-major
-            opts = SchedulerOptions(mode=mode, batch=batch, pipelines=pipelines, cores=r.cores,
+            opts = SchedulerOptions(mode=mode, request_size=batch, pipelines=pipelines, cores=r.cores,
                                     run_to_max_steps=True)
             await cls(envs, ps.SimAccelerator(r), plan, opts, done.append).run()
             return done

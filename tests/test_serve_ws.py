@@ -199,7 +199,7 @@ def test_websocket_client_equals_http_client(server, protocol):
     async def go():
         async with WebsocketActionClient(server.url, protocol=protocol, token=TOKEN, max_connections=3,
                                          on_timing=seen.append) as c:
-            per = await c.server_max_batch()
+            per = await c.max_request_size()
             a = await c.predict(obs, seeds)
             b = await c.predict(obs[:2], seeds[:2], {"raw_action_dim": 4} if protocol == "sglang-ws" else None)
             return per, a, b, len(c.pool.open)
@@ -228,7 +228,7 @@ def test_connections_and_http_share_one_batch():
             rt = WebsocketActionClient(w.url, protocol="sglang-ws")
             ht = ActionClient(w.url)
             try:
-                await asyncio.gather(op.server_max_batch(), rt.server_max_batch())   # connect first (no batching)
+                await asyncio.gather(op.max_request_size(), rt.max_request_size())   # connect first (no batching)
                 outs = await asyncio.gather(op.predict(obs[:2], seeds[:2]), rt.predict(obs[2:3], seeds[2:3]),
                                             ht.predict(obs[3:], seeds[3:]))
                 return outs, op.last_timings + rt.last_timings + ht.last_timings
@@ -272,7 +272,7 @@ def test_websocket_client_against_an_openpi_style_server(openpi_client):
 
         async def go(observations, **kw):
             async with WebsocketActionClient(url, retries=1, backoff=0.01, **kw) as c:
-                return await c.server_max_batch(), await c.predict(observations, [4, 5, 6][:len(observations)])
+                return await c.max_request_size(), await c.predict(observations, [4, 5, 6][:len(observations)])
         per, acts = asyncio.run(go(obs, action_horizon=5, max_connections=8))
         assert per == 8 and acts.shape == (3, 5, 7) and acts.dtype == np.float32
         assert np.array_equal(acts[:, 0, 0], [4, 5, 6])

@@ -132,7 +132,7 @@ def test_refused_by_wamkit_first_and_by_sglang_too(sglang):
 
     async def send(o, seeds, max_batch):
         async with ActionClient(sglang.url, mode="sglang", camera="image", parameters=params, raw_action_dim=10,
-                                max_batch=max_batch, retries=0) as c:
+                                max_request_size=max_batch, retries=0) as c:
             return await c.predict(o, seeds)
 
     with pytest.raises(ActionClientError, match="batching-max-size=4"):      # the caller forced 5 > 4

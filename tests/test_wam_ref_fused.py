@@ -127,7 +127,7 @@ def test_graph_plumbing_matches_eager(prefix_graphs):
     each replay): batches padded to a bucket, inputs through static buffers, the prefix graph writing the K/V into
     the denoising graph's buffers. Same actions as the plain eager path, for two batch sizes sharing a bucket and
     a smaller one after a larger (rows past the batch hold stale values)."""
-    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, max_batch=8,
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, max_batch_size=8,
                       cuda_graphs=True, prefix_graphs=prefix_graphs)
     obs, seeds = _obs(5, 2, 8), [3, 1, 4, 1, 5]
     eager = pol.predict(obs, seeds)            # on the CPU cuda_graphs alone changes nothing
@@ -177,7 +177,7 @@ def test_failed_prefix_capture_falls_back_to_the_eager_prefix(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, max_batch=4, cuda_graphs=True)
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, max_batch_size=4, cuda_graphs=True)
     obs, seeds = _obs(3, 4), [7, 8, 9]
     eager = pol.predict(obs, seeds)
     pol.engine.emulate_graphs = True

@@ -62,7 +62,7 @@ def build_app(args):
                      tp_size=1, sp_degree=1, ulysses_degree=1, ring_degree=1).items():
         setattr(server_args, k, v)
     standin = make_policy("cosmos3-standin", inner=args.inner, inner_args=json.loads(args.inner_args),
-                          action_stats=args.standin_stats, max_batch=max(64, args.batching_max_size))
+                          action_stats=args.standin_stats, max_batch_size=max(64, args.batching_max_size))
     log = open(args.log, "a", buffering=1)
 
     # the model registry reads a model directory: Cosmos3's sampling-params class is given instead

@@ -3,7 +3,8 @@
 Extra keys: rows=single-batch;auto (subset of rows); share_server=true|false (inference=server: one set of local
 servers for every row, default true); rounds=N (every row N times, interleaved; median and min-max spread, default 1);
 bound=true|false|contended (measure the stage bound after the rows, default true; contended: also both stages at
-once, the simulation-alone run while the inference side serves back-to-back batches). `out=` is the bench directory (one sub-directory per row)."""
+once, the simulation-alone run while the inference side serves back-to-back batches). `out=` is the bench directory
+(one sub-directory per row)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,8 @@ from wamkit.eval.config import EvalConfig
 def help_text(argv: list[str]) -> str:
     from wamkit.cli.eval_cmd import names_footer
 
-    return config_help(EvalConfig, "usage: wamkit bench eval [config.yaml] [rows=ROW;ROW] [share_server=true|false] [rounds=N] "
-                       "[bound=true|false|contended] "
-                       "[key=value ...]", __doc__ + "\nEvery `wamkit eval` key below applies to each row.",
+    return config_help(EvalConfig, "usage: wamkit bench eval [config.yaml] [rows=ROW;ROW] [share_server=true|false] "
+                       "[rounds=N] [bound=true|false|contended] [key=value ...]", __doc__ + "\nEvery `wamkit eval` key below applies to each row.",
                        names_footer())
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -154,7 +155,32 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     return value
 
 
+_warned_renames: set[tuple[str, str]] = set()
+
+
+def renamed_keys(cls: type, data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`data` with a config class's old key spellings (its `RENAMED = {"old": "new"}`) under their new names; each old
+    spelling warns once per process. Both spellings at once is a ConfigError."""
+    renamed = getattr(cls, "RENAMED", None) or {}
+    if not any(k in data for k in renamed):
+        return data
+    out = dict(data)
+    for old, new in renamed.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise ConfigError(f"{prefix + old} and {prefix + new} both given: {old!r} is the old name of {new!r}")
+        out[new] = out.pop(old)
+        if (cls.__qualname__, old) not in _warned_renames:
+            _warned_renames.add((cls.__qualname__, old))
+            # FutureWarning: shown to users by default (a DeprecationWarning is not, outside __main__)
+            warnings.warn(f"config key {prefix + old!r} is now {prefix + new!r} (the old name still works, for now)",
+                          FutureWarning, stacklevel=3)
+    return out
+
+
 def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    data = renamed_keys(cls, data, prefix)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
@@ -407,6 +433,8 @@ def check_options(kind: str, name: str, cls: type, kwargs: dict, common: tuple[s
     (not a bare config dataclass) the values are checked too: its config is built from them and dropped, so a bad
     value is one line before any worker or server starts."""
     valid = option_names(cls)
+    cfg_cls = cls if dataclasses.is_dataclass(cls) else cls.config_class
+    kwargs = renamed_keys(cfg_cls, kwargs, f"{kind}." if kind else "")
     _refuse_unknown(kind, name, valid, [k for k in kwargs if k not in common])
     if not dataclasses.is_dataclass(cls):
         build_options(cls.config_class, {k: v for k, v in kwargs.items() if k in valid}, kind=kind, name=name)
@@ -419,6 +447,7 @@ def build_options(cfg_cls: type[T], kwargs: dict[str, Any], base: T | None = Non
     CLI strings included; the config's `validate()` checks ranges). `kind`/`name` only word the errors
     (`policy_args.horizn: not an option of 'zero'`)."""
     fields = [f for f in dataclasses.fields(cfg_cls) if f.init]
+    kwargs = renamed_keys(cfg_cls, kwargs, f"{kind}." if kind else "")
     _refuse_unknown(kind, name or cfg_cls.__name__, {f.name for f in fields}, kwargs)
     data = {f.name: getattr(base, f.name) for f in fields} if base is not None else {}
     data.update(kwargs)

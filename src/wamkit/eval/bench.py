@@ -251,7 +251,7 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
         ("serial", r(base, mode="serial", render_every_step=False, run_to_max_steps=True, **common)),
     ]
     for b, p in grid(m):
-        configs.append((f"B={b}, P={p}", r(base, mode="pipelines", batch=b, pipelines=p, num_envs=m,
+        configs.append((f"B={b}, P={p}", r(base, mode="pipelines", request_size=b, pipelines=p, num_envs=m,
                                            render_every_step=False, run_to_max_steps=True, **common)))
     configs.append(("auto", r(base, mode="auto", num_envs=m, render_every_step=False, run_to_max_steps=True,
                               **common)))
@@ -268,7 +268,7 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
             slug = _slug(name) if rounds == 1 else f"{_slug(name)}/round{k + 1}"
             cfg = r(cfg, out=str(out / slug))
             console.print(f"[bold]bench eval[/] {name}{'' if rounds == 1 else f' (round {k + 1}/{rounds})'}: "
-                          f"mode={cfg.mode} envs={cfg.num_envs} B={cfg.batch} P={cfg.pipelines}")
+                          f"mode={cfg.mode} envs={cfg.num_envs} B={cfg.request_size} P={cfg.pipelines}")
             s = _run(cfg, console, runtime)
             runs[name].append(_row(name, s, horizon))
             # rows so far, in case the run is cut short (bound and ratios come at the end)

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from wamkit.core.config import check_number
 from wamkit.core.errors import ConfigError
@@ -49,6 +49,10 @@ class ServerOptions:
 
 @dataclass
 class EvalConfig:
+    # words: a *batch* is what one model call runs (the server's max_batch_size); a *request* is what the evaluation
+    # sends (request_size observations, B in the reference's tables); old key spellings still load, with a warning
+    RENAMED: ClassVar[dict[str, str]] = {"batch": "request_size", "max_batch": "max_request_size"}
+
     env: str = "libero"                     # simulator: libero | metaworld
     suite: str = ""                         # "" = the env's standard suite (libero: libero_object, metaworld: mt)
     tasks: list[int] | None = None          # task ids; None = every task of the suite
@@ -68,10 +72,11 @@ class EvalConfig:
     server: ServerOptions = field(default_factory=ServerOptions)
     mode: Literal["serial", "pipelines", "auto"] = "serial"  # scheduler (docs/evaluation.md); auto: the fastest
     num_envs: int = 1                       # env worker processes (mode=serial uses one, whatever this says)
-    batch: int = 1                          # pipelines: observations per request (B)
+    request_size: int = 1                   # pipelines: observations per request (B; was `batch`)
     pipelines: int = 1                      # pipelines: number of env groups (P)
     depth: int = 0                          # auto: max requests in flight (0 = chosen from measurements)
-    max_batch: int = 0                      # auto: cap on observations per request (0 = policy/server max)
+    max_request_size: int = 0               # auto: cap on observations per request (0 = the server's max batch
+                                            # size; was `max_batch`)
     group_by_task: bool | None = None       # one task per request (None: only for SGLang, which needs equal prompts)
     run_to_max_steps: bool = False          # the reference's semantics: keep stepping after success
     render_every_step: bool = False         # the single-batch baseline: render every step
@@ -103,8 +108,8 @@ class EvalConfig:
 
     def validate(self) -> None:
         for key, lo, hi in (("trials", 1, None), ("trial_start", 0, None), ("image_size", MIN_IMAGE, MAX_IMAGE),
-                            ("num_envs", 1, 4096), ("batch", 1, None), ("pipelines", 1, None), ("depth", 0, None),
-                            ("max_batch", 0, None), ("save_videos", 0, None), ("seed", 0, 2**63 - 1),
+                            ("num_envs", 1, 4096), ("request_size", 1, None), ("pipelines", 1, None), ("depth", 0, None),
+                            ("max_request_size", 0, None), ("save_videos", 0, None), ("seed", 0, 2**63 - 1),
                             ("max_episode_retries", 0, None), ("env_timeout_factor", 1, None)):
             check_number(key, getattr(self, key), lo, hi)
         check_number("horizon", self.horizon, 1, none_ok=True)

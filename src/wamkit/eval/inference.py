@@ -19,7 +19,7 @@ from wamkit.eval.timeline import Timeline
 from wamkit.policies.base import RemoteCodec
 
 class Inference(abc.ABC):
-    max_batch: int = 64
+    max_request_size: int = 64   # the most observations one predict() may carry (the server's max batch size)
     name: str = ""
 
     def __init__(self, timeline: Timeline | None = None):
@@ -58,8 +58,8 @@ class InProcessInference(Inference):
     def __init__(self, policy, timeline: Timeline | None = None):
         super().__init__(timeline)
         self.policy = policy
-        self.max_batch = int(policy.max_batch_size())
-        policy.warmup(self.max_batch)  # one-off work (e.g. CUDA graphs of every batch size) before any timing
+        self.max_request_size = int(policy.max_batch_size())
+        policy.warmup(self.max_request_size)  # one-off work (e.g. CUDA graphs of every batch size) before any timing
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="policy")
 
     def _run(self, observations, seeds):
@@ -139,11 +139,11 @@ class ServerInference(Inference):
         self.clients = [self._make_client(url, w) for url, w in targets]
         self.in_flight = [0] * len(self.clients)
         self.served = [0] * len(self.clients)
-        self.max_batch = min([await c.server_max_batch() for c in self.clients])
+        self.max_request_size = min([await c.max_request_size() for c in self.clients])
 
     def _make_client(self, url: str, worker):
         """The transport to one server, by `server.protocol`: an object with the async ActionClient interface
-        (predict(observations, seeds) -> (N, H, D) float32, server_max_batch(), aclose())."""
+        (predict(observations, seeds) -> (N, H, D) float32, max_request_size(), aclose())."""
         from wamkit.protocol.client import ActionClient
 
         kw = dict(token=self.options.token, on_timing=self._on_timing, worker=worker)

@@ -201,8 +201,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         # SGLang batches one prompt per request: requests of one task each unless told otherwise
         sglang = getattr(inference, "protocol", "") == "sglang"
         group = cfg.group_by_task if cfg.group_by_task is not None else sglang
-        opts = SchedulerOptions(mode=cfg.mode, batch=cfg.batch, pipelines=cfg.pipelines, depth=cfg.depth,
-                                max_batch=cfg.max_batch, group_by_task=group, run_to_max_steps=cfg.run_to_max_steps,
+        opts = SchedulerOptions(mode=cfg.mode, request_size=cfg.request_size, pipelines=cfg.pipelines, depth=cfg.depth,
+                                max_request_size=cfg.max_request_size, group_by_task=group, run_to_max_steps=cfg.run_to_max_steps,
                                 render_every_step=cfg.render_every_step,
                                 video_episodes=frozenset(ep.index for ep in plan[:cfg.save_videos]
                                                          if not journal.done(ep.key)),

@@ -8,7 +8,7 @@
              another waits for inference.
 - auto:      asynchronous flow. Each env that finishes its chunk joins the next request batch without waiting for a
              group; several requests in flight; the batch size and in-flight depth are chosen from measured
-             simulation and inference times (see AutoBatcher.plan).
+             simulation and inference times (see RequestPlanner.plan).
 
 Common to all: each env takes its next episode as soon as its current one ends (one of the same task while any is
 queued, so the scene stays loaded; see Scheduler._next_episode); every planned episode runs
@@ -63,10 +63,10 @@ def chunk_digest() -> "hashlib._Hash":
 @dataclass
 class SchedulerOptions:
     mode: str = "serial"
-    batch: int = 1
+    request_size: int = 1
     pipelines: int = 1
     depth: int = 0
-    max_batch: int = 0
+    max_request_size: int = 0
     group_by_task: bool = False
     run_to_max_steps: bool = False
     render_every_step: bool = False
@@ -136,7 +136,7 @@ class Scheduler:
         self.active_envs = 0
         self.sim_samples: deque[tuple[float, int]] = deque(maxlen=200)   # (seconds, concurrent sims)
         self.sim_started: dict[int, float] = {}   # env index -> monotonic start of the chunk it is simulating
-        self.batcher: AutoBatcher | None = None
+        self.batcher: RequestPlanner | None = None
         # env index -> the task whose scene it has loaded (workers kept from an earlier run report theirs)
         self.env_task: dict[int, int] = {i: t for i, e in enumerate(envs)
                                          if isinstance(t := getattr(e, "loaded_task", None), int)}
@@ -280,7 +280,7 @@ class Scheduler:
         if mode == "serial":
             await self._env_loop(0, self._direct_actions)
         elif mode == "auto":
-            self.batcher = AutoBatcher(self)
+            self.batcher = RequestPlanner(self)
             await asyncio.gather(*(self._env_loop(i, self.batcher.submit) for i in range(len(self.envs))))
         elif mode == "pipelines":
             p = self.opts.pipelines
@@ -294,7 +294,7 @@ class Scheduler:
 
     async def _group_loop(self, env_ids: list[int]) -> None:
         """Reference pipeline stage: lockstep over the group's envs; requests of B sent one after another."""
-        b = max(1, self.opts.batch)
+        b = max(1, self.opts.request_size)
 
         async def start(i: int):
             while (ep := self._next_episode(i)) is not None:
@@ -352,7 +352,7 @@ class Scheduler:
             await asyncio.gather(*(step(i, chunks[i]) for i in active))
 
 
-class AutoBatcher:
+class RequestPlanner:
     """Collects observations from envs as they finish their chunks and sends them in batches.
 
     Plan: with A active envs, a single-env simulation cost s0 per chunk on C cores, and inference latency
@@ -377,8 +377,8 @@ class AutoBatcher:
         self.inf = sched.inference
         self.pending: list[tuple[Observation, int, Episode, asyncio.Future, float]] = []  # (.., arrival time)
         self.in_flight = 0
-        self.cap = sched.opts.max_batch or self.inf.max_batch
-        self.cap = max(1, min(self.cap, self.inf.max_batch))
+        self.cap = sched.opts.max_request_size or self.inf.max_request_size
+        self.cap = max(1, min(self.cap, self.inf.max_request_size))
         self.fixed_depth = sched.opts.depth
         self._timer: asyncio.TimerHandle | None = None
         self.decisions: list[tuple[int, int]] = []

@@ -135,9 +135,9 @@ class Policy(abc.ABC):
         """How to reach this policy's model on another server (see RemoteCodec); None: predict() is all there is."""
         return None
 
-    def warmup(self, max_batch: int | None = None) -> dict[str, float]:
+    def warmup(self, max_batch_size: int | None = None) -> dict[str, float]:
         """One-off work before the first real call (e.g. capturing CUDA graphs for every batch size up to
-        max_batch); servers call it before they report healthy. Returns seconds per step; default: nothing to do."""
+        max_batch_size); servers call it before they report healthy. Returns seconds per step; default: nothing to do."""
         return {}
 
     def close(self) -> None:  # noqa: B027

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import ClassVar, Literal, Sequence
 
 import numpy as np
 
@@ -33,17 +33,18 @@ class RandomConfig(ChunkConfig):
 
 @dataclass(frozen=True)
 class FixedCostConfig(RandomConfig):
+    RENAMED: ClassVar[dict[str, str]] = {"max_batch": "max_batch_size"}   # old key spelling (still loads, warns)
     base_ms: float = 200.0             # inference cost of every batch, in ms
     per_obs_ms: float = 5.0            # plus this much per observation of the batch, in ms
     mode: Literal["sleep", "spin"] = "sleep"  # sleep: the CPU is free meanwhile (a GPU model); spin: burn one core
     scale: float = 0.3                 # actions are uniform in [-scale, scale] (small, so episodes do not fly off)
-    max_batch: int = 64                # largest batch one predict() call gets (max_batch_size())
+    max_batch_size: int = 64           # largest batch one predict() call gets (max_batch_size())
 
     def validate(self) -> None:
         super().validate()
         check_number("base_ms", self.base_ms, lo=0)
         check_number("per_obs_ms", self.per_obs_ms, lo=0)
-        check_number("max_batch", self.max_batch, lo=1)
+        check_number("max_batch_size", self.max_batch_size, lo=1)
 
 
 class ZeroPolicy(Policy):
@@ -99,7 +100,8 @@ class FixedCostPolicy(RandomPolicy):
     def __init__(self, config: FixedCostConfig | None = None, **kwargs):
         super().__init__(config, **kwargs)
         cfg = self.config
-        self.base_ms, self.per_obs_ms, self.mode, self.max_batch = cfg.base_ms, cfg.per_obs_ms, cfg.mode, cfg.max_batch
+        self.base_ms, self.per_obs_ms, self.mode = cfg.base_ms, cfg.per_obs_ms, cfg.mode
+        self._max_batch_size = cfg.max_batch_size
         self.spec = PolicySpec(name=self.name, action=ActionSpec(dim=cfg.action_dim, horizon=cfg.horizon),
                                extra={"base_ms": self.base_ms, "per_obs_ms": self.per_obs_ms, "mode": cfg.mode})
     def cost_s(self, n: int) -> float:
@@ -116,4 +118,4 @@ class FixedCostPolicy(RandomPolicy):
         return out
 
     def max_batch_size(self) -> int:
-        return self.max_batch
+        return self._max_batch_size

@@ -5,7 +5,7 @@
 
 What it does per predict():
 1. groups observations that may share a server batch (wamkit: same cameras/shapes/state length; sglang: same prompt
-   text and image shape, optionally same seed), splits groups into requests of at most `max_batch` (default: the
+   text and image shape, optionally same seed), splits groups into requests of at most `max_request_size` (default: the
    server's metadata `capabilities.max_batch_size`);
 2. sends all requests concurrently over one pooled httpx.AsyncClient (msgpack + raw uint8 arrays by default);
 3. retries connection errors, 5xx and 429 with exponential backoff + jitter, honouring Retry-After; 4xx raise at once
@@ -88,7 +88,7 @@ def retry_after_s(header: str | None) -> float | None:
 
 
 class ActionClient(RetryingClient):
-    def __init__(self, url: str, token: str | None = None, max_batch: int | None = None, timeout_s: float = 120.0,
+    def __init__(self, url: str, token: str | None = None, max_request_size: int | None = None, timeout_s: float = 120.0,
                  retries: int = 4, backoff: float = 0.25, backoff_max: float = 10.0, mode: str = "wamkit",
                  binary: bool = True, parameters: dict[str, Any] | None = None,
                  postprocess: Callable[[np.ndarray], np.ndarray] | None = None,
@@ -99,7 +99,7 @@ class ActionClient(RetryingClient):
             raise ValueError(f"mode must be 'wamkit' or 'sglang', got {mode!r}")
         self.url = url.rstrip("/")
         self.token = token
-        self.max_batch = max_batch
+        self._max_request = max_request_size
         self.timeout_s = float(timeout_s)
         self.retries, self.backoff, self.backoff_max = int(retries), float(backoff), float(backoff_max)
         self.mode, self.binary = mode, bool(binary)
@@ -170,15 +170,15 @@ class ActionClient(RetryingClient):
         except httpx.HTTPError:
             return False
 
-    async def server_max_batch(self) -> int:
-        if self.max_batch:
-            return int(self.max_batch)
+    async def max_request_size(self) -> int:
+        if self._max_request:
+            return int(self._max_request)
         try:
             md = await self.metadata()
             caps = md.get("capabilities") or {}
-            self.max_batch = int(caps.get("max_batch_size") or 1)
+            self._max_request = int(caps.get("max_batch_size") or 1)
             if caps.get("batch_inputs") is False:      # SGLang's Cosmos3 metadata at --batching-max-size 1
-                self.max_batch = 1
+                self._max_request = 1
             padded = (md.get("output") or {}).get("padded_action_dim")
             if self.raw_action_dim and padded and int(self.raw_action_dim) > int(padded):
                 raise ActionClientError(f"{self.url}: raw_action_dim {self.raw_action_dim} > the model's "
@@ -186,8 +186,8 @@ class ActionClient(RetryingClient):
         except ActionClientError as e:
             if e.status != 404:  # SGLang releases without the action metadata: one observation per request
                 raise
-            self.max_batch = 1
-        return self.max_batch
+            self._max_request = 1
+        return self._max_request
 
     def _group_key(self, o: Observation, seed: int) -> tuple:
         if self.mode == "sglang":
@@ -196,14 +196,14 @@ class ActionClient(RetryingClient):
         cams = tuple(sorted((k, tuple(v.shape)) for k, v in o.images.items()))
         return (cams, None if o.state is None else int(o.state.shape[0]))
 
-    def plan(self, observations: Sequence[Observation], seeds: Sequence[int], max_batch: int) -> list[list[int]]:
-        """Indices of each request: groups of compatible observations, split to at most max_batch."""
+    def plan(self, observations: Sequence[Observation], seeds: Sequence[int], limit: int) -> list[list[int]]:
+        """Indices of each request: groups of compatible observations, split to at most `limit`."""
         groups: dict[tuple, list[int]] = {}
         for i, (o, s) in enumerate(zip(observations, seeds)):
             groups.setdefault(self._group_key(o, int(s)), []).append(i)
         out = []
         for idx in groups.values():
-            out += [idx[k:k + max_batch] for k in range(0, len(idx), max_batch)]
+            out += [idx[k:k + limit] for k in range(0, len(idx), limit)]
         return out
 
     async def predict(self, observations: Sequence[Observation], seeds: Sequence[int] | None = None,
@@ -215,8 +215,7 @@ class ActionClient(RetryingClient):
         rad = params.get("raw_action_dim", self.raw_action_dim)
         if self.mode == "sglang":
             params = sglang_parameters(**params)
-        max_batch = await self.server_max_batch()
-        plan = self.plan(observations, seeds, max_batch)
+        plan = self.plan(observations, seeds, await self.max_request_size())
         timings: list[dict[str, Any]] = []
         results = await asyncio.gather(*(self._send([observations[i] for i in idx], [seeds[i] for i in idx],
                                                     params, rad, timings) for idx in plan))
@@ -232,7 +231,7 @@ class ActionClient(RetryingClient):
         if self.mode == "sglang":
             body = build_sglang_request(obs, seeds[0], params, camera=self.camera, binary=self.binary)
             try:
-                check_sglang_request(body, self.max_batch)
+                check_sglang_request(body, self._max_request)
             except ValueError as e:
                 raise ActionClientError(f"not sent to {self.url} (SGLang would refuse it): {e}") from None
         else:

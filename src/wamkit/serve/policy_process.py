@@ -195,8 +195,8 @@ class PolicyProcess(Policy):
     def max_batch_size(self) -> int:
         return self._max_batch_size
 
-    def warmup(self, max_batch: int | None = None) -> dict[str, float]:
-        return self._call(("warmup", max_batch))
+    def warmup(self, max_batch_size: int | None = None) -> dict[str, float]:
+        return self._call(("warmup", max_batch_size))
 
     def close(self) -> None:
         if self._proc.is_alive():

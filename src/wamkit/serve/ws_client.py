@@ -11,7 +11,7 @@
 - A pool of up to `max_connections` connections, opened on demand and kept: each carries one request at a time (the
   protocol answers in order), so one predict() of N observations puts up to N frames in flight at once, and several
   predict() calls overlap (the server batches frames from all connections together).
-- server_max_batch(): the server's per-frame batch where frames carry several observations, else max_connections
+- max_request_size(): the server's per-frame batch where frames carry several observations, else max_connections
   (the observations one predict() can have in flight at once).
 - Retries: connection failures (the connection is dropped, a ServerWorker given as `worker` is restarted when it
   stopped answering) and 429/5xx error replies (honouring ``retry_after_s``) with exponential backoff + jitter;
@@ -56,7 +56,7 @@ def websocket_url(url: str, protocol: str) -> str:
 
 
 class WebsocketActionClient(RetryingClient):
-    def __init__(self, url: str, protocol: str = "openpi", token: str | None = None, max_batch: int | None = None,
+    def __init__(self, url: str, protocol: str = "openpi", token: str | None = None, max_request_size: int | None = None,
                  max_connections: int = 32, timeout_s: float = 120.0, connect_timeout_s: float = 10.0,
                  retries: int = 4, backoff: float = 0.25, backoff_max: float = 10.0,
                  parameters: dict[str, Any] | None = None, send_seed: bool = True,
@@ -70,7 +70,7 @@ class WebsocketActionClient(RetryingClient):
         self.protocol, self.codec = protocol, CODECS[protocol]
         self.url = websocket_url(url, protocol)
         self.token = token
-        self.max_batch = max_batch
+        self._max_request = max_request_size
         self.max_connections = int(max_connections)
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         headers = {"Authorization": f"{self.codec.auth_scheme} {token}"} if token else {}
@@ -174,12 +174,12 @@ class WebsocketActionClient(RetryingClient):
             raise ActionClientError(f"{self.url} failed after {self.retries + 1} attempts: {last}")
         return self.pool.metadata
 
-    async def server_max_batch(self) -> int:
+    async def max_request_size(self) -> int:
         if self._per_frame is None:
             self._per_frame = self.codec.per_frame((await self.metadata()).get("capabilities") or {})
-        if not self.max_batch:
-            self.max_batch = self._per_frame if self._per_frame > 1 else self.max_connections
-        return int(self.max_batch)
+        if not self._max_request:
+            self._max_request = self._per_frame if self._per_frame > 1 else self.max_connections
+        return int(self._max_request)
 
     def plan(self, observations: Sequence[Observation], per_frame: int) -> list[list[int]]:
         """Indices of each frame: observations with the same cameras/shapes/state length, at most per_frame."""
@@ -199,7 +199,7 @@ class WebsocketActionClient(RetryingClient):
         seeds = checked_seeds(n, seeds)
         params = {**self.parameters, **(parameters or {})}
         rad = params.get("raw_action_dim", self.raw_action_dim)
-        await self.server_max_batch()
+        await self.max_request_size()
         plan = self.plan(observations, self._per_frame or 1)
         timings: list[dict[str, Any]] = []
         results = await asyncio.gather(*(self._send([observations[i] for i in idx], [seeds[i] for i in idx],

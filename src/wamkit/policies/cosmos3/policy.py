@@ -29,7 +29,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, ClassVar, Literal, Sequence
 
 import numpy as np
 
@@ -184,6 +184,7 @@ class Cosmos3Codec(RemoteCodec):
 
 @dataclass(frozen=True)
 class Cosmos3Config(ChunkConfig):
+    RENAMED: ClassVar[dict[str, str]] = {"max_batch": "max_request_size"}   # old key spelling (still loads, warns)
     # ---- serving (SGLang)
     url: str | None = None             # the SGLang action server predict() sends to (eval inference=server needs none)
     action_stats: Any = None           # q01/q99 of the 10-D training actions: a dict or a stats JSON path
@@ -194,7 +195,7 @@ class Cosmos3Config(ChunkConfig):
     clip_normalized: bool = False      # clip normalized actions to [-1, 1] before denormalizing
     token: str | None = None           # bearer token of the server
     timeout_s: float = 300.0           # per request, in seconds
-    max_batch: int | None = None       # largest batch of one request; none = the server's metadata
+    max_request_size: int | None = None  # most observations in one request; none = the server's max batch size
     framing: str = C.DEFAULT_FRAMING   # prompt/caption framing: recipe | rlinf (wamkit.policies.cosmos3.io)
     seed: int | None = DEFAULT_REQUEST_SEED  # the one seed of every request; none = each observation's own seed
     normalization: Literal["client", "server"] = "client"  # who denormalizes: client (with action_stats) | server
@@ -220,7 +221,7 @@ class Cosmos3Config(ChunkConfig):
         C.check_framing(self.framing)
         check_number("num_inference_steps", self.num_inference_steps, lo=1)
         check_number("timeout_s", self.timeout_s, lo=0, lo_open=True)
-        check_number("max_batch", self.max_batch, lo=1, none_ok=True)
+        check_number("max_request_size", self.max_request_size, lo=1, none_ok=True)
         if self.seed is not None and self.seed < 0:
             raise ConfigError(f"seed: cosmos3 seed must be a non-negative integer or null, got {self.seed!r}")
         if self.normalization == "server" and (self.action_stats is not None or self.action_pipeline is not None):
@@ -238,7 +239,8 @@ class Cosmos3Policy(Policy):
 
     def __init__(self, config: Cosmos3Config | None = None, **kwargs):
         self.config = cfg = self.make_config(config, **kwargs)
-        self.url, self.token, self.timeout_s, self.max_batch = cfg.url, cfg.token, cfg.timeout_s, cfg.max_batch
+        self.url, self.token, self.timeout_s = cfg.url, cfg.token, cfg.timeout_s
+        self.max_request_size = cfg.max_request_size
         self.num_inference_steps = cfg.num_inference_steps
         self.clip_normalized = cfg.clip_normalized
         self.framing = cfg.framing
@@ -293,7 +295,7 @@ class Cosmos3Policy(Policy):
 
             self._client = SyncActionClient(self.url, token=self.token, timeout_s=self.timeout_s, mode="sglang",
                                             camera="image", parameters=self.sglang_parameters(),
-                                            raw_action_dim=C.RAW_ACTION_DIM, max_batch=self.max_batch)
+                                            raw_action_dim=C.RAW_ACTION_DIM, max_request_size=self.max_request_size)
         return self._client
 
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
@@ -312,7 +314,7 @@ class Cosmos3Policy(Policy):
         return codec.decode(values)
 
     def max_batch_size(self) -> int:
-        return int(self.max_batch or 64)
+        return int(self.max_request_size or 64)
 
     def close(self) -> None:
         if self._client is not None and hasattr(self._client, "close"):

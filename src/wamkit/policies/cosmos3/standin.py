@@ -14,7 +14,7 @@ the encoding, so the evaluation sees the inner policy's actions (up to float rou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
@@ -45,16 +45,17 @@ def task_of_prompt(prompt: str) -> str:
 
 @dataclass(frozen=True)
 class Cosmos3StandInConfig:
+    RENAMED: ClassVar[dict[str, str]] = {"max_batch": "max_batch_size"}   # old key spelling (still loads, warns)
     inner: str = "fixed-cost"          # the wamkit policy that answers (registered name or export dir)
     inner_args: dict[str, Any] = field(default_factory=dict)  # the inner policy's options (inner_args.k=v)
     action_stats: Any = None           # q01/q99 of the 10-D actions (a dict or stats JSON): the adapter's, required
     padded_action_dim: int = 64        # channels of each returned action (zero-padded after the 10 real ones)
-    max_batch: int = 8                 # largest batch one predict() call gets (max_batch_size())
+    max_batch_size: int = 8            # largest batch one predict() call gets (max_batch_size())
 
     def validate(self) -> None:
         if self.padded_action_dim < C.RAW_ACTION_DIM:
             raise ConfigError(f"padded_action_dim must be >= {C.RAW_ACTION_DIM}, got {self.padded_action_dim}")
-        check_number("max_batch", self.max_batch, lo=1)
+        check_number("max_batch_size", self.max_batch_size, lo=1)
 
 
 class Cosmos3StandIn(Policy):
@@ -79,7 +80,7 @@ class Cosmos3StandIn(Policy):
             raise UserError(f"cosmos3-standin's inner policy must not read proprio state (Cosmos3 LIBERO gets none); "
                             f"{inner!r} reads {self.inner.spec.input.state_dim}-D state")
         self.pipeline = C.cosmos3_action_pipeline(action_stats)
-        self.padded, self.max_batch = cfg.padded_action_dim, cfg.max_batch
+        self.padded, self._max_batch_size = cfg.padded_action_dim, cfg.max_batch_size
         self.spec = PolicySpec(name=self.name,
                                input=InputSpec(cameras=("image",), image_size=0, state_dim=0, text=True),
                                action=ActionSpec(dim=self.padded, horizon=C.ACTION_HORIZON, representation="rot6d10"),
@@ -96,10 +97,10 @@ class Cosmos3StandIn(Policy):
         return out
 
     def max_batch_size(self) -> int:
-        return self.max_batch
+        return self._max_batch_size
 
-    def warmup(self, max_batch: int | None = None) -> dict[str, float]:
-        return self.inner.warmup(max_batch)
+    def warmup(self, max_batch_size: int | None = None) -> dict[str, float]:
+        return self.inner.warmup(max_batch_size)
 
     def close(self) -> None:
         self.inner.close()

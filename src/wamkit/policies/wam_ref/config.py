@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
@@ -79,6 +79,7 @@ def model_action_dim(pipe, env_dim: int) -> int:
 
 @dataclass
 class WamRefConfig:
+    RENAMED: ClassVar[dict[str, str]] = {"max_batch": "max_batch_size"}   # old key spelling (still loads, warns)
     # ---- shape (export_config() writes these; they rebuild the same network)
     size: str = "tiny"                          # size preset (sizes.SIZES): tiny | small | 1b | nano-shape
     action_dim: int = 7                         # env action dimension (what predict returns)
@@ -103,7 +104,7 @@ class WamRefConfig:
     num_inference_steps: int = 10               # Euler steps of the flow-matching sampler
     device: str = "cpu"                         # cpu | cuda[:i] | meta (shapes only; materialize() later)
     dtype: Any = "float32"                      # weights / activations: float32 | bfloat16 | float16
-    max_batch: int = 64                         # largest batch one model call gets (predict splits bigger ones)
+    max_batch_size: int = 64                    # largest batch one model call gets (predict splits bigger ones)
     cuda_graphs: bool = False                   # CUDA: the denoising loop is one CUDA graph per batch bucket
     prefix_graphs: bool = True                  # with cuda_graphs: the prefix pass (vision + und) is one too
     fused: bool = True                          # q/k/v and gate/up as one GEMM each (derived weights; off: reference)
@@ -124,7 +125,7 @@ class WamRefConfig:
             raise UserError(f"kv_layout must be expanded or room, got {self.kv_layout!r}")
         self.compile = parse_bool(self.compile, "compile")
         self.batched_vision_attention = parse_bool(self.batched_vision_attention, "batched_vision_attention")
-        for k in ("action_dim", "horizon", "state_dim", "num_inference_steps", "init_seed", "max_batch"):
+        for k in ("action_dim", "horizon", "state_dim", "num_inference_steps", "init_seed", "max_batch_size"):
             setattr(self, k, int(getattr(self, k)))
         for k in ("image_size", "max_text_len", "gen_hidden_size", "gen_intermediate_size"):
             if getattr(self, k) is not None:
@@ -138,8 +139,9 @@ class WamRefConfig:
     @classmethod
     def from_kwargs(cls, **kwargs) -> "WamRefConfig":
         """The config of these constructor kwargs; a key that is not an option is a ConfigError naming it."""
-        from wamkit.core.config import check_options
+        from wamkit.core.config import check_options, renamed_keys
 
+        kwargs = renamed_keys(cls, kwargs, "policy_args.")
         check_options("policy_args", "wam-ref", cls, kwargs)
         return cls(**kwargs)
 
@@ -149,7 +151,7 @@ class WamRefConfig:
 
     @property
     def buckets(self) -> tuple[int, ...]:
-        return graph_buckets(self.graph_buckets, self.max_batch)
+        return graph_buckets(self.graph_buckets, self.max_batch_size)
 
 
 @dataclass

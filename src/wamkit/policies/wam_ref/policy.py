@@ -62,7 +62,7 @@ class WamRefPolicy(WamRefTraining, Policy):
         self.num_inference_steps = cfg.num_inference_steps
         self.trainable_patterns = cfg.trainable_patterns
         self.env_action_dim, self.horizon, self.state_dim = cfg.action_dim, cfg.horizon, cfg.state_dim
-        self.max_batch = cfg.max_batch
+        self._max_batch_size = cfg.max_batch_size
         pipe = as_action_pipeline(cfg.action_pipeline)
         self.model_action_dim = model_action_dim(pipe, self.env_action_dim)
         self._action_pipeline = pipe
@@ -148,12 +148,12 @@ class WamRefPolicy(WamRefTraining, Policy):
         """What compile=true does (also callable after construction); see InferenceEngine.enable_compile."""
         self.engine.enable_compile()
 
-    def warmup(self, max_batch: int | None = None) -> dict[str, float]:
+    def warmup(self, max_batch_size: int | None = None) -> dict[str, float]:
         """Do the one-off work before serving: with cuda_graphs on a CUDA device, capture the denoising graph (and
-        with prefix_graphs the prefix graph) of every bucket up to `max_batch` (compiling first when compile=true);
+        with prefix_graphs the prefix graph) of every bucket up to `max_batch_size` (compiling first when compile=true);
         otherwise one predict of a single observation (library handles, kernel selection, fused weights). Returns
         seconds per bucket."""
-        top = min(int(max_batch or self.max_batch), self.max_batch)
+        top = min(int(max_batch_size or self._max_batch_size), self._max_batch_size)
         sizes = [b for b in self.graph_buckets if b <= top] if self.engine.graphed() else [1]
         g = np.random.default_rng(0)
         side = self.image_size
@@ -168,7 +168,7 @@ class WamRefPolicy(WamRefTraining, Policy):
         return out
 
     def max_batch_size(self) -> int:
-        return self.max_batch
+        return self._max_batch_size
 
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
         if len(observations) != len(seeds):
@@ -176,11 +176,11 @@ class WamRefPolicy(WamRefTraining, Policy):
         if self.device.type == "meta":
             raise UserError("this wam-ref was built on the meta device: call materialize(device) first")
         out = np.zeros((len(observations), self.horizon, self.env_action_dim), np.float32)
-        for s in range(0, len(observations), self.max_batch):
-            obs = observations[s:s + self.max_batch]
+        for s in range(0, len(observations), self._max_batch_size):
+            obs = observations[s:s + self._max_batch_size]
             inputs = self.prepare_inputs([o.images for o in obs], [o.task for o in obs],
                                          [o.state for o in obs] if self.state_dim > 0 else None)
-            a = self.sample(inputs, seeds[s:s + self.max_batch]).cpu().numpy()
+            a = self.sample(inputs, seeds[s:s + self._max_batch_size]).cpu().numpy()
             env = np.asarray(self.action_pipeline.inverse(a), np.float32)
             out[s:s + len(obs)] = env
         return out
@@ -196,7 +196,7 @@ class WamRefPolicy(WamRefTraining, Policy):
             "und_config": self.qwen_config.to_dict(), "gen_hidden_size": self.gen_hidden,
             "gen_intermediate_size": self.gen_ffn, "max_text_len": self.max_text_len,
             "trainable_patterns": list(self.trainable_patterns), "action_lr_multiplier": c.action_lr_multiplier,
-            "image_mean": list(c.image_mean), "image_std": list(c.image_std), "max_batch": self.max_batch,
+            "image_mean": list(c.image_mean), "image_std": list(c.image_std), "max_batch_size": self._max_batch_size,
         }
 
     def save_tokenizer(self, directory: Path) -> dict[str, Any]:
