@@ -65,6 +65,7 @@ def fake_stages(monkeypatch):
 
     monkeypatch.setattr(runner, "run_eval", run_eval)
     monkeypatch.setattr(bench, "bench_eval", bench_eval)
+    monkeypatch.setattr(bench, "warm_envs", lambda *a, **k: None)     # no simulators in this test
     monkeypatch.setattr(record, "record", rec)
     monkeypatch.setattr(trainer, "train", train)
     monkeypatch.setattr(export, "export_checkpoint", export_checkpoint)

@@ -144,7 +144,7 @@ def spread_table(rows: list[dict[str, Any]], rounds: int) -> Table:
 
 
 def libero_stage(cfg: DemoConfig, out: Path, console: Console) -> dict:
-    from wamkit.eval.bench import bench_eval
+    from wamkit.eval.bench import bench_eval, warm_envs
     from wamkit.eval.report import print_report
     from wamkit.eval.runner import run_eval
 
@@ -158,6 +158,7 @@ def libero_stage(cfg: DemoConfig, out: Path, console: Console) -> dict:
     envs = KeptEnvs()
     try:
         console.print(f"building {cfg.libero_envs} LIBERO simulators ({cfg.libero_suite}) ...")
+        warm_envs(base, envs, console, cfg.libero_envs)   # each builds a scene before any timed row
         rounds = []
         quiet = Console(quiet=True)
         for r in range(cfg.libero_rounds):
