@@ -96,16 +96,21 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
         max_request_size = 64
         latencies: list = []
 
-    def deadline(a, started_ago, s0=1.0, waited=0.0):
+    def deadline(a, started_ago, s0=1.0, waited=0.0, slot_free_ago=None, about_to_start=False):
         sched = type("S", (), {})()
         sched.inference = Inf()
         sched.inference.latencies = [(n, a + 0.001 * n) for n in (1, 2, 4)]
         sched.opts = type("O", (), {"max_request_size": 0, "depth": 0, "cores": 2})()
         sched.sim_samples = collections.deque([(s0, 1)] * 5)
         now = time.monotonic()
-        sched.sim_started = {1: now - started_ago}
+        # one env waiting, one simulating (started `started_ago`), or: one that just got its actions
+        sched.sim_started = {} if about_to_start else {1: now - started_ago}
+        sched.simulating = 0 if about_to_start else 1
+        sched.active_envs = 2
         ab = RequestPlanner(sched)
         ab.pending = [(None, 0, None, None, now - waited)]
+        if slot_free_ago is not None:
+            ab._slot_free_at = now - slot_free_ago
         return ab._deadline() - now
 
     w = RequestPlanner.STRAGGLER_WAIT * 0.8                            # how long waiting is worth (0.4 s)
@@ -114,3 +119,8 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
     assert deadline(a=0.8, started_ago=0.7) == pytest.approx(1.2 * 0.3 + 0.005, abs=0.02)   # ~0.3 s away: wait
     assert deadline(a=0.8, started_ago=0.7, waited=0.3) == pytest.approx(w - 0.3, abs=0.02)  # capped at arrival + w
     assert deadline(a=0.002, started_ago=0.6) <= 0.01               # cheap calls: never worth waiting
+    # waiting for a request slot is not waiting to batch: the budget counts from when the slot came free
+    assert deadline(a=0.8, started_ago=0.7, waited=0.9, slot_free_ago=0.0) == pytest.approx(0.365, abs=0.02)
+    # an env that just got its actions arrives a chunk from now (s0 = 0.3 s < w): worth waiting for
+    assert deadline(a=0.8, started_ago=0, s0=0.3, waited=0.9, slot_free_ago=0.0, about_to_start=True) == \
+        pytest.approx(1.2 * 0.3 + 0.005, abs=0.02)

@@ -369,7 +369,8 @@ class RequestPlanner:
 
     TIE = 0.05   # cycle times within 5% of the best count as equal
     # wait for the next env only if it is predicted within this fraction of one call's fixed cost (and never longer):
-    # 0.5 measured best over bench/planner_sim.py's regimes (min auto / best fixed row 0.888 -> 0.913; 1.0 before)
+    # 0.5 measured best over bench/planner_sim.py's regimes (0.35 / 0.65 / 1.0: min auto / best fixed row 0.74 /
+    # 0.89 / 0.75, against 0.92 at 0.5)
     STRAGGLER_WAIT = 0.5
 
     def __init__(self, sched: Scheduler):
@@ -377,6 +378,8 @@ class RequestPlanner:
         self.inf = sched.inference
         self.pending: list[tuple[Observation, int, Episode, asyncio.Future, float]] = []  # (.., arrival time)
         self.in_flight = 0
+        self.obs_in_flight = 0      # observations of the requests in flight (their envs cannot join a batch)
+        self._slot_free_at = 0.0    # when a request slot last came free (waiting for a slot is not waiting to batch)
         self.cap = sched.opts.max_request_size or self.inf.max_request_size
         self.cap = max(1, min(self.cap, self.inf.max_request_size))
         self.fixed_depth = sched.opts.depth
@@ -433,12 +436,15 @@ class RequestPlanner:
         self.poke()
         return await fut
 
+    def _joinable(self) -> int:
+        """Envs that could still join the waiting batch: active, not waiting, not in a request in flight (they are
+        simulating, resetting, or just got their actions and are about to simulate)."""
+        return self.s.active_envs - len(self.pending) - self.obs_in_flight
+
     def poke(self) -> None:
         n, k = self.plan()
         while self.pending and self.in_flight < k:
-            waiting_or_busy = len(self.pending)
-            could_join = self.s.simulating
-            if waiting_or_busy >= n or could_join == 0 or self._timed_out():
+            if len(self.pending) >= n or self._joinable() <= 0 or self._timed_out():
                 self._dispatch(n)
             else:
                 self._arm_timer()
@@ -451,16 +457,23 @@ class RequestPlanner:
         """When the waiting observations should go (monotonic time)."""
         now = time.monotonic()
         a, _ = self._fit_inference()
-        started = list(self.s.sim_started.values())
-        if not started:   # nobody is simulating a chunk (resets only): their arrival is not predicted
-            return self.pending[0][4] + max(0.002, min(a, 0.5 * self._sim_cost()))
-        c = max(1, self.s.opts.cores)
-        chunk = self._sim_cost() * max(1.0, len(started) / c)
-        soonest = max(0.0, min(started) + chunk - now)
+        joinable = self._joinable()
         wait = self.STRAGGLER_WAIT * a
+        # the wait counts from when the batch could have gone (a slot came free), not from when it began to wait:
+        # an observation that waited out another request's call has not yet waited to be batched
+        ready = max(self.pending[0][4], self._slot_free_at)
+        started = list(self.s.sim_started.values())
+        c = max(1, self.s.opts.cores)
+        chunk = self._sim_cost() * max(1.0, max(1, len(started)) / c)
+        arrivals = [t + chunk for t in started]
+        if joinable > self.s.simulating:          # envs that got their actions and are about to simulate
+            arrivals.append(now + chunk)
+        if not arrivals:   # only resets under way: their end is not predicted
+            return ready + max(0.002, min(wait, 0.5 * self._sim_cost()))
+        soonest = max(0.0, min(arrivals) - now)
         if soonest > wait:
             return now    # the next env comes later than waiting is worth: send now
-        return min(now + 1.2 * soonest + 0.005, self.pending[0][4] + max(wait, 0.002))
+        return min(now + 1.2 * soonest + 0.005, ready + max(wait, 0.002))
 
     def _arm_timer(self) -> None:
         if self._timer is None:
@@ -483,6 +496,7 @@ class RequestPlanner:
         ids = {id(p[3]) for p in take}
         self.pending = [p for p in self.pending if id(p[3]) not in ids]
         self.in_flight += 1
+        self.obs_in_flight += len(take)
         self.decisions.append((len(take), self.in_flight))
         asyncio.get_running_loop().create_task(self._send(take))
 
@@ -498,4 +512,6 @@ class RequestPlanner:
                     p[3].set_exception(e)
         finally:
             self.in_flight -= 1
+            self.obs_in_flight -= len(take)
+            self._slot_free_at = time.monotonic()
             self.poke()
