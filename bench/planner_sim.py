@@ -265,7 +265,8 @@ REGIMES = {
     # the CPU Cosmos3 run (2 envs on 2 cores, chunk ~1.7 s, 800 ms + 20 ms/obs) / 20
     "cpu-cosmos3-2": Regime("cpu-cosmos3-2", 2, 2, 0.085, 0.040, 0.001, episodes=16),
     # the same after LIBERO's soft reset (session 5): a chunk ~0.4 s against the 0.82 s call: inference-bound / 20
-    "cpu-cosmos3-2-soft": Regime("cpu-cosmos3-2-soft", 2, 2, 0.020, 0.040, 0.001, episodes=16),
+    "cpu-cosmos3-2-soft": Regime("cpu-cosmos3-2-soft", 2, 2, 0.0208, 0.0405, 0.001, net_s=0.0004, jitter=0.05,
+                                 episodes=16),
     # inference-heavy: a call costs as much as a chunk
     "inference-bound-16": Regime("inference-bound-16", 16, 16, 0.030, 0.030, 0.001),
     # the H200 LIBERO run (16 envs, chunk 16 x 15.5 ms, a reset of ~4.5 s every 10 chunks, b=1 calls ~45 ms that

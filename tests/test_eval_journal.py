@@ -85,8 +85,8 @@ def test_auto_plan_follows_measured_costs():
 
 def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
     """The auto batcher holds waiting observations for the next env predicted to finish its chunk only if it comes
-    within STRAGGLER_WAIT x a (a: the fixed cost of one inference call); an env far from done (or a cheap call)
-    means: send now."""
+    within straggler_wait(a, m) (a: the fixed cost of one inference call, m: observations waiting); an env far from
+    done (or a cheap call) means: send now."""
     import collections
     import time
 
@@ -113,9 +113,11 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
             ab._slot_free_at = now - slot_free_ago
         return ab._deadline() - now
 
-    w = RequestPlanner.STRAGGLER_WAIT * 0.8                            # how long waiting is worth (0.4 s)
+    w = RequestPlanner.straggler_wait(0.8, 1)                       # how long waiting is worth (0.48 s)
+    assert 0.3 < w < 0.8
+    assert RequestPlanner.straggler_wait(0.8, 15) < w               # the more waiting, the shorter the budget
     assert deadline(a=0.8, started_ago=0.1) <= 0.01                 # next env in ~0.9 s > w: send now
-    assert deadline(a=0.8, started_ago=0.55) <= 0.01                # ~0.45 s away > w: send now
+    assert deadline(a=0.8, started_ago=0.45) <= 0.01                # ~0.55 s away > w: send now
     assert deadline(a=0.8, started_ago=0.7) == pytest.approx(1.2 * 0.3 + 0.005, abs=0.02)   # ~0.3 s away: wait
     assert deadline(a=0.8, started_ago=0.7, waited=0.3) == pytest.approx(w - 0.3, abs=0.02)  # capped at arrival + w
     assert deadline(a=0.002, started_ago=0.6) <= 0.01               # cheap calls: never worth waiting

@@ -364,14 +364,20 @@ class RequestPlanner:
     with S(n) = s0 * max(1, n / C). The target batch is n; up to k requests are in flight (depth). A batch is sent
     when n observations wait, or when no simulating env could still join it, or when waiting stops paying: the next
     env to finish its chunk is predicted (its start + the current per-chunk simulation time) and waited for only if
-    it comes within STRAGGLER_WAIT x a (a: the fixed cost of one inference call, which a later lone observation
-    would pay again), and never longer than that after the oldest waiting observation arrived."""
+    it comes within straggler_wait(a, m) (a: the fixed cost of one inference call, which a later lone observation
+    would pay again; m: observations waiting), and never longer than that after the batch could have gone."""
 
     TIE = 0.05   # cycle times within 5% of the best count as equal
-    # wait for the next env only if it is predicted within this fraction of one call's fixed cost (and never longer):
-    # 0.5 measured best over bench/planner_sim.py's regimes (0.35 / 0.65 / 1.0: min auto / best fixed row 0.74 /
-    # 0.89 / 0.75, against 0.92 at 0.5)
-    STRAGGLER_WAIT = 0.5
+    # How long m waiting observations wait for one more env (and never longer): a x min(MAX, SHARE / (m + 1)). Waiting
+    # d costs each of the m waiting envs d and saves the late env a call of its own (a, the fixed cost of one call),
+    # so the budget shrinks as m grows. Measured over bench/planner_sim.py's regimes: min auto / best fixed row 0.92
+    # (a flat 0.35 / 0.5 / 0.65 / 1.0 x a: 0.74 / 0.92 / 0.89 / 0.75), and the CPU Cosmos3 case (a chunk ~0.51 x a
+    # after soft resets: auto alternated single requests under the flat 0.5) batches its two envs.
+    STRAGGLER_MAX, STRAGGLER_SHARE = 0.6, 2.0
+
+    @classmethod
+    def straggler_wait(cls, a: float, waiting: int) -> float:
+        return a * min(cls.STRAGGLER_MAX, cls.STRAGGLER_SHARE / (max(1, waiting) + 1))
 
     def __init__(self, sched: Scheduler):
         self.s = sched
@@ -380,6 +386,7 @@ class RequestPlanner:
         self.in_flight = 0
         self.obs_in_flight = 0      # observations of the requests in flight (their envs cannot join a batch)
         self._slot_free_at = 0.0    # when a request slot last came free (waiting for a slot is not waiting to batch)
+        self.pressure = 0.0         # accelerator busy share of the planned cycle (plan())
         self.cap = sched.opts.max_request_size or self.inf.max_request_size
         self.cap = max(1, min(self.cap, self.inf.max_request_size))
         self.fixed_depth = sched.opts.depth
@@ -423,10 +430,13 @@ class RequestPlanner:
             inf = a + b * n
             options.append((max(k * inf, s0 * max(1.0, n / c) + inf, a_envs * s0 / c), n, k))
         if not options:
+            self.pressure = 1.0
             return self.cap, math.ceil(a_envs / self.cap)
         # near-ties go to fewer, larger batches: the model ignores that concurrent requests queue behind each other
         best = min(c for c, _, _ in options)
-        _, n, k = min((o for o in options if o[0] <= best * (1 + self.TIE)), key=lambda o: o[2])
+        cycle, n, k = min((o for o in options if o[0] <= best * (1 + self.TIE)), key=lambda o: o[2])
+        # the share of the cycle the accelerator is busy under this plan: high = its time is what limits the run
+        self.pressure = k * (a + b * n) / cycle if cycle > 0 else 1.0
         return n, k
 
     # -- flow
@@ -458,7 +468,7 @@ class RequestPlanner:
         now = time.monotonic()
         a, _ = self._fit_inference()
         joinable = self._joinable()
-        wait = self.STRAGGLER_WAIT * a
+        wait = self.straggler_wait(a, len(self.pending))
         # the wait counts from when the batch could have gone (a slot came free), not from when it began to wait:
         # an observation that waited out another request's call has not yet waited to be batched
         ready = max(self.pending[0][4], self._slot_free_at)
