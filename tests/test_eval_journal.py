@@ -118,11 +118,15 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
     assert RequestPlanner.straggler_wait(0.8, 15) < w               # the more waiting, the shorter the budget
     assert deadline(a=0.8, started_ago=0.1) <= 0.01                 # next env in ~0.9 s > w: send now
     assert deadline(a=0.8, started_ago=0.45) <= 0.01                # ~0.55 s away > w: send now
-    assert deadline(a=0.8, started_ago=0.7) == pytest.approx(1.2 * 0.3 + 0.005, abs=0.02)   # ~0.3 s away: wait
+    m = RequestPlanner.ARRIVAL_MARGIN
+    # ~0.3 s away: wait for it, plus a margin for a long chunk (1 s here), never past the budget
+    assert deadline(a=0.8, started_ago=0.7) == pytest.approx(min(0.3 + m * 1.0 + 0.005, w), abs=0.02)
+    assert deadline(a=0.8, started_ago=0.7, s0=0.8) == pytest.approx(min(0.1 + m * 0.8 + 0.005, w), abs=0.02)
     assert deadline(a=0.8, started_ago=0.7, waited=0.3) == pytest.approx(w - 0.3, abs=0.02)  # capped at arrival + w
     assert deadline(a=0.002, started_ago=0.6) <= 0.01               # cheap calls: never worth waiting
     # waiting for a request slot is not waiting to batch: the budget counts from when the slot came free
-    assert deadline(a=0.8, started_ago=0.7, waited=0.9, slot_free_ago=0.0) == pytest.approx(0.365, abs=0.02)
+    assert deadline(a=0.8, started_ago=0.7, waited=0.9, slot_free_ago=0.0) == \
+        pytest.approx(min(0.3 + m * 1.0 + 0.005, w), abs=0.02)
     # an env that just got its actions arrives a chunk from now (s0 = 0.3 s < w): worth waiting for
     assert deadline(a=0.8, started_ago=0, s0=0.3, waited=0.9, slot_free_ago=0.0, about_to_start=True) == \
-        pytest.approx(1.2 * 0.3 + 0.005, abs=0.02)
+        pytest.approx(0.3 + m * 0.3 + 0.005, abs=0.02)

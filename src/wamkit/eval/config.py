@@ -77,7 +77,8 @@ class EvalConfig:
     depth: int = 0                          # auto: max requests in flight (0 = chosen from measurements)
     max_request_size: int = 0               # auto: cap on observations per request (0 = the server's max batch
                                             # size; was `max_batch`)
-    group_by_task: bool | None = None       # one task per request (None: only for SGLang, which needs equal prompts)
+    group_by_task: bool | None = None       # order auto's requests by task (None: for SGLang, whose requests the
+                                            # client splits per prompt and sends at once)
     run_to_max_steps: bool = False          # the reference's semantics: keep stepping after success
     render_every_step: bool = False         # the single-batch baseline: render every step
     resume: bool = False                    # continue the run in out= (skips episodes already in results.jsonl)

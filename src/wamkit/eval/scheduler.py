@@ -374,6 +374,7 @@ class RequestPlanner:
     # (a flat 0.35 / 0.5 / 0.65 / 1.0 x a: 0.74 / 0.92 / 0.89 / 0.75), and the CPU Cosmos3 case (a chunk ~0.51 x a
     # after soft resets: auto alternated single requests under the flat 0.5) batches its two envs.
     STRAGGLER_MAX, STRAGGLER_SHARE = 0.6, 2.0
+    ARRIVAL_MARGIN = 0.2   # x the chunk time: how late past its prediction an awaited env may come
 
     @classmethod
     def straggler_wait(cls, a: float, waiting: int) -> float:
@@ -483,7 +484,8 @@ class RequestPlanner:
         soonest = max(0.0, min(arrivals) - now)
         if soonest > wait:
             return now    # the next env comes later than waiting is worth: send now
-        return min(now + 1.2 * soonest + 0.005, ready + max(wait, 0.002))
+        # the predicted arrival plus a margin for a chunk that runs long and for the result's way back
+        return min(now + soonest + self.ARRIVAL_MARGIN * chunk + 0.005, ready + max(wait, 0.002))
 
     def _arm_timer(self) -> None:
         if self._timer is None:
@@ -498,11 +500,15 @@ class RequestPlanner:
 
     def _dispatch(self, n: int) -> None:
         n = max(1, min(n, self.cap))
+        take = self.pending[:n]
         if self.s.opts.group_by_task:
-            task = self.pending[0][2].task_id
-            take = [p for p in self.pending if p[2].task_id == task][:n]
-        else:
-            take = self.pending[:n]
+            # the observations of one task side by side; the client sends one HTTP request per prompt group, all at
+            # once, so several tasks still go out together (taking only the first task's observations serialized
+            # the tasks behind each other whenever the envs ran different tasks)
+            first = {}
+            for p in take:
+                first.setdefault(p[2].task_id, len(first))
+            take.sort(key=lambda p: first[p[2].task_id])
         ids = {id(p[3]) for p in take}
         self.pending = [p for p in self.pending if id(p[3]) not in ids]
         self.in_flight += 1
