@@ -107,6 +107,7 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
         sched.sim_started = {} if about_to_start else {1: now - started_ago}
         sched.simulating = 0 if about_to_start else 1
         sched.active_envs = 2
+        sched.reset_started, sched.reset_samples = {}, collections.deque()
         ab = RequestPlanner(sched)
         ab.pending = [(None, 0, None, None, now - waited)]
         if slot_free_ago is not None:

@@ -136,6 +136,8 @@ class Scheduler:
         self.active_envs = 0
         self.sim_samples: deque[tuple[float, int]] = deque(maxlen=200)   # (seconds, concurrent sims)
         self.sim_started: dict[int, float] = {}   # env index -> monotonic start of the chunk it is simulating
+        self.reset_started: dict[int, float] = {}  # env index -> monotonic start of the reset under way
+        self.reset_samples: deque[float] = deque(maxlen=50)   # seconds of the resets done
         self.batcher: RequestPlanner | None = None
         # env index -> the task whose scene it has loaded (workers kept from an earlier run report theirs)
         self.env_task: dict[int, int] = {i: t for i, e in enumerate(envs)
@@ -170,10 +172,14 @@ class Scheduler:
     async def _reset(self, i: int, ep: Episode) -> Observation:
         t0 = time.time()
         self.simulating += 1
+        self.reset_started[i] = m0 = time.monotonic()
         try:
-            return await self._call(i, "reset", self.envs[i].reset(ep.task_id, ep.trial))
+            obs = await self._call(i, "reset", self.envs[i].reset(ep.task_id, ep.trial))
+            self.reset_samples.append(time.monotonic() - m0)
+            return obs
         finally:
             self.simulating -= 1
+            self.reset_started.pop(i, None)
             if self.timeline is not None:
                 self.timeline.add(f"env/{i}", "reset", t0, time.time())
 
@@ -479,7 +485,13 @@ class RequestPlanner:
         arrivals = [t + chunk for t in started]
         if joinable > self.s.simulating:          # envs that got their actions and are about to simulate
             arrivals.append(now + chunk)
-        if not arrivals:   # only resets under way: their end is not predicted
+        if self.s.reset_started and self.s.reset_samples:   # resets end about as long as the last ones took
+            reset = statistics.median(self.s.reset_samples)
+            arrivals += [t + reset for t in self.s.reset_started.values()]
+            if not self.inf.latencies:
+                # the first request: nothing measured about calls yet, and the envs' first resets started together
+                wait = max(wait, reset)
+        if not arrivals:   # nothing predictable under way
             return ready + max(0.002, min(wait, 0.5 * self._sim_cost()))
         soonest = max(0.0, min(arrivals) - now)
         if soonest > wait:
