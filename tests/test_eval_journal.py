@@ -96,7 +96,8 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
         max_request_size = 64
         latencies: list = []
 
-    def deadline(a, started_ago, s0=1.0, waited=0.0, slot_free_ago=None, about_to_start=False):
+    def deadline(a, started_ago, s0=1.0, waited=0.0, slot_free_ago=None, about_to_start=False, resetting=None,
+                 first=False):
         sched = type("S", (), {})()
         sched.inference = Inf()
         sched.inference.latencies = [(n, a + 0.001 * n) for n in (1, 2, 4)]
@@ -108,6 +109,11 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
         sched.simulating = 0 if about_to_start else 1
         sched.active_envs = 2
         sched.reset_started, sched.reset_samples = {}, collections.deque()
+        if resetting is not None:             # the other env is resetting: started `resetting[0]` ago, resets take [1]
+            sched.sim_started, sched.simulating = {}, 1
+            sched.reset_started, sched.reset_samples = {1: now - resetting[0]}, collections.deque([resetting[1]] * 3)
+        if first:
+            sched.inference.latencies = []
         ab = RequestPlanner(sched)
         ab.pending = [(None, 0, None, None, now - waited)]
         if slot_free_ago is not None:
@@ -125,6 +131,12 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
     assert deadline(a=0.8, started_ago=0.7, s0=0.8) == pytest.approx(min(0.1 + m * 0.8 + 0.005, w), abs=0.02)
     assert deadline(a=0.8, started_ago=0.7, waited=0.3) == pytest.approx(w - 0.3, abs=0.02)  # capped at arrival + w
     assert deadline(a=0.002, started_ago=0.6) <= 0.01               # cheap calls: never worth waiting
+    # a reset under way ends about when the last ones took: 0.3 s from now here, worth waiting for
+    assert deadline(a=0.8, started_ago=0, resetting=(0.2, 0.5)) == pytest.approx(min(0.3 + m * 1.0 + 0.005, w),
+                                                                                 abs=0.02)
+    assert deadline(a=0.8, started_ago=0, resetting=(0.0, 2.0)) <= 0.01        # 2 s away: send now
+    # the very first request (no call measured yet) waits for the other env's first reset
+    assert deadline(a=0.8, started_ago=0, resetting=(0.0, 0.9), first=True) > 0.85
     # waiting for a request slot is not waiting to batch: the budget counts from when the slot came free
     assert deadline(a=0.8, started_ago=0.7, waited=0.9, slot_free_ago=0.0) == \
         pytest.approx(min(0.3 + m * 1.0 + 0.005, w), abs=0.02)
