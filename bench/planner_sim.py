@@ -235,10 +235,15 @@ def run(r: Regime, mode: str, batch: int = 1, pipelines: int = 1) -> dict:
                 "env_steps_per_s": steps / wall, "mean_batch": inf.observations / max(1, inf.requests),
                 "accelerator_busy": inf.busy_s / wall}
 
+    return run_virtual(go())
+
+
+def run_virtual(coro):
+    """Run a coroutine to completion on a fresh virtual-time loop, the scheduler's clock reads pointed at it."""
     loop = VirtualTimeLoop()
     try:
         with _virtual_clock(loop):
-            return loop.run_until_complete(go())
+            return loop.run_until_complete(coro)
     finally:
         loop.close()
 

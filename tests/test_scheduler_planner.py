@@ -100,10 +100,7 @@ def test_an_env_keeps_its_task_while_episodes_of_it_are_queued(mode, batch, pipe
             await cls(envs, ps.SimAccelerator(r), plan, opts, done.append).run()
             return done
 
-        loop = ps.VirtualTimeLoop()
-        with ps._virtual_clock(loop):
-            done = loop.run_until_complete(go())
-        loop.close()
+        done = ps.run_virtual(go())
         keys = [o.episode.key for o in done]
         assert len(keys) == 21 and len(set(keys)) == 21
         return sum(sum(a != b for a, b in zip(t, t[1:])) for t in seen.values()), dict(seen)
@@ -140,8 +137,5 @@ def test_envs_kept_from_an_earlier_run_start_on_the_task_they_have_loaded():
         await Scheduler(envs, ps.SimAccelerator(r), make_plan("sim", [0, 1, 2], 2), opts, done.append).run()
         return done
 
-    loop = ps.VirtualTimeLoop()
-    with ps._virtual_clock(loop):
-        done = loop.run_until_complete(go())
-    loop.close()
+    done = ps.run_virtual(go())
     assert first == {0: 2, 1: 0, 2: 1} and len(done) == 6

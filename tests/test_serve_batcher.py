@@ -43,20 +43,26 @@ async def _wait_started(p: GatedPredict) -> None:
         await asyncio.sleep(0.001)
 
 
+async def _a_running_b_queued(**kw):
+    """A batcher (cap 4, max_wait_ms 1) computing batch A (obs 1-4) while group B (obs 5, 6) waits in its queue."""
+    p = GatedPredict()
+    b = DynamicBatcher(p, max_batch_size=4, max_wait_ms=1, max_queue=64, **kw)
+    await b.start()
+    ta = asyncio.create_task(_submit(b, [1, 2, 3, 4]))
+    await _wait_started(p)
+    tb = asyncio.create_task(_submit(b, [5, 6]))
+    while b.queued < 2:
+        await asyncio.sleep(0.001)
+    return p, b, ta, tb
+
+
 def test_queued_during_a_batch_waits_for_the_answered_clients():
     """Batch A (full, 4) computes; B (2 obs) queues meanwhile. When A ends, B does not leave after max_wait_ms (1 ms):
     A's 4 clients are expected back, so B's window is max_wait_fraction x the batch time (huge here). C (2 obs, two
     of A's clients coming back) joins it: one full batch B+C, not B alone then C alone. (With max_wait_fraction 0,
     the default, B would leave alone: the next test.)"""
     async def main():
-        p = GatedPredict()
-        b = DynamicBatcher(p, max_batch_size=4, max_wait_ms=1, max_queue=64, max_wait_fraction=1e6)
-        await b.start()
-        ta = asyncio.create_task(_submit(b, [1, 2, 3, 4]))
-        await _wait_started(p)
-        tb = asyncio.create_task(_submit(b, [5, 6]))
-        while b.queued < 2:
-            await asyncio.sleep(0.001)
+        p, b, ta, tb = await _a_running_b_queued(max_wait_fraction=1e6)
         p.release.release()                          # A ends
         a, _ = await ta
         for _ in range(20):                           # give the batcher every chance to (wrongly) send B alone
@@ -79,14 +85,7 @@ def test_queued_during_a_batch_waits_for_the_answered_clients():
 def test_without_refill_the_queued_group_leaves_alone():
     """max_wait_fraction 0 (the default): B, queued during A for longer than max_wait_ms, runs as soon as A ends."""
     async def main():
-        p = GatedPredict()
-        b = DynamicBatcher(p, max_batch_size=4, max_wait_ms=1, max_queue=64)
-        await b.start()
-        ta = asyncio.create_task(_submit(b, [1, 2, 3, 4]))
-        await _wait_started(p)
-        tb = asyncio.create_task(_submit(b, [5, 6]))
-        while b.queued < 2:
-            await asyncio.sleep(0.001)
+        p, b, ta, tb = await _a_running_b_queued()
         await asyncio.sleep(0.01)                     # B is older than max_wait_ms
         p.release.release()
         await ta

@@ -427,17 +427,19 @@ def _refuse_unknown(kind: str, name: str, valid: set[str], keys) -> None:
         raise ConfigError(f"{shown}: not an option of {name!r}; valid keys: {', '.join(sorted(valid))}")
 
 
-def check_options(kind: str, name: str, cls: type, kwargs: dict, common: tuple[str, ...] = ()) -> None:
+def check_options(kind: str, name: str, cls: type, kwargs: dict, common: tuple[str, ...] = ()) -> dict:
     """ConfigError naming the misspelled key(s) and every valid one, e.g. `policy_args.sise` for wam-ref. `common`:
     keys callers pass to every class of this kind (each class ignores those it does not use). For a registered class
     (not a bare config dataclass) the values are checked too: its config is built from them and dropped, so a bad
-    value is one line before any worker or server starts."""
+    value is one line before any worker or server starts. Returns the kwargs with old key spellings under their new
+    names (the config class's RENAMED), for the caller to build with."""
     valid = option_names(cls)
     cfg_cls = cls if dataclasses.is_dataclass(cls) else cls.config_class
     kwargs = renamed_keys(cfg_cls, kwargs, f"{kind}." if kind else "")
     _refuse_unknown(kind, name, valid, [k for k in kwargs if k not in common])
     if not dataclasses.is_dataclass(cls):
         build_options(cls.config_class, {k: v for k, v in kwargs.items() if k in valid}, kind=kind, name=name)
+    return kwargs
 
 
 def build_options(cfg_cls: type[T], kwargs: dict[str, Any], base: T | None = None, *, kind: str = "",

@@ -148,6 +148,12 @@ def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0, task: st
     return asyncio.run(go())
 
 
+def _sim_alone(base: EvalConfig, out: Path, common: dict[str, Any]) -> EvalConfig:
+    """The simulation-alone run of the stage bound: the same envs and plan, the `zero` policy in process."""
+    return dataclasses.replace(base, out=str(out), mode="auto", policy="zero", policy_args={}, inference="inprocess",
+                               run_to_max_steps=True, render_every_step=False, **common)
+
+
 def contended_bound(base: EvalConfig, out: Path, console: Console, runtime: dict[str, Any] | None, batch: int,
                     horizon: int, task: str, common: dict[str, Any]) -> dict[str, Any]:
     """Both stages at once: the simulation-alone run while the inference side serves back-to-back batches of
@@ -163,9 +169,7 @@ def contended_bound(base: EvalConfig, out: Path, console: Console, runtime: dict
     th = threading.Thread(target=load, name="bench-inference-load", daemon=True)
     th.start()
     try:
-        sim = _run(dataclasses.replace(base, out=str(out / "bound_sim_contended"), mode="auto", policy="zero",
-                                       policy_args={}, inference="inprocess", run_to_max_steps=True,
-                                       render_every_step=False, **common), console, runtime)
+        sim = _run(_sim_alone(base, out / "bound_sim_contended", common), console, runtime)
     finally:
         stop.set()
         th.join()
@@ -281,9 +285,7 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     contended: dict[str, Any] | None = None
     if with_bound:
         # stage bound: simulation alone and inference alone, same envs and plan
-        sim = _run(r(base, out=str(out / "bound_sim"), mode="auto", policy="zero", policy_args={},
-                     inference="inprocess", run_to_max_steps=True, render_every_step=False, **common), console,
-                   runtime)
+        sim = _run(_sim_alone(base, out / "bound_sim", common), console, runtime)
         sim_steps = sim["throughput"]["env_steps_per_s"]
         auto_rows = [x for x in results if x["row"] == "auto"]
         batch = max(1, round(auto_rows[0]["mean_batch"])) if auto_rows else max(1, m // 2)

@@ -231,9 +231,6 @@ class Scheduler:
         ep = self.queue[k]
         del self.queue[k]
         return ep
-        ep = self.queue.popleft()
-        self.env_task[i] = ep.task_id
-        return ep
 
     # ---- one episode, actions from `get_actions` ----------------------------------------------------------------
     async def _run_episode(self, i: int, ep: Episode, get_actions) -> EpisodeOutcome:
@@ -393,7 +390,6 @@ class RequestPlanner:
         self.in_flight = 0
         self.obs_in_flight = 0      # observations of the requests in flight (their envs cannot join a batch)
         self._slot_free_at = 0.0    # when a request slot last came free (waiting for a slot is not waiting to batch)
-        self.pressure = 0.0         # accelerator busy share of the planned cycle (plan())
         self.cap = sched.opts.max_request_size or self.inf.max_request_size
         self.cap = max(1, min(self.cap, self.inf.max_request_size))
         self.fixed_depth = sched.opts.depth
@@ -437,13 +433,10 @@ class RequestPlanner:
             inf = a + b * n
             options.append((max(k * inf, s0 * max(1.0, n / c) + inf, a_envs * s0 / c), n, k))
         if not options:
-            self.pressure = 1.0
             return self.cap, math.ceil(a_envs / self.cap)
         # near-ties go to fewer, larger batches: the model ignores that concurrent requests queue behind each other
         best = min(c for c, _, _ in options)
-        cycle, n, k = min((o for o in options if o[0] <= best * (1 + self.TIE)), key=lambda o: o[2])
-        # the share of the cycle the accelerator is busy under this plan: high = its time is what limits the run
-        self.pressure = k * (a + b * n) / cycle if cycle > 0 else 1.0
+        _, n, k = min((o for o in options if o[0] <= best * (1 + self.TIE)), key=lambda o: o[2])
         return n, k
 
     # -- flow
@@ -481,7 +474,7 @@ class RequestPlanner:
         ready = max(self.pending[0][4], self._slot_free_at)
         started = list(self.s.sim_started.values())
         c = max(1, self.s.opts.cores)
-        chunk = self._sim_cost() * max(1.0, max(1, len(started)) / c)
+        chunk = self._sim_cost() * max(1.0, len(started) / c)
         arrivals = [t + chunk for t in started]
         if joinable > self.s.simulating:          # envs that got their actions and are about to simulate
             arrivals.append(now + chunk)

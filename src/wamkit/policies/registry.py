@@ -4,7 +4,7 @@ written by `wamkit export` (it holds `wamkit_policy.json`, see `manifest.py`) is
 from __future__ import annotations
 
 from wamkit.policies.base import Policy
-from wamkit.core.config import check_options, option_names, renamed_keys
+from wamkit.core.config import check_options, option_names
 from wamkit.policies.catalog import policy_class, policy_names, register_policy  # noqa: F401
 from wamkit.policies.export import load_exported
 from wamkit.policies.manifest import EXPORT_MARKER, is_export_dir  # noqa: F401
@@ -22,7 +22,6 @@ def make_policy(name: str, **kwargs) -> Policy:
     if is_export_dir(name):
         return load_exported(name, **kwargs)
     cls = policy_class(name)
-    kwargs = renamed_keys(cls.config_class, kwargs, "policy_args.")   # old spellings under their new names
-    check_options("policy_args", name, cls, kwargs, common=COMMON_KWARGS)
+    kwargs = check_options("policy_args", name, cls, kwargs, common=COMMON_KWARGS)   # old spellings renamed
     taken = option_names(cls)     # a common key the policy does not take is dropped here, not swallowed by it
     return cls(**{k: v for k, v in kwargs.items() if k in taken})

@@ -139,11 +139,9 @@ class WamRefConfig:
     @classmethod
     def from_kwargs(cls, **kwargs) -> "WamRefConfig":
         """The config of these constructor kwargs; a key that is not an option is a ConfigError naming it."""
-        from wamkit.core.config import check_options, renamed_keys
+        from wamkit.core.config import check_options
 
-        kwargs = renamed_keys(cls, kwargs, "policy_args.")
-        check_options("policy_args", "wam-ref", cls, kwargs)
-        return cls(**kwargs)
+        return cls(**check_options("policy_args", "wam-ref", cls, kwargs))
 
     @property
     def torch_dtype(self) -> torch.dtype:
