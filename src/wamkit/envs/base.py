@@ -116,7 +116,9 @@ def make_env(name: str, **kwargs) -> Env:
     """Build an env by registered name; kwargs go to its constructor (suite, image_size, ...). A key that is not one of
     its options is a ConfigError naming it (`env_args.foo`) and the valid keys."""
     from wamkit.core.config import check_options
+    from wamkit.envs.render_backend import apply_render_options
 
     cls = env_class(name)
+    apply_render_options(cls, kwargs)   # MUJOCO_GL & co. from render_backend, before anything imports mujoco
     check_options("env_args", name, cls, kwargs)
     return cls(**kwargs)

@@ -48,6 +48,7 @@ from wamkit.core.errors import ConfigError  # noqa: E402
 from wamkit.core.types import ChunkResult, Observation  # noqa: E402
 from wamkit.envs import libero_conventions as C  # noqa: E402
 from wamkit.envs.base import Env, EnvSpec, TaskInfo  # noqa: E402
+from wamkit.envs.render_backend import check_render_options  # noqa: E402
 
 
 def _quiet():
@@ -62,6 +63,8 @@ class LiberoConfig:
     cameras: tuple[str, ...] = ("image", "wrist_image")  # Observation.images keys: image (agentview) | wrist_image
     max_steps: int | None = None       # policy steps per episode; none = the suite's standard budget
     seed: int = 0                      # env seed at every reset (the init state fixes the scene anyway)
+    render_backend: str = "auto"       # auto (measured once per machine; a set MUJOCO_GL wins) | egl | osmesa
+    render_device: str = "auto"        # EGL device index (MUJOCO_EGL_DEVICE_ID) | auto (several GPUs: not the model's)
 
     def validate(self) -> None:
         C.suite_max_steps(self.suite)                  # an unknown suite names the valid ones
@@ -70,6 +73,7 @@ class LiberoConfig:
         if bad or not self.cameras:
             raise ConfigError(f"unknown LIBERO camera(s) {bad or self.cameras!r}; valid: {', '.join(C.CAMERAS)}")
         check_number("max_steps", self.max_steps, lo=1, none_ok=True)
+        check_render_options(self.render_backend, self.render_device)
 
     @property
     def episode_steps(self) -> int:

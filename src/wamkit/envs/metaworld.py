@@ -25,6 +25,7 @@ from wamkit.core.config import check_number  # noqa: E402
 from wamkit.core.errors import ConfigError  # noqa: E402
 from wamkit.core.types import ChunkResult, Observation  # noqa: E402
 from wamkit.envs.base import Env, EnvSpec, TaskInfo  # noqa: E402
+from wamkit.envs.render_backend import check_render_options  # noqa: E402
 
 # Observation.images key -> MetaWorld camera name.
 CAMERAS: dict[str, str] = {"image": "corner2", "wrist_image": "gripperPOV"}
@@ -71,6 +72,8 @@ class MetaWorldConfig:
     max_steps: int = 150               # policy steps per episode
     seed: int = 0                      # seeds every (task, trial) init state together with them
     render_quality: str = "model"      # model (the scene's own settings) | fast (no MSAA, smaller shadow map)
+    render_backend: str = "auto"       # auto (measured once per machine; a set MUJOCO_GL wins) | egl | osmesa
+    render_device: str = "auto"        # EGL device index (MUJOCO_EGL_DEVICE_ID) | auto (several GPUs: not the model's)
 
     def validate(self) -> None:
         if self.suite != "mt":
@@ -85,6 +88,7 @@ class MetaWorldConfig:
                               f"{', '.join(names)}")
         check_number("image_size", self.image_size, lo=1)
         check_number("max_steps", self.max_steps, lo=1)
+        check_render_options(self.render_backend, self.render_device)
         if self.render_quality not in RENDER_QUALITY:
             raise ConfigError(f"render_quality must be one of {', '.join(RENDER_QUALITY)}, "
                               f"got {self.render_quality!r}")

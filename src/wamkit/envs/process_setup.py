@@ -54,11 +54,18 @@ def cache_dir() -> Path:
     return p
 
 
-def setup_headless_gl() -> None:
-    """Defaults for offscreen rendering on CPU (Mesa llvmpipe through EGL). The user's explicit settings win.
+# MUJOCO_GL's value when wamkit set it (this default, or an env config's render_backend): a MUJOCO_GL without this
+# mark is the user's, which wins over render_backend=auto (wamkit.envs.render_backend). Children inherit both.
+GL_SET_MARK = "WAMKIT_MUJOCO_GL_SET"
 
-    MUJOCO_GL=osmesa is the fallback when EGL is unavailable (same pixels, same speed on llvmpipe)."""
-    os.environ.setdefault("MUJOCO_GL", "egl")
+
+def setup_headless_gl() -> None:
+    """Defaults for offscreen rendering (EGL: Mesa llvmpipe on a CPU machine). The user's explicit settings win.
+
+    The env configs' render_backend (wamkit.envs.render_backend) chooses EGL or OSMesa per process before this runs;
+    this default only holds where nothing chose (in-process use without make_env)."""
+    if "MUJOCO_GL" not in os.environ:
+        os.environ["MUJOCO_GL"] = os.environ[GL_SET_MARK] = "egl"
     os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"] if os.environ["MUJOCO_GL"] in ("egl", "osmesa")
                           else "egl")
     os.environ.setdefault("LP_NUM_THREADS", "1")  # llvmpipe: one thread per env process renders fastest overall

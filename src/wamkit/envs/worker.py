@@ -179,9 +179,12 @@ class EnvWorker(StartClosingContext):
             return self
         import multiprocessing as mp
 
+        from wamkit.envs.render_backend import worker_kwargs
+
+        kwargs = worker_kwargs(self.env_name, self.env_kwargs, self.index)   # render_backend=auto resolved here, once
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=_worker_main, args=(child, self.env_name, self.env_kwargs, self.index),
+        proc = ctx.Process(target=_worker_main, args=(child, self.env_name, kwargs, self.index),
                            name=f"wamkit-env-{self.index}", daemon=True)
         with single_threaded_children():
             proc.start()
