@@ -89,7 +89,8 @@ def _run_probe(args: list[str], env: dict[str, str | None], timeout: float) -> t
         if line.startswith("WAMKIT_PROBE "):
             return json.loads(line.split(" ", 1)[1]), ""
     why = f"exit code {p.returncode}" if p.returncode >= 0 else f"killed by signal {-p.returncode}"
-    tail = [s for s in (p.stderr or "").strip().splitlines() if s.strip()]
+    # the error's last line; noise from destructors at exit ("Exception ignored in ...") comes after it
+    tail = [s for s in (p.stderr or "").split("Exception ignored")[0].strip().splitlines() if s.strip()]
     return None, why + (f": {tail[-1].strip()[:200]}" if tail else "")
 
 
