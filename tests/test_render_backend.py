@@ -282,3 +282,12 @@ def test_egl_and_osmesa_render_the_same_pixels(tmp_path):
         out[b] = np.load(tmp_path / f"{b}.npy")
     assert out["egl"].shape == (224, 224, 3) and out["egl"].std() > 5     # a real picture, not a blank
     np.testing.assert_array_equal(out["egl"], out["osmesa"])
+
+
+def test_a_near_tie_keeps_egl_and_says_so(fresh, fake_probe):
+    fake_probe.ms = {"egl": 10.4, "osmesa": 10.0}         # within TIE (5%) of the fastest
+    e = rb.choose(224)
+    assert e["backend"] == "egl" and e["reason"].startswith("within 5% of the fastest: egl 10.4 ms/frame")
+    fake_probe.ms = {"egl": 11.0, "osmesa": 10.0}
+    e = rb.choose(225)
+    assert e["backend"] == "osmesa" and e["reason"].startswith("fastest: osmesa 10.0 ms/frame")

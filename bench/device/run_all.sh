@@ -3,7 +3,7 @@
 #
 #   bash bench/device/run_all.sh [scale=smoke|full] [parts=nano,eval,sft,contention] [ngpu=1] [evalscales=8x32,16x64]
 #        [sft_variants="activation_checkpointing=true;activation_checkpointing=false compile=true"] [nano_args=...]
-#        [gl=egl|osmesa] [eval_args="env_args.render_quality=fast ..."] [cont_args=...]
+#        [gl=egl|osmesa|auto] [eval_args="env_args.render_quality=fast ..."] [cont_args=...]
 #
 # Installs the carried GL loaders (.gl) and wheels (.whl), then runs each part under its own time limit and keeps
 # going when one fails. Everything lands under $OUT (run_all.log = the whole console; one JSON per part).
@@ -35,6 +35,7 @@ else
 fi
 # gl=osmesa: MuJoCo on the CPU (Mesa llvmpipe) instead of EGL on the GPU; see setup_osmesa.sh
 [ "$GL" = osmesa ] && . bench/device/setup_osmesa.sh
+[ "$GL" = auto ] && . bench/device/setup_osmesa.sh   # OSMesa loadable, MUJOCO_GL unset: render_backend=auto chooses
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,power.limit --format=csv | tee "$OUT/nvidia-smi.txt"
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 python3 bench/device/gl_check.py 2>&1 | grep gl_check || echo "gl_check: MuJoCo not importable here"

@@ -1,5 +1,8 @@
-# source bench/device/setup_osmesa.sh  (from bench/device/run_all.sh gl=osmesa)
+# source bench/device/setup_osmesa.sh  (from bench/device/run_all.sh gl=osmesa; GL=auto: only make OSMesa loadable)
 #
+# GL=auto (run_all.sh gl=auto, or `GL=auto . bench/device/setup_osmesa.sh`): libOSMesa goes on the library path and
+# MUJOCO_GL is unset, so the env configs' render_backend=auto measures EGL (on the GPU) against OSMesa and chooses
+# (bench/device/gl_check.py prints the figures and the choice).
 # MuJoCo renders on the CPU (Mesa's llvmpipe through OSMesa) instead of the GPU through EGL, so that env workers do
 # not time-slice the GPU with the action server (bench/device/bench_contention.py measured why). The machine has no
 # Mesa: a carried .mesa/osmesa.tar.xz (Debian bookworm-backports libosmesa6 25.0.7 + bookworm libllvm15, libdrm2 and
@@ -20,8 +23,15 @@ if [ -n "$M" ] && [ -e "$M/lib/libOSMesa.so" ]; then
     if ldconfig -p | grep -q "/$so\$"; then rm -f "$M/lib/$so"; fi
   done
   export LD_LIBRARY_PATH=$M/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  export MUJOCO_GL=osmesa PYOPENGL_PLATFORM=osmesa LP_NUM_THREADS=${LP_NUM_THREADS:-1}
-  echo "gl: osmesa from $M/lib ($(ls "$M/lib" | tr '\n' ' '))"
+  export LP_NUM_THREADS=${LP_NUM_THREADS:-1}
+  if [ "${GL:-osmesa}" = auto ]; then
+    unset MUJOCO_GL PYOPENGL_PLATFORM   # render_backend=auto (the env configs' default) measures egl vs osmesa
+    echo "gl: osmesa available from $M/lib ($(ls "$M/lib" | tr '\n' ' ')); MUJOCO_GL unset: render_backend=auto chooses"
+  else
+    export MUJOCO_GL=osmesa PYOPENGL_PLATFORM=osmesa
+    echo "gl: osmesa from $M/lib ($(ls "$M/lib" | tr '\n' ' '))"
+  fi
 else
+  [ "${GL:-osmesa}" = auto ] && unset MUJOCO_GL PYOPENGL_PLATFORM
   echo "gl: no OSMesa here (.mesa/osmesa.tar.xz not carried, .mesa-root/ not left by an earlier call): EGL on the GPU"
 fi

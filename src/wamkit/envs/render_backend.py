@@ -173,7 +173,8 @@ def measure(size: int, device: int | None = None, model_gpu: int = MODEL_GPU,
     gpu_note = " (measured alone: contention with the model on that GPU is not seen)" \
         if best["backend"] == "egl" and gpus else ""
     return {"backend": best["backend"], "device": best["device"], "devices": [], "probes": probes,
-            "reason": f"fastest: {_fmt(best)}{gpu_note}" + (f"; vs {others_txt}" if others_txt else "")}
+            "reason": f"{'fastest' if best['ms_per_frame'] == fastest else f'within {TIE:.0%} of the fastest'}: "
+                      f"{_fmt(best)}{gpu_note}" + (f"; vs {others_txt}" if others_txt else "")}
 
 
 # ---- the cache ------------------------------------------------------------------------------------------------------
