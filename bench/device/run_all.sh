@@ -25,7 +25,7 @@ export PYTHONUNBUFFERED=1 MUJOCO_GL=egl PYOPENGL_PLATFORM=egl NCCL_NVLS_ENABLE=0
 echo "=== run_all $* ($(date -u +%FT%TZ)) scale=$SCALE parts=$PARTS ngpu=$NGPU"
 T0=$(date +%s)
 if [ -d .gl ]; then for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig; fi
-WHL=.whl; [ -d .whl ] || WHL=.whl-lite   # .whl-lite: the wheels without metaworld (room for .mesa in one call)
+WHL=.whl; [ -d .whl ] || WHL=.whl-lite   # .whl-lite: metaworld slimmed (fetch_osmesa.sh): room for .mesa in one call
 if [ -d $WHL ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHL/*.whl \
     || echo "WARNING: wheel install failed"

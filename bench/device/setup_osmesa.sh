@@ -8,6 +8,8 @@
 # Mesa: a carried .mesa/osmesa.tar.xz (Debian bookworm-backports libosmesa6 25.0.7 + bookworm libllvm15, libdrm2 and
 # libz3-4 as fallbacks) is unpacked into .mesa-root/ (ignored by git, so it stays there for the next call on a warm
 # machine, and into /opt/wamkit-mesa). Support libraries the machine already has are used from the machine. On success: MUJOCO_GL=osmesa.
+# Carry .mesa with .whl-lite (fetch_osmesa.sh: the wheels with MetaWorld slimmed to the assets its tasks open), not
+# .whl: ~52 MiB in all, one call (.mesa 32.5 MB + the full .whl 46 MB did not fit 64 MiB).
 # Session 3 saw .mesa-root/ gone at the next call on the same warm machine (it was ignored only in .git/info/exclude,
 # which does not travel; .gitignore now names it); /opt/wamkit-mesa, outside the synced tree, is the second place.
 M=""
