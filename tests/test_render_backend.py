@@ -291,3 +291,15 @@ def test_a_near_tie_keeps_egl_and_says_so(fresh, fake_probe):
     fake_probe.ms = {"egl": 11.0, "osmesa": 10.0}
     e = rb.choose(225)
     assert e["backend"] == "osmesa" and e["reason"].startswith("fastest: osmesa 10.0 ms/frame")
+
+
+def test_an_env_built_in_a_process_that_loaded_mujoco_refuses_another_backend(monkeypatch):
+    pytest.importorskip("metaworld")
+    from wamkit.envs.metaworld import MetaWorldEnv
+
+    monkeypatch.setenv("MUJOCO_GL", "egl")
+    import mujoco  # noqa: F401 - loaded here, as in any process that built an env before
+
+    with pytest.raises(ConfigError, match="render_backend=osmesa: mujoco is already loaded"):
+        MetaWorldEnv(tasks=("reach-v3",), render_backend="osmesa")
+    MetaWorldEnv(tasks=("reach-v3",), render_backend="egl").close()

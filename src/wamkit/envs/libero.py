@@ -48,7 +48,7 @@ from wamkit.core.errors import ConfigError  # noqa: E402
 from wamkit.core.types import ChunkResult, Observation  # noqa: E402
 from wamkit.envs import libero_conventions as C  # noqa: E402
 from wamkit.envs.base import Env, EnvSpec, TaskInfo  # noqa: E402
-from wamkit.envs.render_backend import check_render_options  # noqa: E402
+from wamkit.envs.render_backend import apply_options, check_render_options  # noqa: E402
 
 
 def _quiet():
@@ -90,6 +90,7 @@ class LiberoEnv(Env):
 
     def __init__(self, config: LiberoConfig | None = None, **kwargs):
         self.config = cfg = self.make_config(config, **kwargs)
+        apply_options(cfg.render_backend, cfg.render_device, cfg.image_size)  # built here, not by make_env
         self.suite, self.image_size, self.cameras, self.seed = cfg.suite, cfg.image_size, cfg.cameras, cfg.seed
         self.max_steps = cfg.episode_steps
         self.spec = EnvSpec(env=self.name, suite=cfg.suite, action_dim=C.ACTION_DIM, cameras=cfg.cameras,

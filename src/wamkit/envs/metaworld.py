@@ -25,7 +25,7 @@ from wamkit.core.config import check_number  # noqa: E402
 from wamkit.core.errors import ConfigError  # noqa: E402
 from wamkit.core.types import ChunkResult, Observation  # noqa: E402
 from wamkit.envs.base import Env, EnvSpec, TaskInfo  # noqa: E402
-from wamkit.envs.render_backend import check_render_options  # noqa: E402
+from wamkit.envs.render_backend import apply_options, check_render_options  # noqa: E402
 
 # Observation.images key -> MetaWorld camera name.
 CAMERAS: dict[str, str] = {"image": "corner2", "wrist_image": "gripperPOV"}
@@ -103,6 +103,7 @@ class MetaWorldEnv(Env):
 
     def __init__(self, config: MetaWorldConfig | None = None, **kwargs):
         self.config = cfg = self.make_config(config, **kwargs)
+        apply_options(cfg.render_backend, cfg.render_device, cfg.image_size)  # built here, not by make_env
         self.render_quality = cfg.render_quality
         self.task_names, self.cameras = cfg.tasks, cfg.cameras
         self.image_size, self.max_steps, self.seed = cfg.image_size, cfg.max_steps, cfg.seed

@@ -316,17 +316,22 @@ def _options(env_cls: type, kwargs: dict) -> tuple[str, Any, int] | None:
             kwargs.get("render_device", fields.get("render_device", "auto")), size)
 
 
+def apply_options(backend: str, device: Any, size: int) -> None:
+    """Select the backend in this process (before mujoco is imported). auto once mujoco is loaded: nothing to choose
+    any more, whatever the process loaded stays; an explicit other backend then is a ConfigError (apply)."""
+    if backend == "auto" and "mujoco" in sys.modules:
+        check_render_options(backend, device)
+        return
+    r = resolve(backend, device, size)
+    say(r)
+    apply(r)
+
+
 def apply_render_options(env_cls: type, kwargs: dict) -> None:
     """make_env, before the env is built (and mujoco imported): select the backend of kwargs in this process."""
     opts = _options(env_cls, kwargs)
-    if opts is None:
-        return
-    if opts[0] == "auto" and "mujoco" in sys.modules:
-        check_render_options(*opts[:2])
-        return   # too late to choose: whatever this process loaded stays
-    r = resolve(*opts)
-    say(r)
-    apply(r)
+    if opts is not None:
+        apply_options(*opts)
 
 
 def worker_kwargs(env_name: str, kwargs: dict, index: int) -> dict:
