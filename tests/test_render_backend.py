@@ -303,3 +303,13 @@ def test_an_env_built_in_a_process_that_loaded_mujoco_refuses_another_backend(mo
     with pytest.raises(ConfigError, match="render_backend=osmesa: mujoco is already loaded"):
         MetaWorldEnv(tasks=("reach-v3",), render_backend="osmesa")
     MetaWorldEnv(tasks=("reach-v3",), render_backend="egl").close()
+
+
+def test_ray_actors_get_the_mark_with_mujoco_gl(monkeypatch):
+    """A MUJOCO_GL that wamkit set in the driver travels to Ray actors with its mark: auto there still measures."""
+    from wamkit.runtime.ray_session import RayOptions
+
+    monkeypatch.setenv("MUJOCO_GL", "egl")
+    monkeypatch.setenv(GL_SET_MARK, "egl")
+    env = RayOptions().runtime_env()["env_vars"]
+    assert env["MUJOCO_GL"] == "egl" and env[GL_SET_MARK] == "egl"

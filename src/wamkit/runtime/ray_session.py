@@ -53,7 +53,8 @@ class RayOptions:
     copy_obs: bool = True               # copy images out of the object store (writable, as the local worker's);
                                         # false: zero-copy read-only views (pin object-store memory while held)
     forward_env: list[str] = field(default_factory=lambda: ["MUJOCO_GL", "PYOPENGL_PLATFORM", "LP_NUM_THREADS",
-                                                            "WAMKIT_CACHE_DIR", "LIBERO_CONFIG_PATH"])
+                                                            "WAMKIT_CACHE_DIR", "LIBERO_CONFIG_PATH",
+                                                            "WAMKIT_MUJOCO_GL_SET"])   # envs.process_setup.GL_SET_MARK
     log_to_driver: bool = False         # actors' stdout/stderr on the driver console (else in the session logs)
 
     @classmethod
