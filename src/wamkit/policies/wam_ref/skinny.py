@@ -82,16 +82,26 @@ def heuristic_config(m: int, n: int, k: int, sms: int = 132) -> SkinnyConfig:
     return SkinnyConfig(bn, bk, split, 4, stages)
 
 
-def candidate_configs(m: int, n: int, k: int) -> list[SkinnyConfig]:
-    """The configs `tune` tries for one shape (a handful: each distinct one is a Triton compile)."""
+TILES = ((128, 128, 4, 4), (64, 128, 4, 5), (64, 256, 4, 4), (128, 64, 4, 6), (256, 64, 8, 4))
+"""(BLOCK_N, BLOCK_K, num_warps, num_stages) that candidate_configs combines with K splits."""
+
+
+def candidate_configs(m: int, n: int, k: int, sms: int = 132) -> list[SkinnyConfig]:
+    """The configs `tune` tries for one shape: the heuristic one, then for each tile of TILES the two smallest
+    power-of-two K splits that give every SM at least one program (as many as fit in its shared memory), and the
+    128 x 128 tile unsplit. Compiles depend on the tile and on split or not, not on the split count."""
     bm = block_m(m)
-    out = [heuristic_config(m, n, k)]
-    for bn, bk, split, warps, stages in ((128, 128, 1, 4, 4), (128, 128, 2, 4, 4), (128, 128, 4, 4, 4),
-                                         (128, 128, 8, 4, 4), (64, 128, 2, 4, 5), (64, 256, 4, 4, 4),
-                                         (256, 64, 2, 8, 4), (128, 256, 2, 8, 3)):
-        c = SkinnyConfig(bn, bk, split, warps, stages)
-        if c.fits(n, k, bm) and c not in out:
-            out.append(c)
+    out = [heuristic_config(m, n, k, sms)]
+    for bn, bk, warps, stages in TILES:
+        smem = stages * (bn + bm) * bk * 2
+        per_sm = max(1, (220 * 1024) // smem)
+        split = 1
+        while (n // bn) * split < sms * per_sm and k // (bk * split * 2) >= 2:
+            split *= 2
+        for sp in (split, split * 2) + ((1,) if (bn, bk) == (128, 128) else ()):
+            c = SkinnyConfig(bn, bk, sp, warps, stages)
+            if c.fits(n, k, bm) and c not in out:
+                out.append(c)
     return out
 
 
@@ -110,7 +120,7 @@ if triton is not None:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr):
+                       PARTIAL: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -135,17 +145,17 @@ if triton is not None:
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         omask = (rm < M)[None, :] & (rn < N)[:, None]
-        if SPLIT_K == 1:
+        if not PARTIAL:
             tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=omask)
-        else:   # partials (SPLIT_K, M, N) fp32
+        else:   # partials (splits, M, N) fp32
             tl.store(part_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None], acc, mask=omask)
 
     @triton.jit
-    def _sum_splits_kernel(part_ptr, y_ptr, MN, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_splits_kernel(part_ptr, y_ptr, MN, N, stride_ym, splits, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < MN
         acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLIT_K):
+        for s in range(1, splits):
             acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
         row = offs // N
         col = offs - row * N
@@ -176,11 +186,11 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig | None = N
     part = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
     grid = (triton.cdiv(n, cfg.block_n), split)
     _skinny_kernel[grid](x, w, y, part, m, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(0),
-                         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN=even,
+                         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=split > 1, EVEN=even,
                          IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, n, y.stride(0), SPLIT_K=split, BLOCK=block,
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, n, y.stride(0), split, BLOCK=block,
                                                           num_warps=4)
     return y
 
@@ -233,19 +243,33 @@ def graph_us(fn, reps: int = 5, calls: int = 1) -> list[float]:
     return out
 
 
+def host_us(fn, reps: int = 5, calls: int = 1) -> list[float]:
+    """graph_us's host-clock stand-in off CUDA (Triton's interpreter: tests and smoke runs)."""
+    import time
+
+    fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e6 / calls)
+    return out
+
+
 @torch.no_grad()
 def tune(m: int, weights: list[torch.Tensor], reps: int = 5) -> dict:
     """Measure candidate_configs for x (m, K) against every weight in `weights` (one shape: the same weight of every
     layer), each config timed over the whole list in one CUDA graph (weights from memory, not L2, no launch
-    overhead), median of `reps` replays; the fastest becomes this shape's config (`config_for`). Returns
-    {"config": the winner or None, "us": {config: microseconds per GEMM}, "errors": {config: why}}. CUDA only."""
+    overhead; off CUDA by the host clock), median of `reps` replays; the fastest becomes this shape's config (`config_for`). Returns
+    {"config": the winner or None, "us": {config: microseconds per GEMM}, "errors": {config: why}}."""
     n, k = weights[0].shape
     x = torch.randn(m, k, device=weights[0].device, dtype=weights[0].dtype)
     times: dict[SkinnyConfig, float] = {}
     errors: dict[str, str] = {}
     for cfg in candidate_configs(m, n, k):
         try:
-            ts = graph_us(lambda: [skinny_matmul(x, w, cfg) for w in weights], reps, len(weights))
+            timer = graph_us if x.is_cuda else host_us
+            ts = timer(lambda: [skinny_matmul(x, w, cfg) for w in weights], reps, len(weights))
             times[cfg] = sorted(ts)[len(ts) // 2]
         except Exception as e:  # noqa: BLE001 - a config that does not compile or launch here is not a candidate
             errors[str(cfg)] = f"{type(e).__name__}: {e}"[:300]
