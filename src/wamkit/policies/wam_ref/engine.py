@@ -57,6 +57,7 @@ class InferenceEngine:
         self._graph_weights = 0
         self._buffers: dict[tuple, dict[str, Any]] = {}
         self.gemm_tuning: dict[tuple, dict] = {}   # gemm=triton: (BLOCK_M, N, K) -> skinny.tune's result
+        self._tuned: set[tuple[int, bool]] = set()
         self._gemm = "cublas"
         self.gemm = gemm
 
@@ -82,6 +83,8 @@ class InferenceEngine:
         if not ok:
             return
         bm = skinny.block_m(rows)
+        if (bm, fw is not None) in self._tuned:
+            return
         blocks = self.model.gen.blocks
         if fw is not None:
             groups = [[w for w, _ in fw.gen], [w for _, w in fw.gen]]
@@ -93,6 +96,12 @@ class InferenceEngine:
             key = (bm, *ws[0].shape)
             if key not in self.gemm_tuning:
                 self.gemm_tuning[key] = skinny.tune(rows, ws)
+                if self.gemm_tuning[key]["config"] is None:   # no config ran here: keep serving, on cuBLAS
+                    warnings.warn(f"wam-ref gemm=triton: the skinny kernel did not run for {key} "
+                                  f"({self.gemm_tuning[key]['errors']}); using gemm=cublas")
+                    self.gemm = "cublas"
+                    return
+        self._tuned.add((bm, fw is not None))
 
     @property
     def gen_tokens(self) -> int:
@@ -176,10 +185,10 @@ class InferenceEngine:
         between buckets."""
         n, s = x.shape[0], inputs["input_ids"].shape[1]
         bucket = self.graph_bucket(n)
+        self.tune_gemms(bucket * self.gen_tokens, fw)
         key = (bucket, steps, s, self.kv_layout, fw is not None, self.gemm)
         g = self._graphs.get(key)
         if g is None:
-            self.tune_gemms(bucket * self.gen_tokens, fw)
             g = self._graphs[key] = _DenoiseGraph(self, bucket, steps, s, fw)
         pg = self.prefix_graph(bucket, s, fw) if self.prefix_graphs else None
         marks = [] if marks is None else marks
