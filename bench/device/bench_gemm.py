@@ -316,6 +316,8 @@ def nongemm_ops(size: str, b: int, prefix_len: int, tokens: int, layers: int, dt
         "norm1_modulation": (lambda: norm_mod(), 1),
         "qk_norm_rope": (lambda: qk_norm_rope(), 1),
         "write_kv_expanded": (lambda: [write_kv(i) for i in range(layers)], layers),
+        "write_kv_room": (lambda: [(write_heads(kroom[i], kk, s - n), write_heads(vroom[i], vv, s - n))
+                                   for i in range(layers)], layers),
         "sdpa_expanded_bool_mask": (lambda: [F.scaled_dot_product_attention(q, kexp[i], vexp[i], attn_mask=bool_mask)
                                              for i in range(layers)], layers),
         "sdpa_expanded_additive_mask": (lambda: [F.scaled_dot_product_attention(q, kexp[i], vexp[i],
