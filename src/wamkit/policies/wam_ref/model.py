@@ -112,6 +112,16 @@ def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: i
     mod = tmod if modulation is None else tmod + modulation.to(tmod.dtype)
     sh1, sc1, g1, sh2, sc2, g2 = mod.unbind(1)  # each (B, hidden)
     h = F.rms_norm(x, (hidden,), eps=eps) * (1 + sc1[:, None]) + sh1[:, None]
+    if isinstance(w_qkv, torch.Tensor):
+        # fused weights (inference): q and k normed and rotated as one tensor of heads + kv_heads heads, each head
+        # with its own norm's weight (one kernel instead of two when compiled); v stays a view of the GEMM output
+        qkv = _linear(h, w_qkv, gemm)
+        nqk = heads + kv_heads
+        qk = qkv[..., :nqk * head_dim].view(b, n, nqk, head_dim)
+        w_qk = torch.cat([q_norm_w.expand(heads, head_dim), k_norm_w.expand(kv_heads, head_dim)])
+        qk = _rope((F.rms_norm(qk, (head_dim,), eps=eps) * w_qk).transpose(1, 2), cos, sin)
+        v = qkv[..., nqk * head_dim:].view(b, n, kv_heads, head_dim).transpose(1, 2)
+        return qk[:, :heads], qk[:, heads:], v, g1, sh2, sc2, g2
     q, k, v = _project(h, w_qkv, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), gemm)
     q = F.rms_norm(q.view(b, n, heads, head_dim), (head_dim,), q_norm_w, eps).transpose(1, 2)
     k = F.rms_norm(k.view(b, n, kv_heads, head_dim), (head_dim,), k_norm_w, eps).transpose(1, 2)
