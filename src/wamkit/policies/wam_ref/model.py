@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from wamkit.policies.wam_ref import skinny as _skinny
 from wamkit.policies.wam_ref.skinny import linear as _linear
 
 
@@ -135,6 +136,9 @@ def _block_out(x, a, g1, sh2, sc2, g2, wo, w_gu, wd, eps: float, gemm: str = "cu
     b, n, hidden = x.shape
     x = x + g1[:, None] * _linear(a.transpose(1, 2).reshape(b, n, -1), wo, gemm)
     h = F.rms_norm(x, (hidden,), eps=eps) * (1 + sc2[:, None]) + sh2[:, None]
+    if isinstance(w_gu, torch.Tensor) and _skinny.applies(h, gemm):
+        # gemm=triton, fused weights: SwiGLU, down projection and gated residual in one skinny kernel
+        return _skinny.skinny_swiglu_down(_linear(h, w_gu, gemm), wd, x, g2)
     g, u = _project(h, w_gu, (wd.shape[1], wd.shape[1]), gemm)
     return x + g2[:, None] * _linear(F.silu(g) * u, wd, gemm)
 

@@ -118,9 +118,11 @@ def set_config(m: int, n: int, k: int, cfg: SkinnyConfig) -> None:
 
 if triton is not None:
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+    def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, res_ptr, gate_ptr, M, N, K, k_per_split, stride_xm,
+                       stride_wn, stride_ym, stride_rm, stride_gb, tokens,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PARTIAL: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr):
+                       PARTIAL: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, SWIGLU: tl.constexpr,
+                       RESIDUAL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,11 +135,17 @@ if triton is not None:
         for kk in range(0, k_per_split, BLOCK_K):
             if EVEN:
                 w = tl.load(w_ptrs)
-                x = tl.load(x_ptrs, mask=(rm < M)[None, :], other=0.0)
+                xmask = (rm < M)[None, :]
             else:
                 kmask = (k0 + kk + rk) < K
                 w = tl.load(w_ptrs, mask=(rn < N)[:, None] & kmask[None, :], other=0.0)
-                x = tl.load(x_ptrs, mask=(rm < M)[None, :] & kmask[:, None], other=0.0)
+                xmask = (rm < M)[None, :] & kmask[:, None]
+            if SWIGLU:   # x = [g, u] (M, 2K): the GEMM's input is silu(g) * u, rounded once to the weights' dtype
+                g = tl.load(x_ptrs, mask=xmask, other=0.0).to(tl.float32)
+                u = tl.load(x_ptrs + K, mask=xmask, other=0.0).to(tl.float32)
+                x = (g * tl.sigmoid(g) * u).to(w.dtype)
+            else:
+                x = tl.load(x_ptrs, mask=xmask, other=0.0)
             if IEEE:
                 acc += tl.dot(w, x, input_precision="ieee")
             else:
@@ -146,12 +154,17 @@ if triton is not None:
             x_ptrs += BLOCK_K
         omask = (rm < M)[None, :] & (rn < N)[:, None]
         if not PARTIAL:
+            if RESIDUAL:   # y = residual + gate[row // tokens] * (x @ w.T)
+                r = tl.load(res_ptr + rm[None, :] * stride_rm + rn[:, None], mask=omask, other=0.0)
+                gt = tl.load(gate_ptr + (rm // tokens)[None, :] * stride_gb + rn[:, None], mask=omask, other=0.0)
+                acc = r.to(tl.float32) + gt.to(tl.float32) * acc
             tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=omask)
         else:   # partials (splits, M, N) fp32
             tl.store(part_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None], acc, mask=omask)
 
     @triton.jit
-    def _sum_splits_kernel(part_ptr, y_ptr, MN, N, stride_ym, splits, BLOCK: tl.constexpr):
+    def _sum_splits_kernel(part_ptr, y_ptr, res_ptr, gate_ptr, MN, N, stride_ym, stride_rm, stride_gb, tokens,
+                           splits, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < MN
         acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -159,23 +172,38 @@ if triton is not None:
             acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
         row = offs // N
         col = offs - row * N
+        if RESIDUAL:
+            r = tl.load(res_ptr + row * stride_rm + col, mask=mask, other=0.0)
+            gt = tl.load(gate_ptr + (row // tokens) * stride_gb + col, mask=mask, other=0.0)
+            acc = r.to(tl.float32) + gt.to(tl.float32) * acc
         tl.store(y_ptr + row * stride_ym + col, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def skinny_matmul(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig | None = None) -> torch.Tensor:
-    """x (M, K) @ w (N, K).T -> (M, N) in x's dtype, through the Triton kernel (see the module docstring)."""
+def skinny_matmul(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig | None = None, *, swiglu: bool = False,
+                  residual: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                  tokens: int = 1) -> torch.Tensor:
+    """x (M, K) @ w (N, K).T -> (M, N) in x's dtype, through the Triton kernel (see the module docstring).
+
+    swiglu: x is [g, u] (M, 2K) and the GEMM's input is silu(g) * u (computed in the kernel: no separate kernel,
+    no intermediate tensor). residual (M, N) and gate (M // tokens, N): the result is residual + gate[row //
+    tokens] * (x @ w.T), added in fp32 before the one rounding (the generation block's gated residual)."""
     if triton is None:
         raise RuntimeError("skinny_matmul needs triton")
-    m, k = x.shape
-    n = w.shape[0]
-    if w.shape[1] != k:
-        raise ValueError(f"skinny_matmul: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit")
+    m, kx = x.shape
+    n, k = w.shape
+    if kx != (2 * k if swiglu else k):
+        raise ValueError(f"skinny_matmul: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (swiglu={swiglu})")
     if m > MAX_ROWS:
         raise ValueError(f"skinny_matmul: {m} rows > {MAX_ROWS}")
+    if (residual is None) != (gate is None):
+        raise ValueError("skinny_matmul: residual and gate go together")
     if x.stride(1) != 1:
         x = x.contiguous()
     if w.stride(1) != 1:
         w = w.contiguous()
+    if residual is not None:
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+        gate = gate if gate.stride(1) == 1 else gate.contiguous()
     cfg = cfg or config_for(m, n, k)
     bm = block_m(m)
     split = cfg.split_k
@@ -184,14 +212,18 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig | None = N
     even = n % cfg.block_n == 0 and k % k_per_split == 0 and k_per_split % cfg.block_k == 0
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     part = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
+    res, gt = (residual, gate) if residual is not None else (y, y)
     grid = (triton.cdiv(n, cfg.block_n), split)
-    _skinny_kernel[grid](x, w, y, part, m, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(0),
+    _skinny_kernel[grid](x, w, y, part, res, gt, m, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(0),
+                         res.stride(0), gt.stride(0), tokens,
                          BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=split > 1, EVEN=even,
-                         IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                         IEEE=x.dtype == torch.float32, SWIGLU=swiglu, RESIDUAL=residual is not None,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, n, y.stride(0), split, BLOCK=block,
-                                                          num_warps=4)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, y, res, gt, m * n, n, y.stride(0), res.stride(0),
+                                                          gt.stride(0), tokens, split,
+                                                          RESIDUAL=residual is not None, BLOCK=block, num_warps=4)
     return y
 
 
@@ -208,13 +240,32 @@ def _(x, w):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
+@torch.library.custom_op("wamkit::skinny_swiglu_down", mutates_args=())
+def skinny_swiglu_down(gu: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """residual + gate[:, None] * (silu(g) * u) @ w.T for gu = [g, u] (B, n, 2F), w (H, F), residual (B, n, H),
+    gate (B, H): a generation block's SwiGLU down projection and gated residual as one skinny GEMM."""
+    b, n, _ = gu.shape
+    y = skinny_matmul(gu.reshape(b * n, -1), w, swiglu=True, residual=residual.reshape(b * n, -1), gate=gate,
+                      tokens=n)
+    return y.reshape(b, n, w.shape[0])
+
+
+@skinny_swiglu_down.register_fake
+def _(gu, w, residual, gate):
+    return residual.new_empty(residual.shape)
+
+
+def applies(x: torch.Tensor, gemm: str) -> bool:
+    """Whether gemm="triton" runs the kernel for input x here (Triton, a CUDA tensor or the interpreter, few rows)."""
+    return (gemm == "triton" and triton is not None and (x.is_cuda or interpreting())
+            and x.numel() // x.shape[-1] <= MAX_ROWS)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, gemm: str = "cublas") -> torch.Tensor:
     """The denoising loop's GEMM: F.linear, or with gemm="triton" the skinny kernel where it applies (see the module
     docstring). "autotune" is F.linear here: Inductor's max-autotune replaces it inside the compiled blocks."""
-    if gemm == "triton" and triton is not None and (x.is_cuda or interpreting()):
-        rows = x.numel() // x.shape[-1]
-        if rows <= MAX_ROWS:
-            return skinny_linear(x, w)
+    if applies(x, gemm):
+        return skinny_linear(x, w)
     return F.linear(x, w)
 
 
