@@ -136,7 +136,7 @@ class Budget:
 
 
 def gemm_candidates(m: int, ws: list[torch.Tensor], args, budget: Budget, compile_cost: dict, phase: str,
-                    res: dict) -> dict:
+                    res: dict, name: str = "") -> dict:
     """Phase "cheap": cuBLAS variants and the Triton kernel; "autotune" / "autotune_tma": that compiled candidate.
     Results go into res (one dict per candidate)."""
     n, k = ws[0].shape
@@ -204,7 +204,38 @@ def gemm_candidates(m: int, ws: list[torch.Tensor], args, budget: Budget, compil
                                      "config_errors": tr["errors"]}
             except Exception as e:  # noqa: BLE001
                 res["triton"] = {"error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-800:]}
+        if name == "down" and "us" in res.get("triton", {}):
+            res["_swiglu_down_residual"] = fused_down(m, ws, args)
     return res
+
+
+def fused_down(m: int, ws: list[torch.Tensor], args) -> dict:
+    """The block's tail: y = x + g2 * down(silu(g) * u) from the gate/up GEMM's output, as the compiled cuBLAS path
+    runs it (silu*mul kernel, GEMM, residual kernel; eager here) and as gemm=triton does (one skinny kernel)."""
+    n, k = ws[0].shape
+    tokens = 16
+    b = max(1, m // tokens)
+    gu = torch.randn(b, tokens, 2 * k, device=DEV, dtype=ws[0].dtype)
+    x = torch.randn(b, tokens, n, device=DEV, dtype=ws[0].dtype)
+    g2 = torch.randn(b, n, device=DEV, dtype=ws[0].dtype)
+    out = {}
+
+    def ref(w):
+        g, u = gu.split(k, dim=-1)
+        return x + g2[:, None] * F.linear(F.silu(g) * u, w)
+
+    for cand, fn in (("cublas_eager_3_kernels", ref), ("triton_one_kernel", lambda w: skinny.skinny_swiglu_down(
+            gu, w, x, g2))):
+        try:
+            ts = measure_us(lambda: [fn(w) for w in ws], len(ws), args.reps)
+            out[cand] = {"us": med(ts)}
+        except Exception as e:  # noqa: BLE001
+            out[cand] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    try:
+        out["max_abs_diff"] = (ref(ws[0]).float() - skinny.skinny_swiglu_down(gu, ws[0], x, g2).float()).abs().max().item()
+    except Exception as e:  # noqa: BLE001
+        out["max_abs_diff"] = f"{type(e).__name__}: {e}"[:300]
+    return out
 
 
 def _compiled_candidate(name, m, x, ws, args, budget, compile_cost, res, run) -> dict:
@@ -519,7 +550,7 @@ def main(argv=None) -> int:
         for key, r in res["gemm"].items():
             sh = r["_shape"]
             log("gemm", phase, key, f"({sh['copies']} weight copies)")
-            gemm_candidates(sh["M"], weights[sh["name"]], args, budget, compile_cost, phase, r)
+            gemm_candidates(sh["M"], weights[sh["name"]], args, budget, compile_cost, phase, r, sh["name"])
             annotate(r, sh["M"], sh["N"], sh["K"], ceil, itemsize)
             log("  ", {c: (round(v["us"], 2), round(v.get("of_copy_bw", 0), 3)) if "us" in v else
                        v.get("skipped") or v.get("error", "")[:80] for c, v in r.items() if not c.startswith("_")})
