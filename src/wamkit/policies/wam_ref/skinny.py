@@ -11,6 +11,10 @@ Which tile / split runs for a shape is a `SkinnyConfig`: `tune()` times a few ca
 every layer (cycling through all of them, so the weights come from memory as in the loop, not from L2) and keeps
 the fastest per (row block, N, K); untuned shapes use `heuristic_config`.
 
+`skinny_swiglu_down` (op `wamkit::skinny_swiglu_down`) is the same kernel with a SwiGLU prologue (its input is
+silu(g) * u of the gate/up GEMM's output, computed while loading) and a gated-residual epilogue (x + g2 * y, in the
+kernel or in the split-K sum): a generation block's tail in one kernel instead of three.
+
 `linear(x, w, gemm)` is the model's GEMM entry point: gemm="triton" and a usable kernel (Triton imports, x on a CUDA
 device or TRITON_INTERPRET=1, rows <= MAX_ROWS) run the kernel through the custom op `wamkit::skinny_linear` (opaque
 to torch.compile, capturable in CUDA graphs); anything else is F.linear (cuBLAS on GPUs).
