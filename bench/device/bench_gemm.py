@@ -80,13 +80,10 @@ def ceilings() -> dict:
     src = torch.randn(2 ** 28, device=DEV)   # 1 GiB fp32
     dst = torch.empty_like(src)
     copy_us = med(measure_us(lambda: dst.copy_(src), 1, 20))
-    del src, dst
     n = 8192
     a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
     mm_us = med(measure_us(lambda: a @ b, 1, 10))
-    del a, b
-    torch.cuda.empty_cache()
     return {"copy_tb_s": 2 * 2 ** 28 * 4 / copy_us / 1e6, "bf16_matmul_tflops": 2 * n ** 3 / mm_us / 1e6}
 
 
@@ -232,7 +229,8 @@ def fused_down(m: int, ws: list[torch.Tensor], args) -> dict:
         except Exception as e:  # noqa: BLE001
             out[cand] = {"error": f"{type(e).__name__}: {e}"[:300]}
     try:
-        out["max_abs_diff"] = (ref(ws[0]).float() - skinny.skinny_swiglu_down(gu, ws[0], x, g2).float()).abs().max().item()
+        fused = skinny.skinny_swiglu_down(gu, ws[0], x, g2).float()
+        out["max_abs_diff"] = (ref(ws[0]).float() - fused).abs().max().item()
     except Exception as e:  # noqa: BLE001
         out["max_abs_diff"] = f"{type(e).__name__}: {e}"[:300]
     return out
@@ -517,13 +515,16 @@ def main(argv=None) -> int:
     budget = Budget(args.budget_s)
     out = Path(args.out)
     res: dict = {"args": {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()},
-                 "device": torch.cuda.get_device_name(0) if cuda() else "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+                 "device": torch.cuda.get_device_name(0) if cuda() else "cpu",
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
     def save():
         out.write_text(json.dumps(res, indent=2, default=str))
 
     res["knobs"] = knobs()
     res["ceilings"] = ceil = ceilings()
+    if cuda():
+        torch.cuda.empty_cache()
     log("ceilings", ceil)
     save()
     p = get_size(args.size)
@@ -544,7 +545,6 @@ def main(argv=None) -> int:
         for m in rows:
             key = f"{name} M={m} K={k} N={n}"
             res["gemm"][key] = {"_shape": {"name": name, "M": m, "K": k, "N": n, "copies": len(weights[name])}}
-    phases = ["cheap"]
 
     def gemm_phase(phase):
         for key, r in res["gemm"].items():
@@ -593,7 +593,6 @@ def main(argv=None) -> int:
         if phase == "eager":
             gemm_phase("autotune")      # Inductor max-autotune per GEMM (M <= --autotune-max-rows) before the
     gemm_phase("autotune_tma")          # compiled blocks; its persistent-TMA variant last
-    del weights
     res["total_s"] = time.perf_counter() - T0
     save()
     log(f"wrote {out} in {res['total_s']:.1f} s")

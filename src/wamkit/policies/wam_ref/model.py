@@ -292,9 +292,9 @@ class GenerationTower(nn.Module):
         """The whole Euler sampler (t: 0 -> 1 in `steps` steps) from noise x (B, H, action_dim) float32, with the
         prefix in the `Prefix.with_room` layout. What does not change between steps is computed once: the time
         conditioning of every step (one GEMM over `steps` rows, shared by all observations) and of every block at
-        every step (one add: shared modulation + each block's table), the state token, the
-        rotary tables and the attention mask (additive, in the weights' dtype: see additive_mask); the loop itself only launches device work (no host reads, no tensors
-        built from Python values). Returns the final x (float32); no host synchronisation inside, so it can be
+        every step (one add: shared modulation + each block's table), the state token, the rotary tables and the
+        attention mask (additive, in the weights' dtype: see additive_mask); the loop itself only launches device
+        work (no host reads, no tensors built from Python values). Returns the final x (float32); no host synchronisation inside, so it can be
         captured in a CUDA graph. fused: per-block fused weights (fused.FusedWeights.gen) or None."""
         dtype = self.action_in.weight.dtype
         b, horizon, _ = x.shape

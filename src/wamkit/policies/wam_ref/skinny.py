@@ -315,8 +315,9 @@ def host_us(fn, reps: int = 5, calls: int = 1) -> list[float]:
 def tune(m: int, weights: list[torch.Tensor], reps: int = 5) -> dict:
     """Measure candidate_configs for x (m, K) against every weight in `weights` (one shape: the same weight of every
     layer), each config timed over the whole list in one CUDA graph (weights from memory, not L2, no launch
-    overhead; off CUDA by the host clock), median of `reps` replays; the fastest becomes this shape's config (`config_for`). Returns
-    {"config": the winner or None, "us": {config: microseconds per GEMM}, "errors": {config: why}}."""
+    overhead; off CUDA by the host clock), median of `reps` replays; the fastest becomes this shape's config
+    (`config_for`). Returns {"config": the winner or None, "us": {config: microseconds per GEMM}, "errors":
+    {config: why}}."""
     n, k = weights[0].shape
     x = torch.randn(m, k, device=weights[0].device, dtype=weights[0].dtype)
     times: dict[SkinnyConfig, float] = {}
