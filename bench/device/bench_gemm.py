@@ -355,6 +355,9 @@ def nongemm_ops(size: str, b: int, prefix_len: int, tokens: int, layers: int, dt
         "sdpa_room_gqa_additive_mask": (lambda: [F.scaled_dot_product_attention(q, kroom[i], vroom[i],
                                                                                 attn_mask=add_mask, enable_gqa=True)
                                                  for i in range(layers)], layers),
+        # plain torch: scores GEMM, mask add + softmax, value GEMM (what a compiled region could run instead)
+        "manual_attention_expanded": (lambda: [torch.softmax((q @ kexp[i].transpose(-1, -2)) * hd ** -0.5 + add_mask,
+                                                             dim=-1) @ vexp[i] for i in range(layers)], layers),
         "residual_gate_norm2_modulation": (lambda: F.rms_norm(x + g1[:, None] * y, (hidden,), eps=eps)
                                            * (1 + sc[:, None]) + sh[:, None], 1),
         "silu_mul": (lambda: F.silu(gate) * up, 1),
