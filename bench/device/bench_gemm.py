@@ -1,6 +1,7 @@
 """The denoising step's GEMMs and the rest of its work, per kernel candidate, at wam-ref nano-shape (issue #20 item 1).
 
     python bench/device/bench_gemm.py --out $OUT/gemm.json [--rows 16,1024] [--budget-s 80] [--skip autotune,...]
+    (on the H200: PYTHONPATH=$PWD/src timeout -k 5 88 python3 bench/device/bench_gemm.py --out $OUT/gemm.json --budget-s 78)
     python bench/device/bench_gemm.py --out /tmp/gemm.json --device cpu --size tiny --rows 16 --reps 3   # smoke
 
 For every distinct (M, K, N) GEMM of one denoising step (fused q/k/v, o, fused gate/up, down; M = rows = batch x 16
@@ -498,7 +499,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma list of candidates / sections to leave out: cublas_nt, "
                     "triton, autotune, autotune_tma, nongemm, blocks, blocks_compiled, blocks_triton")
     ap.add_argument("--autotune-max-rows", type=int, default=16, help="autotune only GEMMs with <= this many rows")
-    ap.add_argument("--autotune-estimate-s", type=float, default=15.0, help="first guess of one autotune compile")
+    ap.add_argument("--autotune-estimate-s", type=float, default=25.0, help="first guess of one autotune compile")
     ap.add_argument("--compile-estimate-s", type=float, default=20.0, help="budget needed to compile a block")
     ap.add_argument("--weight-mb", type=float, default=256.0, help="weights cycled per GEMM candidate (> L2)")
     ap.add_argument("--layers", type=int, default=36, help="distinct K/V buffers for the attention timings")
