@@ -1,7 +1,8 @@
 """The denoising step's GEMMs and the rest of its work, per kernel candidate, at wam-ref nano-shape (issue #20 item 1).
 
     python bench/device/bench_gemm.py --out $OUT/gemm.json [--rows 16,1024] [--budget-s 80] [--skip autotune,...]
-    (on the H200: PYTHONPATH=$PWD/src timeout -k 5 88 python3 bench/device/bench_gemm.py --out $OUT/gemm.json --budget-s 78)
+    # on the H200 (< 90 s):
+    PYTHONPATH=$PWD/src timeout -k 5 88 python3 bench/device/bench_gemm.py --out $OUT/gemm.json --budget-s 78
     python bench/device/bench_gemm.py --out /tmp/gemm.json --device cpu --size tiny --rows 16 --reps 3   # smoke
 
 For every distinct (M, K, N) GEMM of one denoising step (fused q/k/v, o, fused gate/up, down; M = rows = batch x 16
