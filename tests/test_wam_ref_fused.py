@@ -191,3 +191,135 @@ def test_failed_prefix_capture_falls_back_to_the_eager_prefix(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # the failure is remembered: no second capture attempt, no second warning
         np.testing.assert_allclose(pol.predict(obs, seeds), eager, rtol=1e-5, atol=1e-5)
+
+
+# ---- gemm=cublas|triton|autotune (skinny.py) and the precomputed attention mask ----------------------------------
+
+def test_gemm_option_is_parsed_and_reaches_every_block():
+    from wamkit.core.errors import UserError
+    from wamkit.policies.wam_ref.config import WamRefConfig
+
+    assert WamRefConfig().gemm == "cublas"
+    assert WamRefConfig(gemm="Triton").gemm == "triton"          # CLI strings, any case
+    with pytest.raises(UserError, match="gemm"):
+        WamRefConfig(gemm="cutlass")
+    pol = make_policy("wam-ref", size="tiny", gemm="triton")
+    assert pol.gemm == "triton" and {b.gemm for b in pol.model.gen.blocks} == {"triton"}
+    pol.gemm = "autotune"
+    assert {b.gemm for b in pol.model.gen.blocks} == {"autotune"}
+    with pytest.raises(ValueError, match="gemm"):
+        pol.gemm = "bogus"
+
+
+def test_gemm_cublas_is_the_default_path_bit_for_bit():
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8)
+    explicit = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, gemm="cublas")
+    obs, seeds = _obs(3, 5, 8), [1, 2, 3]
+    assert np.array_equal(pol.predict(obs, seeds), explicit.predict(obs, seeds))
+
+
+@torch.no_grad()
+def test_additive_mask_is_what_sdpa_builds_from_the_boolean_mask():
+    """The denoising loop passes SDPA a float mask built once (model.additive_mask) instead of the boolean key mask:
+    the same attention, bit for bit, on the CPU (SDPA's own conversion gives the same -inf / 0 values)."""
+    from wamkit.policies.wam_ref.model import additive_mask
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 32, generator=g) for n in (5, 9, 9))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[0, 3:6] = False
+    mask[1, :2] = False
+    add = additive_mask(mask, torch.float32)
+    assert add.shape == (2, 1, 1, 9) and add.dtype == torch.float32
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None])
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=add)
+    assert torch.equal(out, ref)
+    assert not torch.equal(ref, torch.nn.functional.scaled_dot_product_attention(q, k, v))   # the mask matters
+
+
+def test_gemm_triton_without_a_usable_kernel_is_cublas():
+    """gemm=triton where the kernel cannot run (no Triton, or no CUDA device and no TRITON_INTERPRET=1): the loop
+    falls back to F.linear, so the actions are those of gemm=cublas exactly."""
+    from wamkit.policies.wam_ref import skinny
+
+    ok, why = skinny.available()
+    if ok:
+        pytest.skip("the Triton kernel can run here (the interpreter test below covers it)")
+    assert why
+    obs, seeds = _obs(2, 6), [7, 8]
+    ref = make_policy("wam-ref", size="tiny", num_inference_steps=2).predict(obs, seeds)
+    assert np.array_equal(make_policy("wam-ref", size="tiny", num_inference_steps=2, gemm="triton").predict(obs, seeds),
+                          ref)
+
+
+def _interpreted_triton():
+    from wamkit.policies.wam_ref import skinny
+
+    if skinny.triton is None:
+        pytest.skip("triton does not import here (CPU torch): the skinny kernel is tested with TRITON_INTERPRET=1 "
+                    "in an environment that has triton, and on the GPU by bench/device/bench_gemm.py")
+    if not skinny.interpreting() and not torch.cuda.is_available():
+        pytest.skip("no CUDA device: run with TRITON_INTERPRET=1 to test the kernel in Triton's interpreter")
+    return skinny
+
+
+@pytest.mark.parametrize("m,n,k", [(16, 256, 512), (5, 96, 160), (17, 128, 256), (64, 128, 128)])
+def test_skinny_matmul_matches_matmul(m, n, k):
+    """The split-K kernel against x @ w.T in fp32 (interpreter: fp32 and fp16; Triton's interpreter gets bf16 dots
+    wrong, so bf16 is the GPU bench's check), for the heuristic config and ones with uneven / several K splits."""
+    skinny = _interpreted_triton()
+    dev = "cuda" if torch.cuda.is_available() and not skinny.interpreting() else "cpu"
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w = torch.randn(m, k, generator=g).to(dev), torch.randn(n, k, generator=g).to(dev)
+    ref = x @ w.T
+    for cfg in (None, skinny.SkinnyConfig(32, 32, 1, 4, 2), skinny.SkinnyConfig(32, 32, 3, 4, 2),
+                skinny.SkinnyConfig(16, 16, 4, 4, 2)):
+        if dev == "cpu":
+            torch.testing.assert_close(skinny.skinny_matmul(x, w, cfg), ref, rtol=1e-5, atol=1e-4)
+        y = skinny.skinny_matmul(x.half(), w.half(), cfg)
+        assert y.dtype == torch.float16
+        torch.testing.assert_close(y.float(), x.half().float() @ w.half().float().T, rtol=2e-3, atol=5e-2)
+
+
+@pytest.mark.parametrize("b,n,f,h", [(1, 16, 256, 128), (3, 5, 96, 64)])
+def test_skinny_swiglu_down_matches_torch(b, n, f, h):
+    """wamkit::skinny_swiglu_down (SwiGLU prologue, gated-residual epilogue, with and without K splits) = the
+    generation block's x + g2 * down(silu(g) * u)."""
+    skinny = _interpreted_triton()
+    dev = "cuda" if torch.cuda.is_available() and not skinny.interpreting() else "cpu"
+    dt = torch.float32 if dev == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(b * n)
+    gu, w = torch.randn(b, n, 2 * f, generator=g), torch.randn(h, f, generator=g) * 0.1
+    x, g2 = torch.randn(b, n, h, generator=g), torch.randn(b, h, generator=g)
+    gu, w, x, g2 = (t.to(dev, dt) for t in (gu, w, x, g2))
+    gg, uu = gu.float().split(f, dim=-1)
+    ref = x.float() + g2.float()[:, None] * ((torch.nn.functional.silu(gg) * uu) @ w.float().T)
+    for cfg in (skinny.SkinnyConfig(32, 32, 1, 4, 2), skinny.SkinnyConfig(32, 32, 3, 4, 2)):
+        skinny.set_config(b * n, h, f, cfg)
+        try:
+            out = skinny.skinny_swiglu_down(gu, w, x, g2)
+        finally:
+            skinny._TUNED.clear()
+        assert out.shape == x.shape and out.dtype == dt
+        torch.testing.assert_close(out.float(), ref, rtol=1e-5 if dt == torch.float32 else 2e-2,
+                                   atol=1e-4 if dt == torch.float32 else 5e-2)
+
+
+def test_gemm_triton_predict_matches_cublas():
+    """The whole policy with gemm=triton (every loop GEMM through the kernel: 3 x 17 rows <= 64) against
+    gemm=cublas, fp32 on the CPU through Triton's interpreter."""
+    skinny = _interpreted_triton()
+    if not skinny.interpreting():
+        pytest.skip("fp32 end-to-end check runs in the interpreter; on GPUs bench_nano --check compares bf16")
+    obs, seeds = _obs(3, 7, 8), [1, 2, 3]
+    ref = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8).predict(obs, seeds)
+    calls = []
+    orig = skinny.skinny_matmul
+    skinny.skinny_matmul = lambda *a, **k: calls.append(k.get("swiglu", False)) or orig(*a, **k)
+    try:
+        out = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, gemm="triton").predict(obs, seeds)
+    finally:
+        skinny.skinny_matmul = orig
+    assert len(calls) == 2 * 4 * 4          # steps x blocks x (qkv, o, gate_up, down)
+    assert sum(calls) == 2 * 4              # down: SwiGLU + down projection + gated residual in one kernel
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)

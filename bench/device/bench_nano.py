@@ -11,7 +11,8 @@ Measures, in one process on one GPU:
 - policy.predict per batch size and mode: eager | graphs (cuda_graphs=true, with prefix_graphs: the prefix pass is a
   graph too), optionally "+compile" (torch.compile of the blocks; modes after the first "+compile" one stay compiled,
   so list those last), "+nofuse" (fused=false: the reference path, one GEMM per projection, transformers' prefix
-  forward), "+noprefix" (prefix_graphs=false) and ":room" (kv_layout=room instead of expanded); graphs modes first
+  forward), "+noprefix" (prefix_graphs=false), "+triton" / "+autotune" (gemm=triton | autotune for the denoising
+  loop's GEMMs; otherwise gemm=cublas) and ":room" (kv_layout=room instead of expanded); graphs modes first
   capture every bucket (policy.warmup, timed): wall-clock latency p50/p99 over `reps` calls after warm-up (includes
   CPU preprocessing and the copy back), plus the device time of each phase of one sample() in that mode (CUDA events
   at the phase boundaries: prefix = vision + understanding tower, loop = the denoising loop) and each phase's
@@ -19,8 +20,8 @@ Measures, in one process on one GPU:
 - --profile: torch.profiler of one sample() at those batch sizes in the last mode's configuration (graph replays
   included: their kernels are traced), as top kernels plus where each millisecond goes (phases; kernel time by
   category: GEMM, attention, norm/elementwise, copy, other);
-- --check: the fast path (fused + CUDA graphs + prefix graphs, as configured) against the eager reference
-  (fused=false, no graphs) on the same inputs and seeds: max abs difference of the actions, also fused-eager vs
+- --check: the fast path (fused + CUDA graphs + prefix graphs, the gemm kernels of the last mode) against the eager
+  reference (fused=false, no graphs, gemm=cublas) on the same inputs and seeds: max abs difference of the actions, also fused-eager vs
   reference (fusion alone), in the JSON under "check";
 - then the HTTP path: `wamkit serve` (cuda_graphs=true) as a subprocess per GPU (--ngpu N: one server per GPU,
   clients spread round-robin), C concurrent client loops each sending one observation per request.
@@ -173,7 +174,8 @@ def bench_predict(pol, b: int, reps: int, f: dict) -> dict:
             "prefix_graph_errors": [str(e) for e in pol.engine.prefix_graph_errors.values()], "reps": reps}
 
 
-KERNEL_KINDS = (("gemm", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "matmul", "sm90_", "sm80_", "splitk")),
+KERNEL_KINDS = (("gemm", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "matmul", "sm90_", "sm80_", "splitk",
+                           "skinny", "sum_splits")),
                 ("attention", ("flash", "fmha", "attention", "efficient_attention", "sdpa")),
                 ("norm/elementwise", ("elementwise", "vectorized", "reduce", "norm", "triton", "silu", "gelu",
                                       "mul", "add", "rsqrt", "softmax")),
@@ -198,7 +200,8 @@ def profile(pol, b: int, rows: int = 25) -> dict:
     sync()
     events, kinds, kernels = _trace(pol, inputs, seeds)
     out = {"batch": b, "mode": {"cuda_graphs": pol.cuda_graphs, "prefix_graphs": pol.prefix_graphs,
-                                "fused": pol.fused, "compile": pol.compile, "kv_layout": pol.kv_layout},
+                                "fused": pol.fused, "compile": pol.compile, "kv_layout": pol.kv_layout,
+                                "gemm": pol.gemm},
            "phases_ms": ph, "kernel_ms_by_kind": kinds, "kernel_ms_total": round(sum(kinds.values()), 3),
            "kernel_launches": kernels,
            # device time of the phases not covered by kernels: launch gaps, host work between graph replays
@@ -238,15 +241,15 @@ def _trace(pol, inputs, seeds):
 def check(pol, batches: list[int]) -> dict:
     """The fast path against the eager reference on the same observations and seeds: actions' max abs difference.
     fast = fused + cuda_graphs + prefix_graphs (compile as the policy has it now); fused_eager = fusion alone;
-    reference = fused=false, no graphs (transformers' prefix forward, one GEMM per projection)."""
-    saved = (pol.fused, pol.cuda_graphs, pol.prefix_graphs)
+    reference = fused=false, no graphs, gemm=cublas (transformers' prefix forward, one GEMM per projection)."""
+    saved = (pol.fused, pol.cuda_graphs, pol.prefix_graphs, pol.gemm)
     out = {}
     try:
         for b in batches:
             obs, seeds = observations(b, seed=500 + b), list(range(1000, 1000 + b))
-            pol.fused, pol.cuda_graphs = False, False
+            pol.fused, pol.cuda_graphs, pol.gemm = False, False, "cublas"
             ref = pol.predict(obs, seeds)
-            pol.fused = True
+            pol.fused, pol.gemm = True, saved[3]
             fused_eager = pol.predict(obs, seeds)
             pol.cuda_graphs, pol.prefix_graphs = True, True
             fast = pol.predict(obs, seeds)
@@ -258,8 +261,8 @@ def check(pol, batches: list[int]) -> dict:
             log(f"check b={b}: fast vs reference max |diff| {out[str(b)]['max_abs_diff']:.3g} (fused eager "
                 f"{out[str(b)]['max_abs_diff_fused_eager']:.3g}; actions up to {out[str(b)]['max_abs_ref']:.3g})")
     finally:
-        pol.fused, pol.cuda_graphs, pol.prefix_graphs = saved
-    return {"dtype": str(pol.dtype), "batches": out}
+        pol.fused, pol.cuda_graphs, pol.prefix_graphs, pol.gemm = saved
+    return {"dtype": str(pol.dtype), "gemm": pol.gemm, "batches": out}
 
 
 async def http_load(urls: list[str], concurrency: int, seconds: float, obs: list[Observation]) -> dict:
@@ -346,6 +349,8 @@ def main(argv=None) -> int:
                     "reference (max abs diff in the JSON), e.g. 1,8; empty: no check")
     ap.add_argument("--device", default="cuda", help="cuda | cpu (a smoke run: no ceilings, host-clock timings)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="an extra wam-ref option for the in-process policy (repeatable), e.g. graph_buckets=1,64")
     args = ap.parse_args(argv)
     global DEVICE
     DEVICE = torch.device(args.device)
@@ -361,8 +366,9 @@ def main(argv=None) -> int:
     save()
     policy_args = dict(size=args.size, device=args.device, dtype=args.dtype, num_inference_steps=args.steps,
                        horizon=16, action_dim=7)
+    extra = dict(kv.split("=", 1) for kv in args.policy_arg)
     t0 = time.perf_counter()
-    pol = make_policy("wam-ref", **policy_args)
+    pol = make_policy("wam-ref", **policy_args, **extra)
     sync()
     res["build_s"] = time.perf_counter() - t0
     counts = pol.num_parameters()
@@ -389,6 +395,7 @@ def main(argv=None) -> int:
         pol.kv_layout = layout or "expanded"
         pol.fused = "+nofuse" not in base
         pol.prefix_graphs = "+noprefix" not in base
+        pol.gemm = "triton" if "+triton" in base else "autotune" if "+autotune" in base else "cublas"
         if "+compile" in base and not pol.compile:
             t0 = time.perf_counter()
             pol.enable_compile()
@@ -421,6 +428,8 @@ def main(argv=None) -> int:
                 f"({r['prefix_tflops'] or 0:.0f} TFLOP/s; eager vision {r['vision_ms']:.1f}) loop "
                 f"{r['loop_ms']:.1f} ms ({r['loop_tflops'] or 0:.0f} TFLOP/s) | first call {r['first_call_ms']:.0f} ms")
             save()
+        res["gemm_tuning"] = {str(k): {"config": str(v.get("config")), "us": v.get("us")}
+                              for k, v in pol.engine.gemm_tuning.items()}
         if [x for x in args.profile.split(",") if x] and mode == [x for x in args.modes.split(",") if x][-1]:
             break   # keep the last mode's graphs: --profile runs in it
         pol.release_graphs()   # free this mode's graphs, their pool and static buffers

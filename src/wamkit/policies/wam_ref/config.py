@@ -19,6 +19,7 @@ import torch
 from wamkit.core.config import parse_bool
 from wamkit.core.errors import UserError
 from wamkit.policies.wam_ref.sizes import get_size
+from wamkit.policies.wam_ref.skinny import GEMM_CHOICES
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -112,6 +113,9 @@ class WamRefConfig:
     kv_layout: str = "expanded"                 # prefix K/V while denoising: expanded (all query heads) | room (kv)
     compile: bool = False                       # torch.compile of generation blocks + understanding norms/MLPs
     batched_vision_attention: bool = True       # one attention call over all (equal-size) images per vision layer
+    gemm: str = "cublas"                        # denoising-loop GEMMs: cublas (F.linear) | triton (skinny.py's split-K
+                                                #   kernel for <= 64 rows, tuned on first use) | autotune (Inductor
+                                                #   max-autotune of the generation blocks' compiled functions)
 
     def __post_init__(self) -> None:
         get_size(self.size)  # unknown size: UserError listing the sizes
@@ -124,6 +128,9 @@ class WamRefConfig:
         if self.kv_layout not in ("expanded", "room"):
             raise UserError(f"kv_layout must be expanded or room, got {self.kv_layout!r}")
         self.compile = parse_bool(self.compile, "compile")
+        self.gemm = str(self.gemm).lower()
+        if self.gemm not in GEMM_CHOICES:
+            raise UserError(f"gemm must be one of {', '.join(GEMM_CHOICES)}, got {self.gemm!r}")
         self.batched_vision_attention = parse_bool(self.batched_vision_attention, "batched_vision_attention")
         for k in ("action_dim", "horizon", "state_dim", "num_inference_steps", "init_seed", "max_batch_size"):
             setattr(self, k, int(getattr(self, k)))

@@ -15,6 +15,9 @@ One understanding-tower pass per observation (the prefix K/V), then the whole Eu
   enable_gqa). Either way the action tokens' K/V go into free slots in place.
 - compile: torch.compile of each generation block and of the understanding tower's norms and MLPs (fuses the
   elementwise work around the GEMMs); needs a working Inductor backend (Triton on GPUs).
+- gemm: the denoising loop's GEMM kernels: cublas (F.linear), triton (skinny.py's split-K kernel where the loop has
+  <= 64 rows; its tile / split per shape tuned on the real weights on first use of a row count, `gemm_tuning`),
+  autotune (the generation blocks' functions compiled in Inductor's max-autotune mode: Triton templates vs cuBLAS).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from wamkit.policies.wam_ref.config import Placement
+from wamkit.policies.wam_ref import skinny
 from wamkit.policies.wam_ref.fused import FusedWeights
 from wamkit.policies.wam_ref.model import Prefix, WamRefModel, head_dim_of, write_heads
 from wamkit.policies.wam_ref.prefix import PrefixPass
@@ -35,7 +39,7 @@ class InferenceEngine:
     def __init__(self, model: WamRefModel, text_config, *, horizon: int, model_action_dim: int, state_dim: int,
                  placement: Placement, cuda_graphs: bool, kv_layout: str, compile: bool,
                  buckets: tuple[int, ...], image_slots: list[tuple[int, int]], fused: bool = True,
-                 prefix_graphs: bool = True):
+                 prefix_graphs: bool = True, gemm: str = "cublas"):
         self.model, self.text_config = model, text_config
         self.horizon, self.model_action_dim, self.state_dim = horizon, model_action_dim, state_dim
         self.placement = placement
@@ -52,6 +56,52 @@ class InferenceEngine:
         self._graph_pool: dict[str, Any] = {}
         self._graph_weights = 0
         self._buffers: dict[tuple, dict[str, Any]] = {}
+        self.gemm_tuning: dict[tuple, dict] = {}   # gemm=triton: (BLOCK_M, N, K) -> skinny.tune's result
+        self._tuned: set[tuple[int, bool]] = set()
+        self._gemm = "cublas"
+        self.gemm = gemm
+
+    @property
+    def gemm(self) -> str:
+        """Which kernels run the denoising loop's GEMMs: cublas | triton | autotune (see the module docstring)."""
+        return self._gemm
+
+    @gemm.setter
+    def gemm(self, value: str) -> None:
+        if value not in skinny.GEMM_CHOICES:
+            raise ValueError(f"gemm must be one of {', '.join(skinny.GEMM_CHOICES)}, got {value!r}")
+        self._gemm = value
+        for blk in self.model.gen.blocks:
+            blk.gemm = value
+
+    def tune_gemms(self, rows: int, fw: FusedWeights | None) -> None:
+        """gemm=triton on a CUDA device: the skinny kernel's config for each GEMM shape of the loop at this row count,
+        measured once per row block over every block's weights (skinny.tune); no-op otherwise."""
+        if self.gemm != "triton" or self.placement.device.type != "cuda" or rows > skinny.MAX_ROWS:
+            return
+        ok, _ = skinny.available()
+        if not ok:
+            return
+        bm = skinny.block_m(rows)
+        if (bm, fw is not None) in self._tuned:
+            return
+        blocks = self.model.gen.blocks
+        if fw is not None:
+            groups = [[w for w, _ in fw.gen], [w for _, w in fw.gen]]
+        else:
+            groups = [[getattr(b, name).weight for b in blocks] for name in ("q_proj", "k_proj", "v_proj",
+                                                                              "gate_proj", "up_proj")]
+        groups += [[b.o_proj.weight for b in blocks], [b.down_proj.weight for b in blocks]]
+        for ws in groups:
+            key = (bm, *ws[0].shape)
+            if key not in self.gemm_tuning:
+                self.gemm_tuning[key] = skinny.tune(rows, ws)
+                if self.gemm_tuning[key]["config"] is None:   # no config ran here: keep serving, on cuBLAS
+                    warnings.warn(f"wam-ref gemm=triton: the skinny kernel did not run for {key} "
+                                  f"({self.gemm_tuning[key]['errors']}); using gemm=cublas")
+                    self.gemm = "cublas"
+                    return
+        self._tuned.add((bm, fw is not None))
 
     @property
     def gen_tokens(self) -> int:
@@ -101,6 +151,7 @@ class InferenceEngine:
             with torch.profiler.record_function("wamkit.prefix"):
                 prefix = self.encode(inputs, fw)
             marks.append(self._mark())
+            self.tune_gemms(x.shape[0] * self.gen_tokens, fw)
             with torch.profiler.record_function("wamkit.denoise"):
                 room = prefix.with_room(self.gen_tokens, self.kv_heads())
                 out = self.model.gen.denoise(room, x, inputs.get("state"), steps, None if fw is None else fw.gen)
@@ -134,7 +185,8 @@ class InferenceEngine:
         between buckets."""
         n, s = x.shape[0], inputs["input_ids"].shape[1]
         bucket = self.graph_bucket(n)
-        key = (bucket, steps, s, self.kv_layout, fw is not None)
+        self.tune_gemms(bucket * self.gen_tokens, fw)
+        key = (bucket, steps, s, self.kv_layout, fw is not None, self.gemm)
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = _DenoiseGraph(self, bucket, steps, s, fw)

@@ -25,6 +25,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from wamkit.policies.wam_ref import skinny as _skinny
+from wamkit.policies.wam_ref.skinny import linear as _linear
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
@@ -83,16 +86,25 @@ def kv_room_buffer(src: torch.Tensor, n: int, heads: int) -> torch.Tensor:
     return out
 
 
-def _project(h: torch.Tensor, w, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+def _project(h: torch.Tensor, w, sizes: tuple[int, ...], gemm: str = "cublas") -> tuple[torch.Tensor, ...]:
     """Several projections of h: w is a tuple of weights (one GEMM each: the training path) or one tensor, their
-    row-wise concatenation (one GEMM, split after: the fused inference path, see fused.FusedWeights)."""
+    row-wise concatenation (one GEMM, split after: the fused inference path, see fused.FusedWeights). gemm: which
+    kernel runs the GEMMs (skinny.linear)."""
     if isinstance(w, torch.Tensor):
-        return F.linear(h, w).split(sizes, dim=-1)
-    return tuple(F.linear(h, wi) for wi in w)
+        return _linear(h, w, gemm).split(sizes, dim=-1)
+    return tuple(_linear(h, wi, gemm) for wi in w)
+
+
+def additive_mask(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, S) bool key mask (True = attend) -> (B, 1, 1, S) additive mask in `dtype`: what SDPA itself builds from a
+    boolean mask on every call (0 where attended; masked: -inf, or on CUDA -65504, the value of its cuDNN path), so
+    the denoising loop builds it once per call instead of once per block and step (three small kernels each)."""
+    fill = -65504.0 if key_mask.is_cuda and dtype in (torch.float16, torch.bfloat16) else float("-inf")
+    return torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device).masked_fill(~key_mask, fill)[:, None, None]
 
 
 def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int,
-              head_dim: int, eps: float):
+              head_dim: int, eps: float, gemm: str = "cublas"):
     """GenBlock up to attention: AdaLN modulation, q/k/v projections (w_qkv: (wq, wk, wv) or fused [wq; wk; wv]),
     q/k norms, rotary. modulation None: tmod already holds this block's modulation (denoise precomputes it for
     every step and block). Pure function of its tensors (weights passed in), so one torch.compile serves every
@@ -101,31 +113,46 @@ def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: i
     mod = tmod if modulation is None else tmod + modulation.to(tmod.dtype)
     sh1, sc1, g1, sh2, sc2, g2 = mod.unbind(1)  # each (B, hidden)
     h = F.rms_norm(x, (hidden,), eps=eps) * (1 + sc1[:, None]) + sh1[:, None]
-    q, k, v = _project(h, w_qkv, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim))
+    if isinstance(w_qkv, torch.Tensor):
+        # fused weights (inference): q and k normed and rotated as one tensor of heads + kv_heads heads, each head
+        # with its own norm's weight (one kernel instead of two when compiled); v stays a view of the GEMM output
+        qkv = _linear(h, w_qkv, gemm)
+        nqk = heads + kv_heads
+        qk = qkv[..., :nqk * head_dim].view(b, n, nqk, head_dim)
+        w_qk = torch.cat([q_norm_w.expand(heads, head_dim), k_norm_w.expand(kv_heads, head_dim)])
+        qk = _rope((F.rms_norm(qk, (head_dim,), eps=eps) * w_qk).transpose(1, 2), cos, sin)
+        v = qkv[..., nqk * head_dim:].view(b, n, kv_heads, head_dim).transpose(1, 2)
+        return qk[:, :heads], qk[:, heads:], v, g1, sh2, sc2, g2
+    q, k, v = _project(h, w_qkv, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), gemm)
     q = F.rms_norm(q.view(b, n, heads, head_dim), (head_dim,), q_norm_w, eps).transpose(1, 2)
     k = F.rms_norm(k.view(b, n, kv_heads, head_dim), (head_dim,), k_norm_w, eps).transpose(1, 2)
     v = v.view(b, n, kv_heads, head_dim).transpose(1, 2)
     return _rope(q, cos, sin), _rope(k, cos, sin), v, g1, sh2, sc2, g2
 
 
-def _block_out(x, a, g1, sh2, sc2, g2, wo, w_gu, wd, eps: float):
+def _block_out(x, a, g1, sh2, sc2, g2, wo, w_gu, wd, eps: float, gemm: str = "cublas"):
     """GenBlock after attention: output projection + gate, AdaLN-modulated SwiGLU MLP + gate (w_gu: (wg, wu) or
     fused [wg; wu])."""
     b, n, hidden = x.shape
-    x = x + g1[:, None] * F.linear(a.transpose(1, 2).reshape(b, n, -1), wo)
+    x = x + g1[:, None] * _linear(a.transpose(1, 2).reshape(b, n, -1), wo, gemm)
     h = F.rms_norm(x, (hidden,), eps=eps) * (1 + sc2[:, None]) + sh2[:, None]
-    g, u = _project(h, w_gu, (wd.shape[1], wd.shape[1]))
-    return x + g2[:, None] * F.linear(F.silu(g) * u, wd)
+    if isinstance(w_gu, torch.Tensor) and _skinny.applies(h, gemm):
+        # gemm=triton, fused weights: SwiGLU, down projection and gated residual in one skinny kernel
+        return _skinny.skinny_swiglu_down(_linear(h, w_gu, gemm), wd, x, g2)
+    g, u = _project(h, w_gu, (wd.shape[1], wd.shape[1]), gemm)
+    return x + g2[:, None] * _linear(F.silu(g) * u, wd, gemm)
 
 
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[tuple[str, str | None], object] = {}
+AUTOTUNE_MODE = "max-autotune-no-cudagraphs"   # gemm=autotune: Inductor benchmarks its Triton GEMM templates vs cuBLAS
 
 
-def _compiled(name: str):
-    """torch.compile'd _block_in / _block_out (built on first use, shared by every block)."""
-    fn = _COMPILED.get(name)
+def _compiled(name: str, mode: str | None = None):
+    """torch.compile'd _block_in / _block_out (built on first use, shared by every block), in Inductor `mode`."""
+    fn = _COMPILED.get((name, mode))
     if fn is None:
-        fn = _COMPILED[name] = torch.compile({"in": _block_in, "out": _block_out}[name], fullgraph=True)
+        fn = _COMPILED[(name, mode)] = torch.compile({"in": _block_in, "out": _block_out}[name], fullgraph=True,
+                                                     mode=mode)
     return fn
 
 
@@ -150,6 +177,9 @@ class GenBlock(nn.Module):
         # compiled (fused) function each; the K/V slot writes and attention stay outside, so that compilation
         # never copies the whole K/V buffer (Inductor writes mutated inputs back in full)
         self.compiled = False
+        # which kernels run the GEMMs at inference (WamRefPolicy gemm=): cublas (F.linear) | triton (skinny.py's
+        # kernel where rows <= skinny.MAX_ROWS) | autotune (the two functions compiled in Inductor's max-autotune)
+        self.gemm = "cublas"
 
     def forward(self, x, tmod, cos, sin, prefix_k, prefix_v, attn_mask, kv_room: bool = False, fused=None,
                 own_mod: bool = False):
@@ -159,11 +189,14 @@ class GenBlock(nn.Module):
         fused: None (one GEMM per projection) or this block's (w_qkv, w_gate_up) from fused.FusedWeights.
         own_mod: tmod is this block's modulation already (shared time modulation + self.modulation)."""
         b, n, _ = x.shape
-        fin, fout = (_compiled("in"), _compiled("out")) if self.compiled else (_block_in, _block_out)
+        if self.gemm == "autotune":
+            fin, fout = _compiled("in", AUTOTUNE_MODE), _compiled("out", AUTOTUNE_MODE)
+        else:
+            fin, fout = (_compiled("in"), _compiled("out")) if self.compiled else (_block_in, _block_out)
         w_qkv, w_gu = fused if fused is not None else (
             (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight), (self.gate_proj.weight, self.up_proj.weight))
         q, k, v, g1, sh2, sc2, g2 = fin(x, tmod, None if own_mod else self.modulation, w_qkv, self.q_norm.weight, self.k_norm.weight,
-                                        cos, sin, self.heads, self.kv_heads, self.head_dim, self.eps)
+                                        cos, sin, self.heads, self.kv_heads, self.head_dim, self.eps, self.gemm)
         if kv_room:  # this step's K/V into the scratch slots, in place
             write_heads(prefix_k, k, prefix_k.shape[2] - n)
             write_heads(prefix_v, v, prefix_v.shape[2] - n)
@@ -172,7 +205,7 @@ class GenBlock(nn.Module):
             k = torch.cat([prefix_k.to(k.dtype), k], dim=2)
             v = torch.cat([prefix_v.to(v.dtype), v], dim=2)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.heads != k.shape[1])
-        return fout(x, a, g1, sh2, sc2, g2, self.o_proj.weight, w_gu, self.down_proj.weight, self.eps)
+        return fout(x, a, g1, sh2, sc2, g2, self.o_proj.weight, w_gu, self.down_proj.weight, self.eps, self.gemm)
 
 
 class GenerationTower(nn.Module):
@@ -259,9 +292,9 @@ class GenerationTower(nn.Module):
         """The whole Euler sampler (t: 0 -> 1 in `steps` steps) from noise x (B, H, action_dim) float32, with the
         prefix in the `Prefix.with_room` layout. What does not change between steps is computed once: the time
         conditioning of every step (one GEMM over `steps` rows, shared by all observations) and of every block at
-        every step (one add: shared modulation + each block's table), the state token, the
-        rotary tables and the attention mask; the loop itself only launches device work (no host reads, no tensors
-        built from Python values). Returns the final x (float32); no host synchronisation inside, so it can be
+        every step (one add: shared modulation + each block's table), the state token, the rotary tables and the
+        attention mask (additive, in the weights' dtype: see additive_mask); the loop itself only launches device
+        work (no host reads, no tensors built from Python values). Returns the final x (float32); no host synchronisation inside, so it can be
         captured in a CUDA graph. fused: per-block fused weights (fused.FusedWeights.gen) or None."""
         dtype = self.action_in.weight.dtype
         b, horizon, _ = x.shape
@@ -272,7 +305,7 @@ class GenerationTower(nn.Module):
         st = self.state_token(state, b, horizon)
         n = horizon + (0 if st is None else 1)
         cos, sin = self.rope(prefix, n, x.to(dtype))
-        attn_mask = prefix.key_mask[:, None, None, :]
+        attn_mask = additive_mask(prefix.key_mask, dtype)
         # every block's modulation at every step in one op (steps, blocks, 6, hidden); the loop takes views
         mods = torch.stack([blk.modulation for blk in self.blocks]).to(tmods.dtype)
         block_mods = tmods[:, None] + mods[None]

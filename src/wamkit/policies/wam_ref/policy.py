@@ -87,7 +87,7 @@ class WamRefPolicy(WamRefTraining, Policy):
             self.model, qcfg.text_config, horizon=self.horizon, model_action_dim=self.model_action_dim,
             state_dim=self.state_dim, placement=self.placement, cuda_graphs=cfg.cuda_graphs,
             kv_layout=cfg.kv_layout, compile=False, buckets=cfg.buckets, image_slots=self.inputs.image_slots,
-            fused=cfg.fused, prefix_graphs=cfg.prefix_graphs)
+            fused=cfg.fused, prefix_graphs=cfg.prefix_graphs, gemm=cfg.gemm)
         if cfg.compile:
             self.engine.enable_compile()
         self.spec = PolicySpec(
@@ -129,6 +129,7 @@ class WamRefPolicy(WamRefTraining, Policy):
     kv_layout = _engine_option("kv_layout", "prefix K/V layout while denoising: expanded | room")
     prefix_graphs = _engine_option("prefix_graphs", "with cuda_graphs, replay the prefix pass from CUDA graphs too")
     fused = _engine_option("fused", "fused q/k/v and gate/up GEMMs at inference (off: the reference path)")
+    gemm = _engine_option("gemm", "denoising-loop GEMM kernels: cublas | triton | autotune")
     compile = property(lambda self: self.engine.compile)
     graph_buckets = property(lambda self: self.engine.buckets)
     gen_tokens = property(lambda self: self.engine.gen_tokens)
