@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from wamkit.core.types import ChunkResult, Observation
+from wamkit.eval import affinity as affinity_mod
 from wamkit.eval import inference as inference_mod
 from wamkit.eval import scheduler as scheduler_mod
 from wamkit.eval.inference import Inference
@@ -65,7 +66,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 class _Clock:
-    """Stands in for the `time` module inside the scheduler and inference modules while a model runs."""
+    """Stands in for the `time` module inside the scheduler, affinity and inference modules while a model runs."""
 
     def __init__(self, loop: VirtualTimeLoop):
         self.loop = loop
@@ -82,12 +83,12 @@ class _Clock:
 
 @contextlib.contextmanager
 def _virtual_clock(loop: VirtualTimeLoop):
-    saved = scheduler_mod.time, inference_mod.time
-    scheduler_mod.time = inference_mod.time = _Clock(loop)
+    saved = scheduler_mod.time, inference_mod.time, affinity_mod.time
+    scheduler_mod.time = inference_mod.time = affinity_mod.time = _Clock(loop)
     try:
         yield
     finally:
-        scheduler_mod.time, inference_mod.time = saved
+        scheduler_mod.time, inference_mod.time, affinity_mod.time = saved
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class Regime:
     net_s: float = 0.002  # transport each way, overlapping other requests
     jitter: float = 0.2   # chunk time x U(1 - jitter, 1 + jitter)
     reset_s: float = 0.0
+    load_s: float = 0.0   # a reset to another task than the env's loaded one (LIBERO builds the scene: a load)
     chunks: int = 6       # chunks per episode (run to max steps)
     episodes: int = 64
     horizon: int = 16
@@ -117,6 +119,8 @@ class SimEnv:
         self.index, self.r, self.cores = index, r, cores
         self.rng = random.Random(1000 + index)
         self.steps = 0
+        self.loaded_task = None
+        self.loads = 0
 
     def _obs(self) -> Observation:
         return Observation(images={}, state=np.zeros(4, np.float32), task="t")
@@ -127,8 +131,12 @@ class SimEnv:
 
     async def reset(self, task_id, trial):
         self.steps = 0
-        if self.r.reset_s:
-            await self._busy(self.r.reset_s)
+        cost = self.r.reset_s
+        if self.loaded_task != task_id:
+            cost, self.loads = cost + self.r.load_s, self.loads + 1
+        self.loaded_task = task_id
+        if cost:
+            await self._busy(cost)
         return self._obs()
 
     async def execute(self, actions, render_every_step=False, run_to_max_steps=False):

@@ -316,7 +316,7 @@ def test_bench_eval_rounds_and_contended_bound(mw_serial, tmp_path):
     assert rep["rounds"] == 2 and [r["row"] for r in rep["rows"]] == ["B=2, P=1", "auto"]
     for r in rep["rows"]:
         assert len(r["rounds"]) == 2 and min(r["rounds"]) <= r["env_steps_per_s"] <= max(r["rounds"])
-        assert r["of_contended_bound"] > 0
+        assert r["of_contended_bound"] > 0 and r["scene_loads"] >= 0
     c = rep["bound"]["contended"]
     assert c["sim_env_steps_per_s"] > 0 and c["inference_obs_per_s"] > 0
     assert c["bound_env_steps_per_s"] == min(c["sim_env_steps_per_s"], c["inference_obs_per_s"] * 4)

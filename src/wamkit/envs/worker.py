@@ -19,6 +19,7 @@ import asyncio
 import atexit
 import os
 import signal
+import time
 import traceback
 import weakref
 from multiprocessing import shared_memory
@@ -170,6 +171,7 @@ class EnvWorker(StartClosingContext):
         self._layout: dict = {}
         self._busy = False
         self.loaded_task: int | None = None   # task of the last successful reset (None: no scene built)
+        self.load_s: float | None = None      # seconds the last reset to another task (a scene load) took
         self._stale = False  # a cancelled call's reply is still on its way: drain it before the next call
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
@@ -265,8 +267,9 @@ class EnvWorker(StartClosingContext):
 
     # ---- calls ---------------------------------------------------------------------------------------------------
     def reset_sync(self, task_id: int, trial: int) -> Observation:
+        t0 = time.monotonic()
         obs = self._unpack_obs(self._call_sync(("reset", int(task_id), int(trial))))
-        self.loaded_task = int(task_id)
+        self._reset_done(int(task_id), time.monotonic() - t0)
         return obs
 
     def execute_sync(self, actions, render_every_step: bool = False, run_to_max_steps: bool = False) -> ChunkResult:
@@ -274,9 +277,15 @@ class EnvWorker(StartClosingContext):
         return self._unpack_chunk(self._call_sync(msg))
 
     async def reset(self, task_id: int, trial: int) -> Observation:
+        t0 = time.monotonic()
         obs = self._unpack_obs(await self._call_async(("reset", int(task_id), int(trial))))
-        self.loaded_task = int(task_id)   # the scene the process has built (schedulers keep an env on its task)
+        self._reset_done(int(task_id), time.monotonic() - t0)
         return obs
+
+    def _reset_done(self, task_id: int, seconds: float) -> None:
+        if self.loaded_task != task_id:
+            self.load_s = seconds
+        self.loaded_task = task_id   # the scene the process has built (schedulers keep an env on its task)
 
     async def execute(self, actions, render_every_step: bool = False, run_to_max_steps: bool = False) -> ChunkResult:
         msg = ("execute", np.asarray(actions, np.float32), bool(render_every_step), bool(run_to_max_steps))

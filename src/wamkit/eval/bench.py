@@ -31,7 +31,35 @@ from wamkit.eval.config import EvalConfig
 def _run(cfg: EvalConfig, console: Console, runtime: dict[str, Any] | None = None) -> dict[str, Any]:
     from wamkit.eval.runner import run_eval
 
+    position_envs(cfg, (runtime or {}).get("env_workers"), console)
     return run_eval(cfg, console=console, **(runtime or {}))
+
+
+def position_envs(cfg: EvalConfig, envs, console: Console) -> None:
+    """Before a timed run on kept env workers: load in each env the task the run's scheduler will give it
+    (eval/affinity.assign over the envs' loaded scenes and the plan), so every row starts from the same state
+    instead of inheriting the last row's scenes. Not part of any row, like warm_envs; scene loads the schedule
+    itself causes (a task's episodes running out) stay in the row and are counted (scene_loads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wamkit.eval.affinity import assign
+
+    workers = list(getattr(envs, "workers", None) or [])[:cfg.num_envs]
+    if cfg.mode == "serial" or len(workers) < 2:
+        return
+    tasks = list(cfg.tasks) if cfg.tasks else list(range(len(workers[0].tasks)))
+    if len(workers) < len(tasks):
+        return
+    loaded = {i: w.loaded_task for i, w in enumerate(workers) if isinstance(w.loaded_task, int)}
+    move = [(i, t) for i, t in assign(loaded, {t: cfg.trials for t in tasks}, len(workers)).items()
+            if loaded.get(i) != t]
+    if not move:
+        return
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(move)) as ex:
+        list(ex.map(lambda it: workers[it[0]].reset_sync(it[1], 0), move))
+    console.print(f"[bold]bench eval[/] {len(move)} env(s) loaded the task they start the row on in "
+                  f"{time.perf_counter() - t0:.1f} s (not part of any row)")
 
 
 def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
@@ -43,7 +71,7 @@ def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
             "inference_obs_per_s": th["inference_obs_per_s"], "mean_batch": sch.get("mean_batch", 0.0),
             "env_busy": sch.get("env_busy", 0.0), "inference_busy": sch.get("inference_busy", 0.0),
             "request_ms_mean": sch.get("request_ms_mean", 0.0), "compute_ms_mean": sch.get("compute_ms_mean", 0.0),
-            "success_rate": s["success_rate"]}
+            "scene_loads": sch.get("scene_loads", 0), "success_rate": s["success_rate"]}
 
 
 def grid(num_envs: int) -> list[tuple[int, int]]:
@@ -322,11 +350,13 @@ def markdown(report: dict[str, Any]) -> str:
     # per-call times only when the rows have them (reports written before they were recorded do not)
     calls = any(x.get("request_ms_mean") for x in report["rows"])
     rounds = report.get("rounds", 1) > 1
+    loads = any("scene_loads" in x for x in report["rows"])   # scene loads inside the row (eval/affinity.py)
     lines = ["| obs/request (B) x pipelines (P) | episodes | episodes/h | env steps/s | inference obs/s | mean batch "
              "| x single-batch (steps/s) | x single-batch (episodes/h) | of bound |"
              + (" request ms | server compute ms |" if calls else "")
-             + (f" spread over {report['rounds']} rounds |" if rounds else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if calls else "") + ("---|" if rounds else "")]
+             + (f" spread over {report['rounds']} rounds |" if rounds else "") + (" scene loads |" if loads else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if calls else "") + ("---|" if rounds else "")
+             + ("---|" if loads else "")]
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
@@ -336,7 +366,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {x['row']} | {x['episodes']} | {x['episodes_per_hour']:.0f} | {x['env_steps_per_s']:.1f} | "
                      f"{x['inference_obs_per_s']:.2f} | {x['mean_batch']:.1f} | {f(x['ratio_steps'], '.2f')} | "
                      f"{f(x['ratio_episodes'], '.2f')} | {f(x['of_bound'], '.2f')} |" + per_call
-                     + (f" {100 * x.get('spread', 0.0):.1f}% |" if rounds else ""))
+                     + (f" {100 * x.get('spread', 0.0):.1f}% |" if rounds else "")
+                     + (f" {x.get('scene_loads', '-')} |" if loads else ""))
     b = report["bound"]
     lines.append("")
     if b["bound_env_steps_per_s"] is None:

@@ -11,7 +11,8 @@
              simulation and inference times (see RequestPlanner.plan).
 
 Common to all: each env takes its next episode as soon as its current one ends (one of the same task while any is
-queued, so the scene stays loaded; see Scheduler._next_episode); every planned episode runs
+queued, so the scene stays loaded; envs spread over the tasks and switch scenes only where it pays: eval/affinity.py);
+every planned episode runs
 exactly once (a crashed env worker is restarted and its episode re-run from its init state; so is a stalled one, see
 CallDeadlines); the policy's noise seed is a function of (episode, env step) only, so per-episode results do not
 depend on the schedule."""
@@ -31,6 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from wamkit.core.types import ChunkResult, Observation
+from wamkit.eval.affinity import TaskAffinity
 from wamkit.eval.inference import Inference
 from wamkit.eval.plan import Episode, step_seed
 from wamkit.eval.timeline import Timeline
@@ -139,9 +141,12 @@ class Scheduler:
         self.reset_started: dict[int, float] = {}  # env index -> monotonic start of the reset under way
         self.reset_samples: deque[float] = deque(maxlen=50)   # seconds of the resets done
         self.batcher: RequestPlanner | None = None
-        # env index -> the task whose scene it has loaded (workers kept from an earlier run report theirs)
-        self.env_task: dict[int, int] = {i: t for i, e in enumerate(envs)
-                                         if isinstance(t := getattr(e, "loaded_task", None), int)}
+        # env -> task bookkeeping; workers kept from an earlier run report the scene they have loaded and how long
+        # their last scene load took
+        loads = [s for e in envs if isinstance(s := getattr(e, "load_s", None), float)]
+        self.affinity = TaskAffinity({i: t for i, e in enumerate(envs)
+                                      if isinstance(t := getattr(e, "loaded_task", None), int)},
+                                     statistics.median(loads) if loads else None)
 
     # ---- env-side primitives (with timeline spans) -------------------------------------------------------------
     async def _call(self, i: int, kind: str, coro):
@@ -173,9 +178,11 @@ class Scheduler:
         t0 = time.time()
         self.simulating += 1
         self.reset_started[i] = m0 = time.monotonic()
+        self.affinity.reset_begun(i, ep.task_id)
         try:
             obs = await self._call(i, "reset", self.envs[i].reset(ep.task_id, ep.trial))
             self.reset_samples.append(time.monotonic() - m0)
+            self.affinity.reset_done(i, ep.task_id, time.monotonic() - m0)
             return obs
         finally:
             self.simulating -= 1
@@ -205,32 +212,15 @@ class Scheduler:
         log.warning("env worker %d crashed or stalled; restarting it and re-running its episode", i)
         self._warm = {w for w in self._warm if w[0] != i}
         await asyncio.to_thread(self.envs[i].restart)
-        self.env_task.pop(i, None)   # a fresh process: no scene loaded (its episode is re-run where it is)
+        self.affinity.forget(i)   # a fresh process: no scene loaded (its episode is re-run where it is)
 
     def _next_episode(self, i: int) -> Episode | None:
-        """Env i's next episode. An env keeps its task while episodes of it are queued (a loaded scene is reused:
-        LIBERO's soft reset); one that needs a task takes the task with the most queued episodes per env already on
-        it (ties: the earliest in the plan), so the envs spread over the tasks and each rebuilds its scene about
-        once. Which env runs an episode never changes its result (seeds depend on the episode and step only)."""
-        if not self.queue:
-            return None
-        task = self.env_task.get(i)
-        first: dict[int, int] = {}
-        count: dict[int, int] = {}
-        for k, ep in enumerate(self.queue):
-            first.setdefault(ep.task_id, k)
-            count[ep.task_id] = count.get(ep.task_id, 0) + 1
-        if task not in count:
-            on = {}
-            for j, t in self.env_task.items():
-                if j != i:
-                    on[t] = on.get(t, 0) + 1
-            task = max(count, key=lambda t: (count[t] / (1 + on.get(t, 0)), -first[t]))
-            self.env_task[i] = task
-        k = first[task]
-        ep = self.queue[k]
-        del self.queue[k]
-        return ep
+        """Env i's next episode, or None when it has none worth loading a scene for (eval/affinity.py)."""
+        return self.affinity.next_episode(i, self.queue)
+
+    def _done(self, out: EpisodeOutcome) -> None:
+        self.affinity.episode_done(out.env_index)
+        self.on_done(out)
 
     # ---- one episode, actions from `get_actions` ----------------------------------------------------------------
     async def _run_episode(self, i: int, ep: Episode, get_actions) -> EpisodeOutcome:
@@ -270,8 +260,7 @@ class Scheduler:
         self.active_envs += 1
         try:
             while (ep := self._next_episode(i)) is not None:
-                out = await self._run_episode(i, ep, get_actions)
-                self.on_done(out)
+                self._done(await self._run_episode(i, ep, get_actions))
         finally:
             self.active_envs -= 1
             if self.batcher is not None:
@@ -280,6 +269,8 @@ class Scheduler:
     # ---- modes --------------------------------------------------------------------------------------------------
     async def run(self) -> None:
         mode = self.opts.mode
+        if mode != "serial":
+            self.affinity.start(self.queue, len(self.envs))
         if mode == "serial":
             await self._env_loop(0, self._direct_actions)
         elif mode == "auto":
@@ -333,7 +324,7 @@ class Scheduler:
             if ep.index in self.opts.video_episodes:
                 st["frames"].extend(res.frames)
             if res.done:
-                self.on_done(EpisodeOutcome(ep, bool(res.success), int(res.episode_steps), st["steps"],
+                self._done(EpisodeOutcome(ep, bool(res.success), int(res.episode_steps), st["steps"],
                                             time.time() - st["t0"], i, st["attempts"], st["frames"],
                                             st["digest"].hexdigest()))
                 state[i] = await start(i)

@@ -1,0 +1,163 @@
+"""Which task each env runs (eval/affinity.py): the start spread, keeping loaded scenes, switching only where it
+pays; and on the virtual-time model (bench/planner_sim.py) running the real Scheduler with costly scene loads."""
+
+import asyncio
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from wamkit.eval.affinity import assign, spread, worth_switching
+from wamkit.eval.plan import make_plan
+from wamkit.eval.scheduler import Scheduler, SchedulerOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import planner_sim as ps  # noqa: E402
+
+
+def test_spread_gives_every_task_an_env_then_follows_the_episodes_per_env():
+    assert spread({0: 17, 1: 17, 2: 17, 3: 17}, 16) == {0: 4, 1: 4, 2: 4, 3: 4}
+    assert spread({0: 30, 1: 10}, 4) == {0: 3, 1: 1}
+    assert spread({0: 1, 1: 100}, 3) == {0: 1, 1: 2}          # every task one env while envs last
+    assert sum(spread({0: 5, 1: 7, 2: 3}, 11).values()) == 11
+    k = spread({0: 50, 1: 20, 2: 20}, 9)                     # the largest per-env share is as small as it can be
+    assert max(c / k[t] for t, c in {0: 50, 1: 20, 2: 20}.items()) == pytest.approx(10.0)
+
+
+def test_assign_moves_as_few_envs_off_their_loaded_scene_as_it_can():
+    counts = {0: 8, 1: 8, 2: 8, 3: 8}
+    loaded = {i: 0 for i in range(8)}                         # all eight envs on task 0 (e.g. the last row drained)
+    out = assign(loaded, counts, 8)
+    assert sorted(out.values()) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert sum(out[i] != loaded[i] for i in loaded) == 6      # two stay, six must load a scene
+    balanced = {i: i % 4 for i in range(8)}
+    assert assign(balanced, counts, 8) == balanced            # nothing moves when the scenes already fit
+    fresh = assign({}, counts, 8)                             # no scene loaded anywhere: every env gets one
+    assert sorted(fresh) == list(range(8)) and sorted(fresh.values()) == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_a_switch_pays_only_when_the_envs_already_on_the_task_would_finish_later():
+    assert worth_switching(3, 0, load_s=100.0, episode_s=1.0)       # nobody on it: always
+    assert not worth_switching(1, 4, load_s=7.0, episode_s=4.5)     # one episode left, four envs on it
+    assert worth_switching(1, 4, load_s=0.05, episode_s=4.5)        # a free switch helps even there
+    assert worth_switching(12, 1, load_s=7.0, episode_s=4.5)        # a long queue on one env
+    assert not worth_switching(3, 1, load_s=30.0, episode_s=4.5)    # ... unless the load outlasts it
+
+
+def _run(r, plan, loaded=None, stop_at=None):
+    """Run the real Scheduler on the model; returns (outcomes, envs, scheduler, virtual seconds)."""
+    out = {}
+
+    async def go():
+        cores = asyncio.Semaphore(r.cores)
+        envs = [ps.SimEnv(i, r, cores) for i in range(r.envs)]
+        for i, t in (loaded or {}).items():
+            envs[i].loaded_task = t
+        done = []
+        opts = SchedulerOptions(mode="auto", cores=r.cores, run_to_max_steps=True)
+        s = Scheduler(envs, ps.SimAccelerator(r), plan, opts, done.append)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await s.run()
+        out.update(done=done, envs=envs, sched=s, wall=loop.time() - t0)
+
+    ps.run_virtual(go())
+    return out
+
+
+def test_envs_that_all_start_on_one_task_spread_at_the_start_not_mid_run():
+    """Eight envs all holding task 0's scene, four tasks of 6 episodes: six envs load another task's scene at the
+    start, and no env loads a scene after that (mid-run loads make the tail)."""
+    r = dataclasses.replace(ps.REGIMES["sim-bound-8"], envs=8, chunks=3, load_s=1.0, reset_s=0.02)
+    plan = make_plan("sim", [0, 1, 2, 3], 6)
+    res = _run(r, plan, loaded={i: 0 for i in range(8)})
+    keys = [o.episode.key for o in res["done"]]
+    assert sorted(keys) == sorted(ep.key for ep in plan)           # every episode exactly once
+    assert sum(e.loads for e in res["envs"]) == 6
+    assert res["sched"].affinity.loads == 6
+
+
+def test_an_env_stops_rather_than_load_a_scene_for_a_queue_others_finish_sooner():
+    """Loads far dearer than an episode: once its task runs out an env stops instead of loading the scene of a task
+    that other envs are on; with nearly free loads it switches and helps. Every episode runs once either way."""
+    plan = make_plan("sim", [0, 1], 9)                    # 9 + 9 episodes on 4 envs: 2 per task, 4.5 each
+    for load, expect_more in ((40.0, False), (0.001, True)):
+        r = dataclasses.replace(ps.REGIMES["sim-bound-8"], envs=4, cores=4, chunks=2, load_s=load, reset_s=0.001,
+                                jitter=0.6)
+        res = _run(r, plan)
+        assert sorted(o.episode.key for o in res["done"]) == sorted(ep.key for ep in plan)
+        loads = sum(e.loads for e in res["envs"])
+        if expect_more:
+            assert loads > 4, loads                            # switched to help the task left with a queue
+        else:
+            assert loads == 4, loads                           # the 4 first loads only
+            assert res["sched"].affinity.stopped                # someone stopped instead
+
+
+def test_costly_loads_finish_sooner_with_the_rules_than_keep_until_empty():
+    """The old rule (keep the task until its queue is empty, then take the task with most queued per env) against
+    the new ones, from a lopsided start (all envs on task 0) with loads ~3 episodes long: the new run ends sooner."""
+    from wamkit.eval.affinity import TaskAffinity
+
+    class KeepUntilEmpty(TaskAffinity):
+        def start(self, queue, n_envs):
+            pass
+
+        def next_episode(self, i, queue):
+            self.load_samples.clear()                          # no estimates: always switch
+            return super().next_episode(i, queue)
+
+    r = dataclasses.replace(ps.REGIMES["sim-bound-8"], envs=8, chunks=4, load_s=2.5, reset_s=0.02)
+    plan = make_plan("sim", [0, 1, 2, 3], 10)
+    new = _run(r, plan, loaded={i: 0 for i in range(8)})
+
+    import wamkit.eval.scheduler as sm
+    saved = sm.TaskAffinity
+    sm.TaskAffinity = KeepUntilEmpty
+    try:
+        old = _run(r, plan, loaded={i: 0 for i in range(8)})
+    finally:
+        sm.TaskAffinity = saved
+    assert sorted(o.episode.key for o in old["done"]) == sorted(o.episode.key for o in new["done"])
+    assert new["wall"] < old["wall"], (new["wall"], old["wall"])
+    assert sum(e.loads for e in new["envs"]) <= sum(e.loads for e in old["envs"])
+
+
+def test_bench_rows_start_from_the_scenes_their_scheduler_assigns(tmp_path):
+    """bench eval positions kept envs before each timed row (untimed): envs whose scene differs from the row's
+    start assignment load it; envs that fit are left alone; serial rows and too few envs are left alone."""
+    from rich.console import Console
+
+    from wamkit.eval.bench import position_envs
+    from wamkit.eval.config import EvalConfig
+
+    class Worker:
+        def __init__(self, t):
+            self.loaded_task, self.tasks, self.calls = t, [object()] * 6, []
+
+        def reset_sync(self, task, trial):
+            self.calls.append((task, trial))
+            self.loaded_task = task
+
+    class Kept:
+        def __init__(self, loaded):
+            self.workers = [Worker(t) for t in loaded]
+
+    cfg = EvalConfig(env="metaworld", tasks=[0, 1, 2, 3], trials=5, num_envs=8, mode="auto")
+    kept = Kept([0] * 8)
+    position_envs(cfg, kept, Console(file=open(tmp_path / "log", "w")))
+    assert sorted(w.loaded_task for w in kept.workers) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert sum(len(w.calls) for w in kept.workers) == 6
+    before = [list(w.calls) for w in kept.workers]
+    position_envs(cfg, kept, Console(file=open(tmp_path / "log", "w")))      # already positioned: no call
+    assert [w.calls for w in kept.workers] == before
+    # the scheduler of that row starts every env on the scene it has: no load at the start
+    from wamkit.eval.affinity import TaskAffinity
+
+    aff = TaskAffinity({i: w.loaded_task for i, w in enumerate(kept.workers)})
+    aff.start(make_plan("sim", [0, 1, 2, 3], 5), 8)
+    assert aff.env_task == {i: w.loaded_task for i, w in enumerate(kept.workers)}
+    serial = Kept([0] * 8)
+    position_envs(dataclasses.replace(cfg, mode="serial"), serial, Console(file=open(tmp_path / "log", "w")))
+    assert not any(w.calls for w in serial.workers)
