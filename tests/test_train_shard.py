@@ -46,6 +46,8 @@ def test_shard_values_and_bad_values_name_the_key():
     with pytest.raises(ConfigError, match="shard=none.*nproc=2"):
         load_config(TrainConfig, None, ["shard=none", "nproc=2"])
     assert load_config(TrainConfig, None, ["compile=model"]).compile == "model"
+    with pytest.raises(ConfigError, match="compile=model needs activation_checkpointing=none"):
+        load_config(TrainConfig, None, ["compile=model", "activation_checkpointing=vision"])
     with pytest.raises(ConfigError, match="compile"):
         load_config(TrainConfig, None, ["compile=whole model"])
 
@@ -178,6 +180,9 @@ def test_compile_model_is_the_root_and_refused_with_fsdp(one_rank, monkeypatch):
     net = TinyNet(6, 8, 2, 5)
     with pytest.raises(UserError, match="compile=model"):
         setup_model(net, [*net.blocks, net], "cpu", 1, shard="fsdp", mixed_precision="fp32", compile="model")
+    with pytest.raises(UserError, match="activation_checkpointing=none"):
+        setup_model(net, [*net.blocks, net], "cpu", 1, shard="none", compile="model", activation_checkpointing="full")
+    assert len(compiled) == 1                                       # nothing compiled by the refused calls
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

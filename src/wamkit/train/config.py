@@ -105,12 +105,17 @@ class TrainConfig:
         check_number("gc_every", self.gc_every, 0)
         self.activation_checkpointing = module_selection(self.activation_checkpointing, "activation_checkpointing")
         self.compile = module_selection(self.compile, "compile", allow_model=True)
+        if self.compile == WHOLE_MODEL and self.activation_checkpointing != "none":
+            raise ConfigError(COMPILE_MODEL_AC)
         if self.shard == "none" and self.nproc > 1:
             raise ConfigError(f"shard=none trains on one rank; nproc={self.nproc} needs shard=fsdp (or auto)")
 
 
 SELECTION_MODES = ("none", "full", "vision")
 WHOLE_MODEL = "model"   # compile only: the root module itself (one graph, no FSDP hooks in it: shard=none)
+COMPILE_MODEL_AC = ("compile=model needs activation_checkpointing=none: the composable checkpoint's recomputation "
+                    "does not match a whole-model compiled forward (torch.utils.checkpoint CheckpointError); compile "
+                    "the units instead (compile=full or globs) to combine both")
 
 
 def module_selection(value, key: str = "activation_checkpointing", allow_model: bool = False) -> str:

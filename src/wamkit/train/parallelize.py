@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from wamkit.core.errors import UserError
-from wamkit.train.config import WHOLE_MODEL, module_selection
+from wamkit.train.config import COMPILE_MODEL_AC, WHOLE_MODEL, module_selection
 from wamkit.train.master import MasterWeights
 
 
@@ -226,8 +226,10 @@ def setup_model(root: nn.Module, units: list[nn.Module], device_type: str, world
         return TrainModel(root, mode, precision)
     units = [u for u in units if u is not root]
     ac = module_selection(activation_checkpointing, "activation_checkpointing")
-    apply_activation_checkpointing(root, select_modules(root, units, ac, "activation_checkpointing"))
     comp = module_selection(compile, "compile", allow_model=True)
+    if comp == WHOLE_MODEL and ac != "none":
+        raise UserError(COMPILE_MODEL_AC)
+    apply_activation_checkpointing(root, select_modules(root, units, ac, "activation_checkpointing"))
     apply_compile(root, select_modules(root, units, comp, "compile"))
     if init is not None:
         init()
