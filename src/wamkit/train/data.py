@@ -232,6 +232,8 @@ class DevicePrefetcher:
     def _work(self) -> None:
         import queue
 
+        if self._copy_stream is not None and self.device.index is not None:
+            torch.cuda.set_device(self.device)   # a new thread starts on device 0 (the rank's may be another)
         while not self._stop.is_set():
             try:
                 item = self._fetch()

@@ -327,7 +327,8 @@ def _loop(cfg: TrainConfig, info: DistInfo, policy, model, optimizer, scheduler,
         if done % cfg.log_every == 0 or done == end:
             if dev_window:                          # the window's one device read
                 names = list(dev_window)
-                sums = torch.stack([torch.stack(dev_window[n]).float().sum() for n in names]).tolist()
+                sums = torch.stack([torch.stack(dev_window[n]).float().sum().to(info.device)
+                                    for n in names]).tolist()
                 for name, v in zip(names, sums):
                     window[name] = window.get(name, 0.0) + v
             window["data_wait_s"] = data_wait
