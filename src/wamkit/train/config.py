@@ -56,15 +56,16 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # recompute activations in backward (less memory, more compute):
                                             # none | full (every FSDP unit) | vision (the vision tower's units) |
                                             # comma-separated globs of module names; true/false = full/none
-    cast_root_inputs: bool = True           # bf16: FSDP2 casts the root module's floating forward inputs to bf16
-                                            # (wam-ref: actions, noise, flow time t); false keeps them as given
-                                            # (the model casts where it computes; wam-ref does)
+    cast_root_inputs: bool = True           # bf16: FSDP2 (shard=none: a pre-hook) casts the root module's floating
+                                            # forward inputs to bf16 (wam-ref: actions, noise, flow time t); false
+                                            # keeps them as given (the model casts where it computes; wam-ref does)
     reshard_after_forward: Literal["auto", "true", "false"] = "true"  # FSDP2: free the gathered bf16 weights of
                                             # each unit after its forward (and gather again in backward); auto:
                                             # false on one rank (nothing to save there but a copy per weight)
     compile: str = "none"                   # torch.compile per module: none | full (every FSDP unit) | vision |
-                                            # model (the whole root module; shard=none only) | comma-separated
-                                            # globs of module names; true/false = full/none
+                                            # model (the whole root module; shard=none, no activation
+                                            # checkpointing) | comma-separated globs of module names;
+                                            # true/false = full/none
     gc_every: int = 0                       # 0: Python's automatic garbage collection; N: automatic GC off, one
                                             # collection every N steps (no GC pause inside a step)
     seed: int = 0                           # model init, data order and noise seed
