@@ -16,9 +16,10 @@ trainer), reshard_after_forward (true|false|auto), mixed_precision, cast_root_in
 (0 = Python's automatic GC; N = off, one collection every N steps); trainable ("" = the policy's patterns, "all", or
 comma-separated globs); data=synthetic (one fixed batch, no loading) | loader (a DataLoader with num_workers workers
 and pinned memory over synthetic uint8 samples, through the trainer's DevicePrefetcher: on the device one batch
-ahead, from a background thread on CUDA: the data path's own cost, no decoding); alloc_conf (PYTORCH_CUDA_ALLOC_CONF of the runs, e.g. expandable_segments:True); syncs=true (CUDA: one
-more step under torch.cuda.set_sync_debug_mode("warn"), host syncs counted by call site); profile=true (CUDA: a
-torch.profiler table of one more step, first run only); smi_ms (nvidia-smi sampling period, 0 = off); json=PATH;
+ahead, from a background thread on CUDA: the data path's own cost, no decoding); alloc_conf
+(PYTORCH_CUDA_ALLOC_CONF of the runs, e.g. expandable_segments:True); syncs=true (CUDA: one more step under
+torch.cuda.set_sync_debug_mode("warn"), host syncs counted by call site); profile=true (CUDA: a torch.profiler
+table of one more step, first run only); smi_ms (nvidia-smi sampling period, 0 = off); json=PATH;
 out=PATH (markdown appended; bench/results/train.md by default); note.
 
 Per step (each run): step_s (wall, the CUDA device synchronized at its end), host_s (until the host had issued the

@@ -79,7 +79,8 @@ def _batch(pol, b: int = 2) -> dict:
 
 def _steps(shard: str, precision: str, n: int = 2, ga: int = 1):
     """wam-ref tiny (all parameters trained) under setup_model(shard, precision): n optimizer steps (AdamW, grad
-    clipping, `ga` micro-steps each) on fixed batches and noise. Returns (losses, full fp32 weights after, the TrainModel, optimizer)."""
+    clipping, `ga` micro-steps each) on fixed batches and noise. Returns (losses, full fp32 weights after, the
+    TrainModel, optimizer)."""
     torch.manual_seed(0)
     pol = _wam_ref_tiny()
     pol.module.float().train()

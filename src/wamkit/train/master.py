@@ -1,4 +1,5 @@
-"""shard=none with bf16 mixed precision: the policy's module computes in bf16, the optimizer updates fp32 master weights.
+"""shard=none with bf16 mixed precision: the policy's module computes in bf16, the optimizer updates fp32 master
+weights.
 
     mw = MasterWeights(module)          # module's parameters now hold bf16 copies; mw.state holds the fp32 masters
     opt = build_optimizer(mw.state, ...)
