@@ -10,14 +10,16 @@ Keys (key=value): device cpu|cuda; policy, size; nproc (comma list: one set of r
 per optimizer step); grad_accum (micro-steps per step: micro-batch = batch / (nproc x grad_accum)); steps (measured
 steps per run, after warmup; auto = 20 on cuda, 8 on cpu); warmup (auto = 3 / 2); runs (separate processes of the
 same command; auto = 3 on cuda, 1 on cpu); the trainer's options activation_checkpointing (none|full|vision|globs;
-default none = the trainer's default), reshard_after_forward (true|false|auto), mixed_precision, cast_root_inputs,
-optimizer (auto|fused|foreach|for-loop), compile (none|full|vision|globs, like activation_checkpointing), gc_every
+default none = the trainer's default), shard (auto|fsdp|none: auto = none on one rank, fsdp on more, as the
+trainer), reshard_after_forward (true|false|auto), mixed_precision, cast_root_inputs, optimizer
+(auto|fused|foreach|for-loop), compile (none|full|vision|model|globs: model = the whole module, shard=none), gc_every
 (0 = Python's automatic GC; N = off, one collection every N steps); trainable ("" = the policy's patterns, "all", or
 comma-separated globs); data=synthetic (one fixed batch, no loading) | loader (a DataLoader with num_workers workers
-and pinned memory over synthetic uint8 samples, through the trainer's device copy: the data path's own cost, no
-decoding); alloc_conf (PYTORCH_CUDA_ALLOC_CONF of the runs, e.g. expandable_segments:True); syncs=true (CUDA: one
-more step under torch.cuda.set_sync_debug_mode("warn"), host syncs counted by call site); profile=true (CUDA: a
-torch.profiler table of one more step, first run only); smi_ms (nvidia-smi sampling period, 0 = off); json=PATH;
+and pinned memory over synthetic uint8 samples, through the trainer's DevicePrefetcher: on the device one batch
+ahead, from a background thread on CUDA: the data path's own cost, no decoding); alloc_conf
+(PYTORCH_CUDA_ALLOC_CONF of the runs, e.g. expandable_segments:True); syncs=true (CUDA: one more step under
+torch.cuda.set_sync_debug_mode("warn"), host syncs counted by call site); profile=true (CUDA: a torch.profiler
+table of one more step, first run only); smi_ms (nvidia-smi sampling period, 0 = off); json=PATH;
 out=PATH (markdown appended; bench/results/train.md by default); note.
 
 Per step (each run): step_s (wall, the CUDA device synchronized at its end), host_s (until the host had issued the
@@ -51,7 +53,7 @@ DEFAULTS = {"device": "cpu", "policy": "wam-ref", "size": "tiny", "nproc": "1,2"
             "reshard_after_forward": "true", "mixed_precision": "auto", "note": "", "trainable": "", "json": "",
             "compile": "false", "optimizer": "auto", "profile": "false", "data": "synthetic", "num_workers": "2",
             "alloc_conf": "", "syncs": "true", "smi_ms": "200", "gc_every": "0",
-            "cast_root_inputs": "true"}
+            "cast_root_inputs": "true", "shard": "auto"}
 SMI_FIELDS = ["index", "clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "utilization.gpu",
               "clocks_throttle_reasons.active"]
 
@@ -85,16 +87,18 @@ def synthetic_batch(policy, b: int, device, seed: int = 0):
     g = np.random.default_rng(seed)
     size = spec.input.image_size or 64
     d = getattr(policy, "model_action_dim", spec.action.dim)
-    # images stay on the host (uint8, as the data loader yields them): the policy's preprocessing reads them there
     images = {c: torch.from_numpy(g.integers(0, 256, (b, size, size, 3), dtype=np.uint8)) for c in spec.input.cameras}
     batch = {"task": ["put the bowl on the plate"] * b,
              "actions": torch.from_numpy(g.standard_normal((b, spec.action.horizon, d), dtype=np.float32)).clamp(-1, 1),
              "action_mask": torch.ones(b, spec.action.horizon, dtype=torch.bool)}
     if spec.input.state_dim:
         batch["state"] = torch.from_numpy(g.standard_normal((b, spec.input.state_dim), dtype=np.float32))
-    out = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
-    out["images"] = images
-    return out
+    batch["images"] = images
+    # where the trainer's prefetcher puts them: on the device, but for the policy's host keys
+    from wamkit.train.data import to_device
+    from wamkit.train.trainer import host_keys_of
+
+    return to_device(batch, device, host_keys_of(policy))
 
 
 class SyntheticSamples:
@@ -133,7 +137,8 @@ def batch_source(kv, policy, micro: int, device):
     import torch
 
     from wamkit.data.samples import collate
-    from wamkit.train.trainer import _to_device
+    from wamkit.train.data import DevicePrefetcher
+    from wamkit.train.trainer import host_keys_of
 
     nw = int(kv["num_workers"])
     loader = torch.utils.data.DataLoader(SyntheticSamples(policy), batch_size=micro, shuffle=True, drop_last=True,
@@ -141,14 +146,15 @@ def batch_source(kv, policy, micro: int, device):
                                          persistent_workers=nw > 0)
     state = {"it": iter(loader)}
 
-    def nxt():
+    def take():
         try:
             b = next(state["it"])
         except StopIteration:
             state["it"] = iter(loader)
             b = next(state["it"])
-        return _to_device(b, device)
-    return nxt, loader
+        return b, None
+    pre = DevicePrefetcher(take, device, host_keys_of(policy), thread=device.type == "cuda" and nw > 0)
+    return pre.next, pre
 
 
 # ---------------------------------------------------------------------------------------------------- probes
@@ -268,7 +274,7 @@ def worker(kv):
     from wamkit.train.config import TrainConfig, module_selection
     from wamkit.train.dist import close_distributed, init_distributed
     from wamkit.train.optim import build_optimizer, count_params, select_trainable
-    from wamkit.train.parallelize import parallelize, resolved_precision, resolved_reshard
+    from wamkit.train.parallelize import resolved_precision, resolved_reshard, setup_model
     from wamkit.train.trainer import build_policy
 
     t_start = time.perf_counter()
@@ -300,13 +306,15 @@ def worker(kv):
     step_flops = flops.get_total_flops() * (micro / fb) * world * ga      # all ranks, all micro-steps: one step
     module.zero_grad(set_to_none=True)
     ac = module_selection(kv["activation_checkpointing"], "activation_checkpointing")
-    comp = module_selection(kv["compile"], "compile")
-    parallelize(module, list(policy.fsdp_units()), dev.type, world, mixed_precision=kv["mixed_precision"],
-                activation_checkpointing=ac, compile=comp, reshard_after_forward=kv["reshard_after_forward"],
-                cast_root_inputs=truthy(kv["cast_root_inputs"]))
+    comp = module_selection(kv["compile"], "compile", allow_model=True)
+    t_setup = time.perf_counter()
+    model = setup_model(module, list(policy.fsdp_units()), dev.type, world, shard=kv["shard"],
+                        mixed_precision=kv["mixed_precision"], activation_checkpointing=ac, compile=comp,
+                        reshard_after_forward=kv["reshard_after_forward"],
+                        cast_root_inputs=truthy(kv["cast_root_inputs"]))
     cfg = TrainConfig(optimizer_impl=kv["optimizer"])
-    opt = build_optimizer(module, cfg, dict(policy.lr_multipliers()))
-    params = [p for p in module.parameters() if p.requires_grad]
+    opt = build_optimizer(model.state, cfg, dict(policy.lr_multipliers()))
+    params = [p for p in model.state.parameters() if p.requires_grad]
     next_batch, loader = batch_source(kv, policy, micro, dev)
     phases = ("data_wait_s", "fwd_s", "bwd_s", "opt_s")
     rec = dict.fromkeys(phases, 0.0)
@@ -317,10 +325,11 @@ def worker(kv):
             t = time.perf_counter()
             batch = next_batch()
             t1 = time.perf_counter()
-            module.set_requires_gradient_sync(k == ga - 1)
+            model.before_backward(k == ga - 1)
             loss, _ = policy.sft_loss(batch)
             t2 = time.perf_counter()
-            (loss / ga).backward()
+            (loss / ga if ga > 1 else loss).backward()
+            model.after_backward(k == 0)
             t3 = time.perf_counter()
             rec["data_wait_s"] += t1 - t
             rec["fwd_s"] += t2 - t1
@@ -328,7 +337,7 @@ def worker(kv):
         t = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        model.after_optimizer_step(opt)
         rec["opt_s"] += time.perf_counter() - t
 
     warmup, steps = int(kv["warmup"]), int(kv["steps"])
@@ -341,6 +350,7 @@ def worker(kv):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t_built = time.perf_counter()
+    first_step_s = None   # the first (warm-up) step: compile time (compile=...) lands here
     per_step = {k: [] for k in ("step_s", "host_s", "gpu_lag_s", "cpu_s", *phases)}
     smi = None
     for i in range(warmup + steps):
@@ -358,6 +368,8 @@ def worker(kv):
         if cuda:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
+        if i == 0:
+            first_step_s = t2 - t0
         for k, v in (("step_s", t2 - t0), ("host_s", t1 - t0), ("gpu_lag_s", t2 - t1),
                      ("cpu_s", time.process_time() - c0), *rec.items()):
             per_step[k].append(v)
@@ -382,7 +394,7 @@ def worker(kv):
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
     steps_s = measured["step_s"]
     res = {"nproc": world, "device": dev.type, "precision": resolved_precision(kv["mixed_precision"], dev.type),
-           "ac": ac, "compile": comp, "optimizer": kv["optimizer"],
+           "shard": model.shard, "ac": ac, "compile": comp, "optimizer": kv["optimizer"],
            "reshard_after_forward": resolved_reshard(kv["reshard_after_forward"], world), "data": kv["data"],
            "gc_every": gc_every, "cast_root_inputs": truthy(kv["cast_root_inputs"]),
            "params_M": total / 1e6, "trainable_M": trainable / 1e6, "global_batch": micro * world * ga,
@@ -401,10 +413,12 @@ def worker(kv):
            "env": {k: os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS",
                                                       "CUDA_DEVICE_MAX_CONNECTIONS")},
            "torch": torch.__version__, "gpu_name": torch.cuda.get_device_name(dev) if cuda else None,
-           "build_s": t_built - t_start, "profile": prof_table}
+           "build_s": t_built - t_start, "setup_s": t_built - t_setup, "first_step_s": first_step_s,
+           "profile": prof_table}
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
-    del loader
+    if loader is not None:
+        loader.close()
     close_distributed(info)
 
 
@@ -415,13 +429,15 @@ def summarize(rows: list[dict]) -> dict:
     med = statistics.median(sps)
     pooled = statistics.median([x for r in rows for x in r["per_step"]["step_s"]])
     r0 = rows[0]
-    out = {"nproc": r0["nproc"], "runs": len(rows), "global_batch": r0["global_batch"], "samples_per_s": med,
+    out = {"nproc": r0["nproc"], "shard": r0["shard"], "runs": len(rows), "global_batch": r0["global_batch"],
+           "samples_per_s": med,
            "per_run_samples_per_s": sps, "spread": (max(sps) - min(sps)) / med if med else 0.0,
            "pooled_median_step_s": pooled, "pooled_samples_per_s": r0["global_batch"] / pooled,
            "per_run_step_cv": [r["step_cv"] for r in rows],
            "per_run_host_bound_fraction": [r["host_bound_fraction"] for r in rows],
            "per_run_median_data_wait_s": [r["median"]["data_wait_s"] for r in rows],
            "per_run_median_gpu_lag_s": [r["median"]["gpu_lag_s"] for r in rows],
+           "per_run_build_s": [r["build_s"] for r in rows], "per_run_first_step_s": [r["first_step_s"] for r in rows],
            "tflop_per_step": r0["tflop_per_step"], "peak_mem_gib_rank0": max(r["peak_mem_gib_rank0"] for r in rows)}
     if r0["mfu"] is not None:
         mfus = [r["mfu"] for r in rows]
@@ -512,17 +528,18 @@ def write(kv, rows, summaries, argv):
              "- timed: trainer step (sft_loss fwd+bwd, clip, AdamW); a run's figure is its median step; FLOPs "
              "measured with FlopCounterMode (fwd+bwd of the global batch); MFU vs "
              f"{kv['peak_tflops']} TFLOP/s per GPU" + (f"; {kv['note']}" if kv["note"] else ""), "",
-             "| ranks | run | precision | act. ckpt | reshard | params (trainable) | batch (micro x accum) | "
-             "median step s | samples/s | TFLOP/step | TFLOP/s | MFU | step CV | host/step | data wait s | "
-             "peak mem GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| ranks | run | shard | precision | act. ckpt | compile | reshard | params (trainable) | "
+             "batch (micro x accum) | median step s | samples/s | TFLOP/step | TFLOP/s | MFU | step CV | host/step | "
+             "data wait s | peak mem GiB | first step s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        lines.append(f"| {r['nproc']} | {r['run']} | {r['precision']} | {r['ac']} | {r['reshard_after_forward']} | "
+        lines.append(f"| {r['nproc']} | {r['run']} | {r['shard']} | {r['precision']} | {r['ac']} | {r['compile']} | "
+                     f"{r['reshard_after_forward'] if r['shard'] == 'fsdp' else '-'} | "
                      f"{r['params_M']:.2f}M ({r['trainable_M']:.2f}M) | {r['global_batch']} ({r['micro_batch']} x "
                      f"{r['grad_accum']}) | {r['step_s']:.3f} | {r['samples_per_s']:.1f} | {r['tflop_per_step']:.4f} | "
                      f"{r['achieved_tflops']:.3f} | {mfu} | {r['step_cv']:.3f} | {r['host_bound_fraction']:.2f} | "
-                     f"{r['median']['data_wait_s']:.4f} | {r['peak_mem_gib_rank0']:.2f} |")
+                     f"{r['median']['data_wait_s']:.4f} | {r['peak_mem_gib_rank0']:.2f} | {r['first_step_s']:.1f} |")
     lines.append("")
     for s in summaries:
         mfu = f", MFU {100 * s['mfu']:.1f}%" if s["mfu"] is not None else ""

@@ -23,6 +23,8 @@ def close(a: dict, b: dict, steps, rtol=1e-5, atol=1e-6):
 
 
 def test_two_ranks_match_one_rank_and_resume_on_one_rank(tmp_path):
+    """2 ranks (shard=auto: FSDP2) == 1 rank (shard=auto: none, the plain module); the 2-rank FSDP2 checkpoint
+    resumes on one rank under shard=none, and a 1-rank shard=none checkpoint resumes on 2 FSDP2 ranks."""
     common = ["steps=20", "batch_size=8", "grad_accum=2", "save_every=10", "keep_last=2"]
     two, one = tmp_path / "two", tmp_path / "one"
     run_train([*common, f"out={two}"], nproc=2)
@@ -39,6 +41,14 @@ def test_two_ranks_match_one_rank_and_resume_on_one_rank(tmp_path):
     c = losses(re)
     assert sorted(c) == list(range(11, 21))
     close(c, a, range(11, 21))
+    # and the other way: the 1-rank shard=none checkpoint of step 10, resumed on 2 FSDP2 ranks
+    re2 = tmp_path / "re2"
+    (re2 / "checkpoints").mkdir(parents=True)
+    shutil.copytree(one / "checkpoints" / "step-000010", re2 / "checkpoints" / "step-000010")
+    run_train([*common, f"out={re2}", "resume=true", "shard=fsdp"], nproc=2)
+    d = losses(re2)
+    assert sorted(d) == list(range(11, 21))
+    close(d, a, range(11, 21))
 
 
 def test_two_rank_stop_and_resume_is_exact(tmp_path):

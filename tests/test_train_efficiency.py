@@ -170,12 +170,12 @@ def test_adamw_kernels_agree_on_fsdp2_dtensor_params(one_rank):
 def test_trainer_options_keep_the_losses_and_log_wait_and_step_time(tmp_path):
     base = ["steps=4", "batch_size=8", "log_every=1", "num_workers=0"]
     train(cfg_of(tmp_path / "a", *base))
-    train(cfg_of(tmp_path / "b", *base, "activation_checkpointing=full", "reshard_after_forward=false", "gc_every=1",
-                 "cast_root_inputs=false"))
+    train(cfg_of(tmp_path / "b", *base, "shard=fsdp", "activation_checkpointing=full", "reshard_after_forward=false",
+                 "gc_every=1", "cast_root_inputs=false"))
     train(cfg_of(tmp_path / "c", *base, "activation_checkpointing=blocks.*", "optimizer_impl=fused"))
     a, b, c = losses(tmp_path / "a"), losses(tmp_path / "b"), losses(tmp_path / "c")
     assert sorted(a) == sorted(b) == sorted(c) == [1, 2, 3, 4]
-    assert a == b                                               # same arithmetic, bit for bit
+    assert a == b                              # same arithmetic, bit for bit (a: shard=none, the default on 1 rank)
     assert a[1] == c[1]                                         # the optimizer acts after the first loss
     for s in (2, 3, 4):
         assert c[s] == pytest.approx(a[s], rel=1e-5, abs=1e-7)
@@ -197,13 +197,15 @@ def test_bench_train_json_has_the_run_to_run_fields(tmp_path):
     (s,) = d["summary"]
     assert s["runs"] == 2 and len(s["per_run_samples_per_s"]) == 2 and s["spread"] >= 0
     assert s["samples_per_s"] > 0 and s["mfu"] is None                       # no MFU on the CPU
+    assert s["shard"] == "none" and len(s["per_run_first_step_s"]) == 2
     assert len(d["rows"]) == 2
     for r in d["rows"]:
         assert r["measured_steps"] == 2 and len(r["step_times_s"]) == 3
         for k in ("step_s", "host_s", "gpu_lag_s", "cpu_s", "data_wait_s", "fwd_s", "bwd_s", "opt_s"):
             assert len(r["per_step"][k]) == 2 and k in r["median"]
         assert r["tflop_per_step"] > 0 and r["host"]["cpu_count"] >= 1 and r["data"] == "loader"
-        assert r["ac"] == "none" and r["global_batch"] == 2
+        assert r["ac"] == "none" and r["global_batch"] == 2 and r["shard"] == "none"     # auto on one rank
+        assert r["first_step_s"] > 0 and r["build_s"] > 0
     assert "spread between runs" in (tmp_path / "train.md").read_text()
 
 

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from wamkit.core.errors import UserError
@@ -213,7 +213,10 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, ema, rank:
     msd, osd = get_state_dict(model, optimizer)
     dcp.load(msd, storage_reader=HuggingFaceStorageReader(str(path / "model")))
     optim_box = {"optim": osd}
-    dcp.load(optim_box, checkpoint_id=str(path / "optim"))
+    # partial: a trainable parameter that never received a gradient (wam-ref: the last text layer's query and MLP,
+    # whose outputs nothing reads) has no AdamW state in the checkpoint; it keeps the fresh (zero) state that
+    # get_state_dict gave it. Weights are loaded strictly.
+    dcp.load(optim_box, checkpoint_id=str(path / "optim"), planner=DefaultLoadPlanner(allow_partial_load=True))
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=optim_box["optim"])
     if ema is not None:
         if not (path / "ema").exists():

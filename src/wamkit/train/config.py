@@ -47,19 +47,25 @@ class TrainConfig:
     ema: float = 0.0                        # EMA decay of the weights (e.g. 0.999); 0 = off
     # parallelism / numerics
     nproc: int = 1                          # ranks; > 1 relaunches under torchrun (ignored when already under it)
+    shard: Literal["auto", "fsdp", "none"] = "auto"  # fsdp: fully_shard (FSDP2) the units and the root; none: a
+                                            # plain module (one rank only): bf16 weights for compute, fp32 master
+                                            # weights in the optimizer (train/master.py); auto: none on one rank,
+                                            # fsdp on more (torchtitan applies FSDP only when dp_shard > 1)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is present, else cpu
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 params/fp32 reduce on GPU, fp32 on CPU
     activation_checkpointing: str = "none"  # recompute activations in backward (less memory, more compute):
                                             # none | full (every FSDP unit) | vision (the vision tower's units) |
                                             # comma-separated globs of module names; true/false = full/none
-    cast_root_inputs: bool = True           # bf16: FSDP2 casts the root module's floating forward inputs to bf16
-                                            # (wam-ref: actions, noise, flow time t); false keeps them as given
-                                            # (the model casts where it computes; wam-ref does)
+    cast_root_inputs: bool = True           # bf16: FSDP2 (shard=none: a pre-hook) casts the root module's floating
+                                            # forward inputs to bf16 (wam-ref: actions, noise, flow time t); false
+                                            # keeps them as given (the model casts where it computes; wam-ref does)
     reshard_after_forward: Literal["auto", "true", "false"] = "true"  # FSDP2: free the gathered bf16 weights of
                                             # each unit after its forward (and gather again in backward); auto:
                                             # false on one rank (nothing to save there but a copy per weight)
     compile: str = "none"                   # torch.compile per module: none | full (every FSDP unit) | vision |
-                                            # comma-separated globs of module names; true/false = full/none
+                                            # model (the whole root module; shard=none, no activation
+                                            # checkpointing) | comma-separated globs of module names;
+                                            # true/false = full/none
     gc_every: int = 0                       # 0: Python's automatic garbage collection; N: automatic GC off, one
                                             # collection every N steps (no GC pause inside a step)
     seed: int = 0                           # model init, data order and noise seed
@@ -99,16 +105,24 @@ class TrainConfig:
         self.lr_multipliers = _flat_multipliers(self.lr_multipliers)
         check_number("gc_every", self.gc_every, 0)
         self.activation_checkpointing = module_selection(self.activation_checkpointing, "activation_checkpointing")
-        self.compile = module_selection(self.compile, "compile")
+        self.compile = module_selection(self.compile, "compile", allow_model=True)
+        if self.compile == WHOLE_MODEL and self.activation_checkpointing != "none":
+            raise ConfigError(COMPILE_MODEL_AC)
+        if self.shard == "none" and self.nproc > 1:
+            raise ConfigError(f"shard=none trains on one rank; nproc={self.nproc} needs shard=fsdp (or auto)")
 
 
 SELECTION_MODES = ("none", "full", "vision")
+WHOLE_MODEL = "model"   # compile only: the root module itself (one graph, no FSDP hooks in it: shard=none)
+COMPILE_MODEL_AC = ("compile=model needs activation_checkpointing=none: the composable checkpoint's recomputation "
+                    "does not match a whole-model compiled forward (torch.utils.checkpoint CheckpointError); compile "
+                    "the units instead (compile=full or globs) to combine both")
 
 
-def module_selection(value, key: str = "activation_checkpointing") -> str:
+def module_selection(value, key: str = "activation_checkpointing", allow_model: bool = False) -> str:
     """A module selection (activation_checkpointing, compile) as given (bool, true/false/yes/no/1/0, a mode, or
-    globs) -> none | full | vision | 'glob,glob'. The globs are checked against the model's module names in
-    parallelize.py (select_modules)."""
+    globs) -> none | full | vision | model (allow_model: compile) | 'glob,glob'. The globs are checked against the
+    model's module names in parallelize.py (select_modules)."""
     if isinstance(value, bool):
         return "full" if value else "none"
     v = str(value).strip()
@@ -117,11 +131,12 @@ def module_selection(value, key: str = "activation_checkpointing") -> str:
         return "full"
     if low in ("false", "no", "off", "0", ""):
         return "none"
-    if low in SELECTION_MODES:
+    if low in SELECTION_MODES or (allow_model and low == WHOLE_MODEL):
         return low
     globs = [g.strip() for g in v.split(",")]
     if any(not g or any(c.isspace() for c in g) for g in globs):
-        raise ConfigError(f"{key} must be none, full, vision or comma-separated module-name globs, got {value!r}")
+        modes = "none, full, vision" + (", model" if allow_model else "")
+        raise ConfigError(f"{key} must be {modes} or comma-separated module-name globs, got {value!r}")
     return ",".join(globs)
 
 

@@ -168,3 +168,112 @@ class BatchStream:
         batch = next(self._it)
         self.state = self._states.popleft()
         return batch
+
+
+def to_device(x, device: torch.device, host_keys: tuple[str, ...] = ()):
+    """A collated batch onto `device`: tensors copied non_blocking (from the loader's pinned memory the copy
+    overlaps other work), entries named in `host_keys` (at any depth) left where they are."""
+    if torch.is_tensor(x):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, dict):
+        return {k: (v if k in host_keys else to_device(v, device, host_keys)) for k, v in x.items()}
+    return x
+
+
+def _device_tensors(x):
+    if torch.is_tensor(x):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _device_tensors(v)
+
+
+class DevicePrefetcher:
+    """Batches on the device one step ahead of the loop.
+
+    `take()` gives (collated batch, sampler state after it) (BatchStream: `lambda: (s.next(), s.state)`). With
+    `thread` (default: on CUDA) a background thread takes the next batch from the loader and issues its
+    host-to-device copy (pinned memory, non_blocking, on a side CUDA stream) while the current step runs; `next()`
+    only makes the compute stream wait for that copy. The loop's thread then does no loader work at all (queue
+    handoff, worker-result unpickling, the copies). `state` is the sampler state of the batch `next()` returned last
+    (what a checkpoint saves), however far ahead the thread has read. An exception in the thread (a UserError of the
+    sampler, a dataset error) is raised by the `next()` that would have returned its batch.
+
+    Without a thread (CPU) `next()` takes and copies in place: the same batches in the same order."""
+
+    _END = object()
+
+    def __init__(self, take, device: torch.device, host_keys: tuple[str, ...] = (), thread: bool | None = None,
+                 initial_state=None):
+        import queue
+        import threading
+
+        self.take, self.device, self.host_keys = take, torch.device(device), tuple(host_keys)
+        self.state = initial_state
+        cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._thread = None
+        if thread if thread is not None else cuda:
+            self._q: queue.Queue = queue.Queue(maxsize=1)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._work, name="wamkit-prefetch", daemon=True)
+            self._thread.start()
+
+    def _fetch(self):
+        batch, state = self.take()
+        if self._copy_stream is None:
+            return to_device(batch, self.device, self.host_keys), state, None
+        with torch.cuda.stream(self._copy_stream):
+            batch = to_device(batch, self.device, self.host_keys)
+            ev = torch.cuda.Event()
+            ev.record(self._copy_stream)
+        return batch, state, ev
+
+    def _work(self) -> None:
+        import queue
+
+        if self._copy_stream is not None and self.device.index is not None:
+            torch.cuda.set_device(self.device)   # a new thread starts on device 0 (the rank's may be another)
+        while not self._stop.is_set():
+            try:
+                item = self._fetch()
+            except BaseException as e:   # noqa: BLE001 - handed to the loop's thread, raised there
+                item = (self._END, e, None)
+            while not self._stop.is_set():
+                try:
+                    self._q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[0] is self._END:
+                return
+
+    def next(self) -> dict:
+        if self._thread is None:
+            batch, state, ev = self._fetch()
+        else:
+            batch, state, ev = self._q.get()
+            if batch is self._END:
+                raise state
+        if ev is not None:   # the compute stream waits for the copy; the allocator learns the tensors' new stream
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(ev)
+            for t in _device_tensors(batch):
+                if t.device.type == "cuda":
+                    t.record_stream(stream)
+        self.state = state
+        return batch
+
+    def close(self) -> None:
+        import queue
+
+        if self._thread is None:
+            return
+        self._stop.set()
+        try:
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
+        self._thread.join(timeout=10)
+        self._thread = None

@@ -31,7 +31,9 @@ class TrainLogger:
 
             self._progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                                       TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[sps]} steps/s"),
-                                      TimeRemainingColumn(), transient=False)
+                                      TimeRemainingColumn(), transient=False,
+                                      auto_refresh=False)   # redrawn per log window: no 10 Hz render thread taking
+                                                            # the GIL from the training loop between them
             self._progress.start()
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", sps="-")
 
@@ -45,7 +47,7 @@ class TrainLogger:
             self._wandb.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
         if self._progress is not None:
             self._progress.update(self._task, completed=step, loss=f"{scalars.get('loss', float('nan')):.4f}",
-                                  sps=f"{scalars.get('steps_per_s', float('nan')):.2f}")
+                                  sps=f"{scalars.get('steps_per_s', float('nan')):.2f}", refresh=True)
 
     def text(self, msg: str) -> None:
         if not self.enabled:

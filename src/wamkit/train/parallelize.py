@@ -1,4 +1,6 @@
-"""Parallelism applied from outside the model (torchtitan style), in a fixed order:
+"""Parallelism applied from outside the model (torchtitan style). `setup_model` is the entry point; `shard` picks the
+path (`resolved_shard`: auto = FSDP2 on more than one rank, none on one, as torchtitan applies FSDP only when
+dp_shard > 1). FSDP2 (`parallelize`), in a fixed order:
 
 1. activation checkpointing (composable `checkpoint`: parameter names do not change) on the modules that
    `activation_checkpointing` selects (`select_modules`): none, every FSDP unit (full), the vision tower's units
@@ -11,8 +13,12 @@ A module whose forward mutates state outside its outputs cannot be checkpointed:
 runs it again (wam-ref's understanding-tower text layers append their K/V to the prefix cache: checkpointing them
 fails with a shape error; `full` and `vision` do not select them when they train).
 
-The policy's model code stays single-device; it never sees a process group. The same path runs for 1 rank (a
-one-rank gloo/NCCL group) and for N ranks.
+shard=none (one rank): the same activation checkpointing and compile (plus `compile=model`: the whole root module,
+which FSDP2's hooks would split), no `fully_shard`; with bf16 mixed precision the module computes in bf16 and the
+optimizer updates fp32 master weights (train/master.py: the FSDP2 path's arithmetic without its per-unit work).
+
+The policy's model code stays single-device; it never sees a process group. Checkpoints, the optimizer and the EMA
+see `TrainModel.state`, whose parameter names are the module's on every path.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from wamkit.core.errors import UserError
-from wamkit.train.config import module_selection
+from wamkit.train.config import COMPILE_MODEL_AC, WHOLE_MODEL, module_selection
+from wamkit.train.master import MasterWeights
 
 
 def mixed_precision_policy(mode: str, device_type: str) -> MixedPrecisionPolicy | None:
@@ -55,6 +62,8 @@ def select_modules(root: nn.Module, units: list[nn.Module], mode: str, key: str 
     a compiled module already covers its children)."""
     if mode == "none":
         return []
+    if mode == WHOLE_MODEL:
+        return [""]
     names = {id(m): n for n, m in root.named_modules()}
     if mode in ("full", "vision"):
         picked = [names[id(u)] for u in units if id(u) in names and u is not root]
@@ -100,7 +109,7 @@ def apply_compile(root: nn.Module, names: list[str]) -> None:
     key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     setattr(cfg, key, max(getattr(cfg, key), len(names) + 8))
     for n in names:
-        root.get_submodule(n).compile()
+        root.get_submodule(n).compile()   # "" (compile=model): the root itself
 
 
 def resolved_reshard(value, world_size: int) -> bool:
@@ -137,10 +146,92 @@ def parallelize(root: nn.Module, units: list[nn.Module], device_type: str, world
     would cast them to bf16: wam-ref's flow time t and regression target would be rounded to bf16); the units'
     inputs are cast as before."""
     units = [u for u in units if u is not root]
+    comp = module_selection(compile, "compile", allow_model=True)
+    if comp == WHOLE_MODEL:
+        raise UserError("compile=model compiles the whole module in one graph, which FSDP2's per-unit hooks would "
+                        "split: use it with shard=none (one rank), or compile the units (compile=full) with FSDP")
     ac = module_selection(activation_checkpointing, "activation_checkpointing")
     apply_activation_checkpointing(root, select_modules(root, units, ac, "activation_checkpointing"))
-    apply_compile(root, select_modules(root, units, module_selection(compile, "compile"), "compile"))
+    apply_compile(root, select_modules(root, units, comp, "compile"))
     mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
     apply_fsdp(root, units, mesh, mixed_precision_policy(mixed_precision, device_type),
                resolved_reshard(reshard_after_forward, world_size), cast_root_inputs)
     return mesh
+
+
+# ------------------------------------------------------------------------------------------------ shard=auto|fsdp|none
+
+def resolved_shard(value: str, world_size: int) -> str:
+    """shard (auto | fsdp | none) -> fsdp | none. auto: none on one rank, fsdp on more. none on more than one rank
+    is a UserError (nothing would keep the ranks' weights in step)."""
+    v = str(value).lower()
+    if v == "auto":
+        return "fsdp" if world_size > 1 else "none"
+    if v == "none" and world_size > 1:
+        raise UserError(f"shard=none trains on one rank; {world_size} ranks need shard=fsdp (or auto)")
+    if v not in ("fsdp", "none"):
+        raise UserError(f"shard must be auto, fsdp or none, got {value!r}")
+    return v
+
+
+class TrainModel:
+    """What `setup_model` made of a policy's module, and the few calls of the loop that differ between the paths.
+
+    module: what the policy computes with (FSDP2-sharded in place, or the plain module); state: the module whose
+    parameters the optimizer, the EMA, gradient clipping and checkpoints use (the module itself, or the fp32 master
+    weights of shard=none + bf16) under the same names."""
+
+    def __init__(self, module: nn.Module, shard: str, precision: str, master: MasterWeights | None = None):
+        self.module, self.shard, self.precision, self.master = module, shard, precision, master
+        self.state = master.state if master is not None else module
+
+    def before_backward(self, last_micro_step: bool) -> None:
+        """FSDP2: reduce-scatter the gradients only on the last micro-step of an optimizer step."""
+        if self.shard == "fsdp":
+            self.module.set_requires_gradient_sync(last_micro_step)
+
+    def after_backward(self, first_micro_step: bool) -> None:
+        if self.master is not None:
+            self.master.grads_to_master(first_micro_step)
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The updated weights into the compute copies, and the gradients cleared for the next step (the masters'
+        fp32 gradients are kept allocated: the next step overwrites them)."""
+        if self.master is not None:
+            self.master.masters_to_model()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+
+    def after_load(self) -> None:
+        """A checkpoint was loaded into `state`: into the compute copies too."""
+        if self.master is not None:
+            self.master.masters_to_model(trainable_only=False)
+
+
+def setup_model(root: nn.Module, units: list[nn.Module], device_type: str, world_size: int, *, shard: str = "auto",
+                mixed_precision: str = "auto", activation_checkpointing: str | bool = "none",
+                compile: str | bool = "none", reshard_after_forward: str | bool = "true",
+                cast_root_inputs: bool = True, init=None) -> TrainModel:
+    """The module `root` (fp32, possibly on the meta device) made ready to train, in place. init: a callable run once
+    the parameters have their final layout (a meta-built policy's `init_weights(device)`): after `fully_shard`
+    (each rank fills its shards), or before the bf16 copies of shard=none are made."""
+    mode = resolved_shard(shard, world_size)
+    precision = resolved_precision(mixed_precision, device_type)
+    if mode == "fsdp":
+        parallelize(root, units, device_type, world_size, mixed_precision=mixed_precision,
+                    activation_checkpointing=activation_checkpointing, compile=compile,
+                    reshard_after_forward=reshard_after_forward, cast_root_inputs=cast_root_inputs)
+        if init is not None:
+            init()
+        return TrainModel(root, mode, precision)
+    units = [u for u in units if u is not root]
+    ac = module_selection(activation_checkpointing, "activation_checkpointing")
+    comp = module_selection(compile, "compile", allow_model=True)
+    if comp == WHOLE_MODEL and ac != "none":
+        raise UserError(COMPILE_MODEL_AC)
+    apply_activation_checkpointing(root, select_modules(root, units, ac, "activation_checkpointing"))
+    apply_compile(root, select_modules(root, units, comp, "compile"))
+    if init is not None:
+        init()
+    master = MasterWeights(root, torch.bfloat16, cast_root_inputs) if precision == "bf16" else None
+    return TrainModel(root, mode, precision, master)

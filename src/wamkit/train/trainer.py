@@ -21,13 +21,13 @@ from wamkit.policies.base import InitAfterSharding, TrainablePolicy, missing_mem
 from wamkit.policies.manifest import CHECKPOINT_MANIFEST, PolicyManifest
 from wamkit.train import checkpoint as C
 from wamkit.train.config import TrainConfig
-from wamkit.train.data import (BatchStream, build_source, ensure_action_stats, import_target, is_import_target,
-                               translate_sampler_state)
+from wamkit.train.data import (BatchStream, DevicePrefetcher, build_source, ensure_action_stats, import_target,
+                               is_import_target, translate_sampler_state)
 from wamkit.train.dist import DistInfo, all_gather_object, broadcast_object, close_distributed, init_distributed
 from wamkit.train.logger import TrainLogger
 from wamkit.train.optim import (EMA, build_optimizer, build_scheduler, check_lr_multipliers, count_params,
                                 lr_factor, select_trainable)
-from wamkit.train.parallelize import parallelize, resolved_precision
+from wamkit.train.parallelize import setup_model
 
 
 def build_policy(name: str, args: dict, device: str | None = None):
@@ -101,18 +101,13 @@ def check_sample(policy, samples, collate, cameras: list[str], horizon: int) -> 
         raise UserError(f"training samples have action chunks of {a.shape[1]} steps, the policy predicts {horizon}")
 
 
-HOST_KEYS = ("images",)   # batch entries the policy reads on the host (wam-ref uploads uint8 images and converts them
-                          # on its device); they stay in the loader's pinned memory
+HOST_KEYS = ("state",)   # batch entries that stay on the host (in the loader's pinned memory) unless the policy
+                        # names its own (`host_batch_keys`): wam-ref's input processor stacks the states with numpy.
+                        # Everything else (images as uint8, actions, masks) is on the device before sft_loss.
 
 
-def _to_device(x, device: torch.device):
-    """A collated batch onto `device`: tensors copied non_blocking (from the loader's pinned memory the copy
-    overlaps the previous step's work), HOST_KEYS left where they are."""
-    if torch.is_tensor(x):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, dict):
-        return {k: (v if k in HOST_KEYS else _to_device(v, device)) for k, v in x.items()}
-    return x
+def host_keys_of(policy) -> tuple[str, ...]:
+    return tuple(getattr(policy, "host_batch_keys", HOST_KEYS))
 
 
 def _alloc_retries(device: torch.device) -> int:
@@ -207,20 +202,22 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
     check_sample(policy, samples, source.collate, cameras, horizon)
     sampler = source.make_sampler(len(samples), rank=rank, world_size=world, seed=cfg.seed)
 
-    # ---- numerics + parallelism: fp32 master weights, then AC -> compile -> fully_shard(units) -> fully_shard(root),
-    # then (meta-built policies) each rank initializes its shards: the same weights as a materialized build
+    # ---- numerics + parallelism (parallelize.setup_model): fp32 master weights; shard=fsdp: AC -> compile ->
+    # fully_shard(units) -> fully_shard(root), then (meta-built policies) each rank initializes its shards: the same
+    # weights as a materialized build; shard=none (auto on one rank): AC -> compile -> init, no fully_shard, and with
+    # bf16 the module computes on bf16 copies of the fp32 masters the optimizer updates (train/master.py)
     module.float()
     module.train()
-    precision = resolved_precision(cfg.mixed_precision, info.device.type)
-    parallelize(module, list(policy.fsdp_units()), info.device.type, world, mixed_precision=cfg.mixed_precision,
-                activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
-                reshard_after_forward=cfg.reshard_after_forward, cast_root_inputs=cfg.cast_root_inputs)
-    if deferred_init:
-        policy.init_weights(info.device)
-    optimizer = build_optimizer(module, cfg, multipliers)
+    model = setup_model(module, list(policy.fsdp_units()), info.device.type, world, shard=cfg.shard,
+                        mixed_precision=cfg.mixed_precision, activation_checkpointing=cfg.activation_checkpointing,
+                        compile=cfg.compile, reshard_after_forward=cfg.reshard_after_forward,
+                        cast_root_inputs=cfg.cast_root_inputs,
+                        init=(lambda: policy.init_weights(info.device)) if deferred_init else None)
+    state_module = model.state   # what the optimizer, the EMA and checkpoints see (names of `module`)
+    optimizer = build_optimizer(state_module, cfg, multipliers)
     scheduler = build_scheduler(optimizer, cfg)
-    ema = EMA(module, cfg.ema) if cfg.ema > 0 else None
-    trainable = [p for p in module.parameters() if p.requires_grad]
+    ema = EMA(state_module, cfg.ema) if cfg.ema > 0 else None
+    trainable = [p for p in state_module.parameters() if p.requires_grad]
 
     # ---- resume
     start, samples_seen, resumed_from = 0, 0, None
@@ -228,8 +225,9 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
     if cfg.resume:
         path = C.latest_checkpoint(ckpt_root)
         if path is not None:
-            r = C.load_checkpoint(path, model=module, optimizer=optimizer, scheduler=scheduler, ema=ema, rank=rank,
-                                  world_size=world, seed=cfg.seed, trust=cfg.trust_checkpoint)
+            r = C.load_checkpoint(path, model=state_module, optimizer=optimizer, scheduler=scheduler, ema=ema,
+                                  rank=rank, world_size=world, seed=cfg.seed, trust=cfg.trust_checkpoint)
+            model.after_load()
             sstate = r.sampler_state
             if r.world_size_changed:
                 sstate, warn = translate_sampler_state(sstate, world, rank)
@@ -238,8 +236,24 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
             sampler.load_state_dict(sstate)
             start, samples_seen, resumed_from = r.step, r.samples_seen, str(path)
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
-    batches = BatchStream(samples, sampler, source.collate, micro, cfg.num_workers,
-                          seed=C.rank_seed(cfg.seed, rank, start), pin_memory=info.device.type == "cuda")
+    stream = BatchStream(samples, sampler, source.collate, micro, cfg.num_workers,
+                         seed=C.rank_seed(cfg.seed, rank, start), pin_memory=info.device.type == "cuda")
+    # on the device one batch ahead; the loader's thread work off the loop's thread on CUDA (with worker processes:
+    # with num_workers=0 the dataset itself would run in that thread, beside the loop's use of the global RNGs)
+    batches = DevicePrefetcher(lambda: (stream.next(), stream.state), info.device, host_keys_of(policy),
+                               thread=info.device.type == "cuda" and cfg.num_workers > 0,
+                               initial_state=stream.state)
+    try:
+        return _loop(cfg, info, policy, model, optimizer, scheduler, ema, trainable, batches, start, end,
+                     samples_seen, resumed_from, out, ckpt_root, stats, micro)
+    finally:
+        batches.close()
+
+
+def _loop(cfg: TrainConfig, info: DistInfo, policy, model, optimizer, scheduler, ema, trainable, batches, start: int,
+          end: int, samples_seen: int, resumed_from, out: Path, ckpt_root: Path, stats, micro: int) -> dict:
+    rank, world = info.rank, info.world_size
+    module, state_module, precision = model.module, model.state, model.precision
 
     total_p, train_p = count_params(module)
     log = TrainLogger(out, enabled=info.is_main, total_steps=cfg.steps, start_step=start, progress=cfg.progress,
@@ -248,8 +262,8 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(C._json(to_dict(cfg)))
         log.text(f"wamkit train: {cfg.policy} | {total_p / 1e6:.2f}M params ({train_p / 1e6:.2f}M trainable) | "
-                 f"{world} rank(s) on {info.device.type} | {precision} | global batch {cfg.batch_size} = {world} x "
-                 f"{cfg.grad_accum} x {micro} | steps {start}->{end}"
+                 f"{world} rank(s) on {info.device.type} | shard={model.shard} | {precision} | global batch "
+                 f"{cfg.batch_size} = {world} x {cfg.grad_accum} x {micro} | steps {start}->{end}"
                  + (f" | resumed from {resumed_from}" if resumed_from else ""))
     manifest = PolicyManifest(policy=cfg.policy, config=cfg.policy_args, spec=policy.spec.to_dict(),
                               files={"action_pipeline": "action_pipeline.json"})
@@ -259,47 +273,49 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
         meta["action_stats.json"] = stats
 
     def save(step: int) -> Path:
-        return C.save_checkpoint(ckpt_root, step, model=module, optimizer=optimizer, scheduler=scheduler, ema=ema,
-                                 sampler_state=batches.state, samples_seen=samples_seen, meta=meta, rank=rank,
+        return C.save_checkpoint(ckpt_root, step, model=state_module, optimizer=optimizer, scheduler=scheduler,
+                                 ema=ema, sampler_state=batches.state, samples_seen=samples_seen, meta=meta, rank=rank,
                                  world_size=world, keep_last=cfg.keep_last)
 
-    # ---- the loop. The trainer itself reads nothing back from the device between log windows: the loss and the
-    # grad norm are summed on the device (a policy's float metrics are its own host reads). data_wait_s: time the
-    # loop blocked on the data loader (prefetching workers, pinned memory, non_blocking copies: ~0 when it keeps up)
+    # ---- the loop. The trainer itself reads nothing back from the device between log windows: the loss, the grad
+    # norm and a policy's tensor metrics are kept as device tensors and read once per window, in one transfer (a
+    # policy's float metrics are its own host reads). data_wait_s: time the loop blocked on the data (~0 when the
+    # prefetcher keeps ahead). Per micro-step the loop's own host work is the prefetcher handoff, the policy's
+    # sft_loss, backward and, for shard=none + bf16, one multi-tensor copy of the gradients to the fp32 masters.
     window: dict[str, float] = {}
-    dev_window: dict[str, torch.Tensor] = {}
+    dev_window: dict[str, list[torch.Tensor]] = {}
     window_steps, t_window, data_wait = 0, time.perf_counter(), 0.0
     last: dict[str, float] = {}
     retries0 = _alloc_retries(info.device)
+    ga = cfg.grad_accum
+    clip = cfg.grad_clip or math.inf
     if cfg.gc_every:
         gc.collect()
         gc.disable()
 
-    def add_dev(name: str, v: torch.Tensor) -> None:
-        v = v.detach().float()
-        dev_window[name] = v if name not in dev_window else dev_window[name] + v
-
     for step in range(start, end):
-        for k in range(cfg.grad_accum):
+        for k in range(ga):
             t_data = time.perf_counter()
-            batch = _to_device(batches.next(), info.device)
+            batch = batches.next()
             data_wait += time.perf_counter() - t_data
-            module.set_requires_gradient_sync(k == cfg.grad_accum - 1)   # reduce-scatter only on the last micro-step
+            model.before_backward(k == ga - 1)     # FSDP2: reduce-scatter only on the last micro-step
             loss, metrics = policy.sft_loss(batch)
-            (loss / cfg.grad_accum).backward()
-            add_dev("loss", loss / cfg.grad_accum)
+            scaled = loss / ga if ga > 1 else loss
+            scaled.backward()
+            model.after_backward(k == 0)           # shard=none + bf16: bf16 grads -> fp32 master grads
+            dev_window.setdefault("loss", []).append(scaled.detach())
             for name, v in metrics.items():
                 if name == "loss":
                     continue
                 if torch.is_tensor(v):
-                    add_dev(name, v / cfg.grad_accum)
+                    dev_window.setdefault(name, []).append(v.detach() / ga if ga > 1 else v.detach())
                 else:
-                    window[name] = window.get(name, 0.0) + float(v) / cfg.grad_accum
-        grad_norm = _full(torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip or math.inf, foreach=True))
-        add_dev("grad_norm", grad_norm)
+                    window[name] = window.get(name, 0.0) + float(v) / ga
+        grad_norm = _full(torch.nn.utils.clip_grad_norm_(trainable, clip, foreach=True))
+        dev_window.setdefault("grad_norm", []).append(grad_norm.detach())
         optimizer.step()
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        model.after_optimizer_step(optimizer)     # masters -> bf16 weights (shard=none), or zero_grad
         if ema is not None:
             ema.update()
         samples_seen += cfg.batch_size
@@ -309,8 +325,12 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
             gc.collect(1)
 
         if done % cfg.log_every == 0 or done == end:
-            for name, v in dev_window.items():     # the window's one device read
-                window[name] = window.get(name, 0.0) + float(v)
+            if dev_window:                          # the window's one device read
+                names = list(dev_window)
+                sums = torch.stack([torch.stack(dev_window[n]).float().sum().to(info.device)
+                                    for n in names]).tolist()
+                for name, v in zip(names, sums):
+                    window[name] = window.get(name, 0.0) + v
             window["data_wait_s"] = data_wait
             keys = sorted(window)
             vec = torch.tensor([window[k] for k in keys], dtype=torch.float64)
