@@ -27,7 +27,7 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("WAMKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(rb, "_resolved", {})
     monkeypatch.setattr(rb, "_said", set())
-    for v in rb.GL_VARS + (GL_SET_MARK,):
+    for v in rb.GL_VARS + (GL_SET_MARK, rb.SAID_MARK):
         monkeypatch.delenv(v, raising=False)
     return tmp_path
 
@@ -176,6 +176,22 @@ def test_resolve_says_one_line_with_figures(fresh, fake_probe, capsys):
     assert len(err) == 1 and "render_backend=auto chose egl at 64px" in err[0]
     assert "10.0 ms/frame" in err[0] and "osmesa 20.0 ms/frame" in err[0]
     assert len(fake_probe.calls) == 2
+
+
+def test_the_line_is_said_once_not_again_by_each_env_process(fresh, monkeypatch, capsys):
+    """The parent prints the choice; env processes it spawns afterwards (they inherit its environment) do not."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("MUJOCO_GL", "egl")
+    r = rb.resolve("auto", "auto", 224)
+    rb.say(r)
+    rb.say(r)
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    code = ("from wamkit.envs import render_backend as rb; r = rb.resolve('auto', 'auto', 224); rb.say(r); "
+            "import os; os.environ.pop(rb.SAID_MARK); rb._said.clear(); rb.say(r)")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert child.stderr.count("from the environment wins") == 1   # quiet while marked; says it once unmarked
 
 
 def test_users_mujoco_gl_wins_over_auto_but_wamkits_default_does_not(fresh, fake_probe, monkeypatch):

@@ -68,15 +68,18 @@ PYEOF
 fi
 SB_DONE=0
 for E in ${ENVS//,/ }; do
-# trials per task so that a row lasts ~ROW_S s: pipelined rows at ~60% of min(envs, 16 cores) x the probe's rate;
+# trials per task so that a row lasts ~ROW_S s (rounded to whole waves of envs): pipelined rows at ~60% of
+# min(envs, 16 cores) x the probe's rate;
 # single-batch at one env, every step rendered, plus ~40 ms of inference per 16-step chunk
 read TRIALS SB_TRIALS < <(python3 -c "
 import math
 e, ms, rms, row, mx, nt = $E, $MS_STEP, $MS_RSTEP, $ROW_S, $MAX_STEPS, $NT
 par = 0.6 * min(e, 16) * 1000 / ms
 t = max(math.ceil(2 * e / nt), math.ceil(row * par / mx / nt))
+w = e // math.gcd(e, nt)           # whole waves: episodes a multiple of the envs (68 on 32 envs left 4 alone at the end)
+t = max(w, round(t / w) * w)
 sb = 1000 / (rms + 40 / 16)
-print(min(t, 50), max(1, math.ceil(row * sb / mx / nt)))")
+print(min(t, 50 // w * w or w), max(1, math.ceil(row * sb / mx / nt)))")
 echo "=== rows: $E envs, $(( TRIALS * NT )) episodes x $MAX_STEPS steps; single-batch: $(( SB_TRIALS * NT )) episodes"
 BASE=(bench/device/eval_libero.yaml num_envs="$E" max_steps="$MAX_STEPS")
 R="$ROWS"; [ -z "$R" ] && R="single-batch;B=$E, P=1;B=4, P=$(( E / 4 ));B=1, P=$E;auto"

@@ -276,10 +276,15 @@ def _resolve_auto(memo: tuple) -> Resolved:
     return _resolved[memo]
 
 
+SAID_MARK = "WAMKIT_RENDER_BACKEND_SAID"   # set once the line is printed: env processes spawned after stay quiet
+
+
 def say(r: Resolved) -> None:
-    """Print the resolution's line once per process."""
-    if r.line and r.line not in _said:
+    """Print the resolution's line once: once per process, and not again in the env processes the parent spawns
+    (32 env workers printed it 32 times)."""
+    if r.line and r.line not in _said and os.environ.get(SAID_MARK) != r.line:
         _said.add(r.line)
+        os.environ[SAID_MARK] = r.line
         print(f"wamkit: {r.line}", file=sys.stderr, flush=True)
 
 
