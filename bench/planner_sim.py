@@ -121,6 +121,7 @@ class SimEnv:
         self.steps = 0
         self.loaded_task = None
         self.loads = 0
+        self.load_s = None    # like EnvWorker.load_s: the last scene load's seconds (the scheduler's first estimate)
 
     def _obs(self) -> Observation:
         return Observation(images={}, state=np.zeros(4, np.float32), task="t")
@@ -134,6 +135,7 @@ class SimEnv:
         cost = self.r.reset_s
         if self.loaded_task != task_id:
             cost, self.loads = cost + self.r.load_s, self.loads + 1
+            self.load_s = float(cost)
         self.loaded_task = task_id
         if cost:
             await self._busy(cost)
@@ -242,6 +244,53 @@ def run(r: Regime, mode: str, batch: int = 1, pipelines: int = 1) -> dict:
         return {"mode": mode, "batch": batch, "pipelines": pipelines, "episodes": len(done), "wall_s": wall,
                 "env_steps_per_s": steps / wall, "mean_batch": inf.observations / max(1, inf.requests),
                 "accelerator_busy": inf.busy_s / wall}
+
+    return run_virtual(go())
+
+
+class KeepUntilEmpty(affinity_mod.TaskAffinity):
+    """The rule before session 6, for comparison: no spread at the start, keep the task until its queue is empty,
+    then always take the task with the most queued episodes per env (never stop)."""
+
+    def start(self, queue, n_envs):
+        pass
+
+    def load_estimate(self):
+        return None
+
+
+@contextlib.contextmanager
+def affinity_rule(cls):
+    """Run the Scheduler with another TaskAffinity class (KeepUntilEmpty: the old rule)."""
+    saved = scheduler_mod.TaskAffinity
+    scheduler_mod.TaskAffinity = cls
+    try:
+        yield
+    finally:
+        scheduler_mod.TaskAffinity = saved
+
+
+def run_tasks(r: Regime, tasks: int, trials: int, mode: str = "auto", batch: int = 1, pipelines: int = 1,
+              loaded: dict[int, int] | None = None) -> dict:
+    """The regime over a plan of `tasks` x `trials` (task-major), envs starting with `loaded` scenes: env steps/s,
+    scene loads, which env ran what."""
+
+    async def go():
+        cores = asyncio.Semaphore(r.cores)
+        envs = [SimEnv(i, r, cores) for i in range(r.envs)]
+        for i, t in (loaded or {}).items():
+            envs[i].loaded_task, envs[i].load_s = t, float(r.load_s + r.reset_s)   # loaded before the run
+        inf = SimAccelerator(r)
+        done = []
+        opts = SchedulerOptions(mode=mode, request_size=batch, pipelines=pipelines, cores=r.cores,
+                                run_to_max_steps=True, env_timeout_min_s=600)
+        sched = Scheduler(envs, inf, make_plan("sim", list(range(tasks)), trials), opts, done.append)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await sched.run()
+        wall = loop.time() - t0
+        return {"wall_s": wall, "env_steps_per_s": sum(o.env_steps for o in done) / wall, "episodes": len(done),
+                "loads": sum(e.loads for e in envs), "done": done, "envs": envs, "sched": sched}
 
     return run_virtual(go())
 

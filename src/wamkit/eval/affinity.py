@@ -70,14 +70,14 @@ def assign(loaded: dict[int, int], counts: dict[int, int], n_envs: int) -> dict[
 
 def worth_switching(queued: int, on: int, load_s: float, episode_s: float) -> bool:
     """Would one more env, loading the task's scene now, finish the task's `queued` episodes sooner than the `on`
-    envs already on it? Without it the last one ends after about ceil(q/on) episodes plus the rest of the
-    current ones (~1/(on+1) of an episode for the first of them to end); with it, no sooner than its load plus one
-    episode."""
+    envs already on it? Fluid estimate: without it the last ends at about E/2 (what is left of the current episodes)
+    + q E / on; with it, the same work is shared by on + 1 envs, one of them starting after its load L, and it ends
+    no sooner than L + E (the new env's first episode)."""
     if on <= 0:
         return True
-    tail = episode_s / (on + 1)
-    without = episode_s * math.ceil(queued / on) + tail
-    with_it = max(load_s + episode_s, episode_s * math.ceil((queued - 1) / on) + tail)
+    e = episode_s
+    without = e / 2 + queued * e / on
+    with_it = max(load_s + e, (on * e / 2 + queued * e + load_s) / (on + 1))
     return with_it < without
 
 
