@@ -15,6 +15,7 @@ import pytest
 
 from wamkit.core.errors import ConfigError, UserError
 from wamkit.envs import render_backend as rb
+from wamkit.envs.base import env_class
 from wamkit.envs.process_setup import GL_SET_MARK
 
 pytest.importorskip("mujoco")
@@ -30,6 +31,9 @@ def fresh(monkeypatch, tmp_path):
     for v in rb.GL_VARS + (GL_SET_MARK, rb.SAID_MARK):
         monkeypatch.delenv(v, raising=False)
     return tmp_path
+
+
+MW = env_class("metaworld")
 
 
 @pytest.fixture
@@ -170,8 +174,8 @@ def test_auto_remeasures_when_the_key_changes(fresh, fake_probe, monkeypatch):
 
 def test_resolve_says_one_line_with_figures(fresh, fake_probe, capsys):
     kw = {"render_backend": "auto", "image_size": 64}
-    assert rb.worker_kwargs("metaworld", kw, 0)["render_backend"] == "egl"
-    assert rb.worker_kwargs("metaworld", kw, 1) == {**kw, "render_backend": "egl", "render_device": "auto"}
+    assert rb.worker_kwargs(MW, kw, 0)["render_backend"] == "egl"
+    assert rb.worker_kwargs(MW, kw, 1) == {**kw, "render_backend": "egl", "render_device": "auto"}
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "render_backend=auto chose egl at 64px" in err[0]
     assert "10.0 ms/frame" in err[0] and "osmesa 20.0 ms/frame" in err[0]
@@ -198,7 +202,7 @@ def test_users_mujoco_gl_wins_over_auto_but_wamkits_default_does_not(fresh, fake
     monkeypatch.setenv("MUJOCO_GL", "osmesa")
     r = rb.resolve("auto", "auto", 224)
     assert r.backend is None and "MUJOCO_GL=osmesa from the environment wins" in r.line
-    assert rb.worker_kwargs("metaworld", {}, 0) == {}      # the env process inherits it unchanged
+    assert rb.worker_kwargs(MW, {}, 0) == {}      # the env process inherits it unchanged
     assert fake_probe.calls == []
     monkeypatch.setenv(GL_SET_MARK, "osmesa")              # wamkit set it (setup_headless_gl's default): measure
     assert rb.resolve("auto", "auto", 224).backend == "egl" and len(fake_probe.calls) == 2
@@ -255,10 +259,10 @@ def test_several_gpus_prefer_egl_devices_off_the_models_gpu(fresh, fake_probe, m
 def test_workers_spread_over_the_chosen_devices(fresh, monkeypatch):
     monkeypatch.setattr(rb, "choose", lambda size, dev=None: {"backend": "egl", "device": 1, "devices": [1, 2, 3],
                                                               "reason": "r", "source": "cached", "cache": "c"})
-    got = [rb.worker_kwargs("metaworld", {"render_backend": "auto"}, i)["render_device"] for i in range(4)]
+    got = [rb.worker_kwargs(MW, {"render_backend": "auto"}, i)["render_device"] for i in range(4)]
     assert got == ["1", "2", "3", "1"]
     # an explicit device is kept for every worker
-    assert rb.worker_kwargs("metaworld", {"render_backend": "egl", "render_device": 5}, 3)["render_device"] == "5"
+    assert rb.worker_kwargs(MW, {"render_backend": "egl", "render_device": 5}, 3)["render_device"] == "5"
 
 
 def test_too_late_in_a_process_that_loaded_mujoco(fresh, monkeypatch):

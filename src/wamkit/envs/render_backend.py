@@ -343,12 +343,11 @@ def apply_render_options(env_cls: type, kwargs: dict) -> None:
         apply_options(*opts)
 
 
-def worker_kwargs(env_name: str, kwargs: dict, index: int) -> dict:
-    """EnvWorker.start (parent side): the env process's kwargs with render_backend/render_device made concrete
-    (auto measured once here, not in every process; several GPUs: workers spread over the non-model ones)."""
-    from wamkit.envs.base import env_class
-
-    opts = _options(env_class(env_name), kwargs)
+def worker_kwargs(env_cls: type, kwargs: dict, index: int) -> dict:
+    """EnvWorker.start (parent side): the env process's kwargs (env class `env_cls`) with render_backend/render_device
+    made concrete (auto measured once here, not in every process; several GPUs: workers spread over the non-model
+    ones)."""
+    opts = _options(env_cls, kwargs)
     if opts is None:
         return kwargs
     r = resolve(*opts)

@@ -181,9 +181,11 @@ class EnvWorker(StartClosingContext):
             return self
         import multiprocessing as mp
 
+        from wamkit.envs.base import env_class
         from wamkit.envs.render_backend import worker_kwargs
 
-        kwargs = worker_kwargs(self.env_name, self.env_kwargs, self.index)   # render_backend=auto resolved here, once
+        # render_backend=auto resolved here, once
+        kwargs = worker_kwargs(env_class(self.env_name), self.env_kwargs, self.index)
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=_worker_main, args=(child, self.env_name, kwargs, self.index),
