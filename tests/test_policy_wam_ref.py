@@ -402,3 +402,17 @@ def test_config_normalizes_cli_strings_and_rejects_bad_values():
     b = make_policy("wam-ref", size="tiny", horizon="8", num_inference_steps=2)
     assert a.spec == b.spec and a.export_config() == b.export_config()
     np.testing.assert_array_equal(a.predict(_obs(2), [3, 4]), b.predict(_obs(2), [3, 4]))
+
+
+def test_a_collated_training_batch_gives_the_inputs_of_per_observation_lists():
+    """prepare_inputs with {camera: (B, H, W, 3)} tensors and a (B, state_dim) state tensor (a training batch: one
+    stack, no per-observation split) equals the per-observation lists path, tensor for tensor."""
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8)
+    obs = _obs(3, state_dim=8)
+    ref = pol.prepare_inputs([o.images for o in obs], TASKS[:3], [o.state for o in obs])
+    cams = list(obs[0].images)
+    batch = {c: torch.from_numpy(np.stack([o.images[c] for o in obs])) for c in cams}
+    got = pol.prepare_inputs(batch, TASKS[:3], torch.from_numpy(np.stack([o.state for o in obs])))
+    assert set(got) == set(ref)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0, msg=k)

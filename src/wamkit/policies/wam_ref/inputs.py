@@ -78,6 +78,10 @@ class InputProcessor:
         dtype. The uint8 images are uploaded as they are (4x fewer bytes than floats) and converted, resized when
         they are not image_size, normalized and patchified there, all images in one batch when they share a shape."""
         device, dtype = self.placement.device, self.placement.dtype
+        if torch.is_tensor(images) and images.ndim == 4:   # (N, H, W, 3): a training batch's images, already stacked
+            if images.shape[-1] != 3:
+                raise UserError(f"wam-ref expects HxWx3 uint8 images, got shape {tuple(images.shape[1:])}")
+            return self._patches([images], device, dtype)
         arrs = []
         for a in images:
             if torch.is_tensor(a):   # a training batch's pinned host tensor, or already on the device
@@ -91,6 +95,10 @@ class InputProcessor:
         if not arrs:
             return torch.zeros((0, 3 * self.temporal * self.patch_size ** 2), device=device, dtype=dtype)
         groups = [torch.stack(arrs)] if len({tuple(t.shape) for t in arrs}) == 1 else [t[None] for t in arrs]
+        return self._patches(groups, device, dtype)
+
+    def _patches(self, groups, device, dtype) -> torch.Tensor:
+        """(N, H, W, 3) uint8 groups -> patches (see pixel_values)."""
         mean = torch.tensor(self.image_mean, device=device)[:, None, None]
         std = torch.tensor(self.image_std, device=device)[:, None, None]
         out = []
@@ -107,19 +115,25 @@ class InputProcessor:
         """Model inputs for a batch. images: {camera: (B,H,W,3) uint8} or a list of per-observation dicts."""
         device = self.placement.device
         n = len(tasks)
-        per_obs = images if isinstance(images, list) else [{c: images[c][i] for c in images} for i in range(n)]
+        batched = (not isinstance(images, list) and all(torch.is_tensor(images.get(c)) for c in self.cameras)
+                   and len({tuple(images[c].shape) for c in self.cameras}) == 1)   # mixed sizes: per observation
+        per_obs = images if isinstance(images, list) else None if batched else \
+            [{c: images[c][i] for c in images} for i in range(n)]
         tok = self.tokenizer
         g = self.image_size // self.patch_size
         vis = self._vision_ids()
         text_ids, text_mask = tok.encode_fixed(list(tasks), self.max_text_len)
         ids = np.concatenate([np.tile(np.asarray(vis, np.int64), (n, 1)), text_ids], axis=1)
         mask = np.concatenate([np.ones((n, len(vis)), bool), text_mask], axis=1)
-        imgs = []  # observation-major, camera-minor: the order of the image tokens in the prompts
-        for i, obs_imgs in enumerate(per_obs):
-            for cam in self.cameras:
-                if cam not in obs_imgs:
-                    raise UserError(f"wam-ref needs camera {cam!r}; observation {i} has {sorted(obs_imgs)}")
-                imgs.append(obs_imgs[cam])
+        if batched:   # {camera: (B, H, W, 3)} tensors (a training batch): one stack, observation-major camera-minor
+            imgs = torch.stack([images[c] for c in self.cameras], 1).flatten(0, 1)
+        else:
+            imgs = []  # observation-major, camera-minor: the order of the image tokens in the prompts
+            for i, obs_imgs in enumerate(per_obs):
+                for cam in self.cameras:
+                    if cam not in obs_imgs:
+                        raise UserError(f"wam-ref needs camera {cam!r}; observation {i} has {sorted(obs_imgs)}")
+                    imgs.append(obs_imgs[cam])
         ids_t = torch.from_numpy(ids)
         mask_t = torch.from_numpy(mask.astype(np.int64))
         out = {
@@ -131,9 +145,10 @@ class InputProcessor:
             "image_grid_thw": torch.tensor([[1, g, g]] * (n * len(self.cameras)), dtype=torch.long, device=device),
         }
         if self.state_dim > 0:
-            if states is None or any(s is None for s in states):
+            if states is None or (not torch.is_tensor(states) and any(s is None for s in states)):
                 raise UserError(f"wam-ref was built with state_dim={self.state_dim}: observations need a state")
-            st = torch.as_tensor(np.stack([np.asarray(s, np.float32) for s in states]))
+            st = states if torch.is_tensor(states) else torch.as_tensor(np.stack([np.asarray(s, np.float32)
+                                                                                   for s in states]))
             if st.shape[-1] != self.state_dim:
                 raise UserError(f"state has {st.shape[-1]} dims, the policy expects {self.state_dim}")
             out["state"] = st.to(device, self.placement.dtype)
