@@ -335,6 +335,10 @@ REGIMES = {
     # overlap on the GPU) / 4
     "gpu-libero-16": Regime("gpu-libero-16", 16, 16, 0.062, 0.011, 0.00015, reset_s=1.1, chunks=10,
                             share_gain=0.5),
+    # the H200 LIBERO table of session 6 (16 envs: chunk 16 x 34.6 ms with 16 envs busy, soft resets ~0.3 s, calls
+    # ~30 ms nearly flat in batch size and overlapping on the GPU) / 4
+    "gpu-libero-16-s6": Regime("gpu-libero-16-s6", 16, 16, 0.1375, 0.0075, 0.00005, reset_s=0.075, chunks=10,
+                               share_gain=0.5),
     "gpu-metaworld-shared-16": Regime("gpu-metaworld-shared-16", 16, 16, 0.040, 0.0125, 0.0004, share_gain=0.5),
     # simulation-heavy: calls are cheap
     "sim-bound-8": Regime("sim-bound-8", 8, 8, 0.060, 0.004, 0.0002, episodes=48),

@@ -58,8 +58,10 @@ def test_summary_contract():
 
 
 def test_auto_plan_follows_measured_costs():
-    """The auto batcher's plan from measurements: cheap inference -> one batch of every env; inference whose cost grows
-    with the batch (comparable to a chunk of simulation) -> cohorts that overlap (several requests in flight)."""
+    """The auto batcher's plan from measurements: a call far cheaper than a chunk -> every env its own request, all
+    in flight (gathering a batch would only make envs wait); a call over a fifth of a chunk -> one batch of every
+    env; inference whose cost grows with the batch (comparable to a chunk of simulation) -> cohorts that overlap
+    (several requests in flight)."""
     import collections
 
     from wamkit.eval.scheduler import RequestPlanner
@@ -77,7 +79,8 @@ def test_auto_plan_follows_measured_costs():
         sched.active_envs = envs
         return RequestPlanner(sched).plan()
 
-    assert plan(a=0.001, b=0.0001, s0=1.0) == (4, 1)        # inference ~free: batch everyone
+    assert plan(a=0.001, b=0.0001, s0=1.0) == (1, 4)        # inference ~free: no batching, all in flight
+    assert plan(a=0.3, b=0.0, s0=1.0, cores=4) == (4, 1)    # a call ~1/3 chunk: near-ties batch everyone
     n, k = plan(a=0.1, b=0.25, s0=1.0, envs=4, cores=4)     # batch of 4 = 1.1 s ~ one chunk of sim: overlap
     assert k >= 2 and n * k >= 4
     assert plan(a=1.0, b=0.0, s0=1.0, envs=4, cores=4) == (4, 1)   # fixed cost per batch: splitting gains nothing

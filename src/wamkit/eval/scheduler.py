@@ -362,6 +362,11 @@ class RequestPlanner:
     would pay again; m: observations waiting), and never longer than that after the batch could have gone."""
 
     TIE = 0.05   # cycle times within 5% of the best count as equal
+    # Near-ties go to fewer, larger batches (the cycle model ignores that concurrent requests queue behind each
+    # other) unless a chunk costs over CHEAP_CALL x a call (the median measured call): then batching saves
+    # accelerator time nobody waits for, while gathering a batch makes envs wait, so near-ties go to more, smaller
+    # requests in flight (bench/planner_sim.py figures in docs/benchmarks.md 2b).
+    CHEAP_CALL = 5.0
     # How long m waiting observations wait for one more env (and never longer): a x min(MAX, SHARE / (m + 1)). Waiting
     # d costs each of the m waiting envs d and saves the late env a call of its own (a, the fixed cost of one call),
     # so the budget shrinks as m grows. Measured over bench/planner_sim.py's regimes: min auto / best fixed row 0.92
@@ -425,9 +430,12 @@ class RequestPlanner:
             options.append((max(k * inf, s0 * max(1.0, n / c) + inf, a_envs * s0 / c), n, k))
         if not options:
             return self.cap, math.ceil(a_envs / self.cap)
-        # near-ties go to fewer, larger batches: the model ignores that concurrent requests queue behind each other
         best = min(c for c, _, _ in options)
-        _, n, k = min((o for o in options if o[0] <= best * (1 + self.TIE)), key=lambda o: o[2])
+        ties = [o for o in options if o[0] <= best * (1 + self.TIE)]
+        lat = self.inf.latencies[-100:]
+        call = statistics.median(t for _, t in lat) if lat else a + b
+        cheap = bool(self.s.sim_samples) and s0 > self.CHEAP_CALL * call   # measured chunks only (see CHEAP_CALL)
+        _, n, k = (max if cheap else min)(ties, key=lambda o: o[2])
         return n, k
 
     # -- flow
