@@ -126,3 +126,30 @@ def test_bench_rows_start_from_the_scenes_their_scheduler_assigns(tmp_path):
     serial = Kept([0] * 8)
     position_envs(dataclasses.replace(cfg, mode="serial"), serial, Console(file=open(tmp_path / "log", "w")))
     assert not any(w.calls for w in serial.workers)
+
+
+def test_single_batch_ratios_also_come_without_its_scene_loads():
+    """The single-batch row (one env over every task) pays a scene load per task change inside its row: the report
+    gives its rate without them and each row's ratio over that (the conservative one), beside the plain ratio."""
+    from wamkit.eval.bench import add_ratios, markdown
+
+    def fresh(loads, load_s):
+        return [{"row": "single-batch", "env_steps_per_s": 30.0, "episodes_per_hour": 600.0, "wall_s": 40.0,
+                 "env_steps": 1200.0, "scene_loads": loads, "scene_load_s": load_s, "episodes": 8,
+                 "inference_obs_per_s": 2.0, "mean_batch": 1.0},
+                {"row": "auto", "env_steps_per_s": 300.0, "episodes_per_hour": 6000.0, "wall_s": 40.0,
+                 "env_steps": 12000.0, "scene_loads": 0, "scene_load_s": 0.0, "episodes": 64,
+                 "inference_obs_per_s": 20.0, "mean_batch": 2.0}]
+
+    rows = fresh(3, 10.0)
+    sb, auto = rows
+    add_ratios(rows, bound=None, contended=None)
+    assert sb["env_steps_per_s_without_loads"] == 1200.0 / 30.0
+    assert auto["ratio_steps"] == 10.0 and auto["ratio_steps_without_loads"] == 300.0 / 40.0
+    text = markdown({"rows": rows, "bound": {"bound_env_steps_per_s": None}})
+    assert "single-batch loaded 3 scene(s) in its row (10.0 s of 40.0 s): without them 40.0 env steps/s" in text
+    assert "auto 7.50" in text
+    no_loads = fresh(0, 0.0)
+    add_ratios(no_loads, bound=None, contended=None)
+    assert no_loads[1]["ratio_steps_without_loads"] is None and "without them" not in markdown(
+        {"rows": no_loads, "bound": {"bound_env_steps_per_s": None}})

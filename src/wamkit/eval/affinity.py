@@ -91,6 +91,7 @@ class TaskAffinity:
         self.load_samples: deque[float] = deque([load_hint_s] if load_hint_s else [], maxlen=50)
         self.episode_samples: deque[float] = deque(maxlen=50)
         self.loads = 0
+        self.load_seconds = 0.0                       # seconds of the scene loads of this run
         self._began: dict[int, float] = {}            # env -> monotonic end of the reset of its current episode
         self._loading: dict[int, float] = {}          # env -> monotonic start of the scene load under way
 
@@ -143,6 +144,7 @@ class TaskAffinity:
         if self.scene.get(i) != task:
             self.load_samples.append(seconds)
             self.loads += 1
+            self.load_seconds += seconds
         self.scene[i] = task
         self._began[i] = time.monotonic()
 
