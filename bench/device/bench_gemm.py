@@ -61,15 +61,7 @@ def cuda() -> bool:
 def measure_us(fn, calls: int, reps: int) -> list[float]:
     """Microseconds per call of fn() (which makes `calls` calls): CUDA graph replays (skinny.graph_us) on the GPU,
     the host clock on the CPU (smoke runs)."""
-    if cuda():
-        return skinny.graph_us(fn, reps, calls)
-    fn()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e6 / calls)
-    return out
+    return skinny.graph_us(fn, reps, calls) if cuda() else skinny.host_us(fn, reps, calls)
 
 
 def med(ts: list[float]) -> float:

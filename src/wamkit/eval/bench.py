@@ -72,7 +72,7 @@ def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
             "env_busy": sch.get("env_busy", 0.0), "inference_busy": sch.get("inference_busy", 0.0),
             "request_ms_mean": sch.get("request_ms_mean", 0.0), "compute_ms_mean": sch.get("compute_ms_mean", 0.0),
             "scene_loads": sch.get("scene_loads", 0), "scene_load_s": sch.get("scene_load_s", 0.0),
-            "env_steps": th["env_steps_per_s"] * th["wall_s"], "success_rate": s["success_rate"]}
+            "env_steps": th["env_steps"], "success_rate": s["success_rate"]}
 
 
 def grid(num_envs: int) -> list[tuple[int, int]]:
@@ -338,7 +338,6 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     (out / "bench_eval.md").write_text(markdown(report))
     console.print(table(report))
     return report
-
 
 
 def add_ratios(results: list[dict[str, Any]], bound: float | None, contended: dict[str, Any] | None) -> None:

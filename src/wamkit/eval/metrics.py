@@ -32,6 +32,7 @@ def summarize(records: list[dict[str, Any]], *, wall_s: float, config: dict[str,
         "throughput": {
             "wall_s": wall_s,
             "episodes_this_run": eps,
+            "env_steps": env_steps,
             "episodes_per_hour": eps / wall_s * 3600 if wall_s > 0 else 0.0,
             "env_steps_per_s": env_steps / wall_s if wall_s > 0 else 0.0,
             "inference_obs_per_s": inference_obs / wall_s if wall_s > 0 else 0.0,

@@ -181,8 +181,9 @@ class Scheduler:
         self.affinity.reset_begun(i, ep.task_id)
         try:
             obs = await self._call(i, "reset", self.envs[i].reset(ep.task_id, ep.trial))
-            self.reset_samples.append(time.monotonic() - m0)
-            self.affinity.reset_done(i, ep.task_id, time.monotonic() - m0)
+            dt = time.monotonic() - m0
+            self.reset_samples.append(dt)
+            self.affinity.reset_done(i, ep.task_id, dt)
             return obs
         finally:
             self.simulating -= 1
