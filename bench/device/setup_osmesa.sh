@@ -1,4 +1,6 @@
 # source bench/device/setup_osmesa.sh  (from bench/device/run_all.sh gl=osmesa; GL=auto: only make OSMesa loadable)
+# It installs neither MuJoCo's wheels nor the GLVND debs of .gl (without them EGL cannot load and auto falls back to
+# OSMesa): run_all.sh does both first (`bash bench/device/run_all.sh parts=none gl=auto` sets up and runs gl_check).
 #
 # GL=auto (run_all.sh gl=auto, or `GL=auto . bench/device/setup_osmesa.sh`): libOSMesa goes on the library path and
 # MUJOCO_GL is unset, so the env configs' render_backend=auto measures EGL (on the GPU) against OSMesa and chooses
