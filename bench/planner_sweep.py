@@ -1,0 +1,40 @@
+"""auto / best fixed row over every modelled regime (bench/planner_sim.py), each with and without the server's own
+batching (`wamkit serve`: 5 ms, / 4 in the regimes' time scale) and at two jitter levels: 40 cases, their minimum
+and mean. A planner change is judged by these two figures and by the cases it loses.
+
+    python bench/planner_sweep.py"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import planner_sim as ps  # noqa: E402
+
+SERVER_WAIT_S = 0.00125
+
+
+def sweep() -> dict[tuple, float]:
+    res = {}
+    for name, r0 in ps.REGIMES.items():
+        for sw in ([None, SERVER_WAIT_S] if r0.server_wait_s is None else [r0.server_wait_s]):
+            r = ps.with_(r0, server_wait_s=sw, share_gain=0.0 if sw is not None else r0.share_gain)
+            for jitter in (0.2, 0.15):
+                rj = ps.with_(r, jitter=jitter)
+                rows = {lab: ps.run(rj, m, b, p)["env_steps_per_s"] for lab, m, b, p in ps.grid_rows(rj)}
+                best = max(v for k, v in rows.items() if k != "auto")
+                res[(name, sw, jitter)] = rows["auto"] / best
+    return res
+
+
+def main() -> None:
+    res = sweep()
+    for (name, sw, jitter), v in res.items():
+        server = "server batching" if sw is not None else "one call per request"
+        print(f"{name:26s} {server:21s} jitter {jitter:.2f}  auto / best fixed {v:.3f}")
+    print(f"{len(res)} cases: min {min(res.values()):.3f}, mean {sum(res.values()) / len(res):.4f}")
+
+
+if __name__ == "__main__":
+    main()
