@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from planner_sim import REGIMES, bounds, grid_rows, run, with_  # noqa: E402
+from planner_sim import REGIMES, bounds, grid_rows, run, with_server_wait  # noqa: E402
 
 
 def main() -> None:
@@ -30,10 +30,8 @@ def main() -> None:
     report = {}
     for name in a.regimes:
         r = REGIMES[name]
-        if a.server_wait == "none":
-            r = with_(r, server_wait_s=None)
-        elif a.server_wait:
-            r = with_(r, server_wait_s=float(a.server_wait), share_gain=0.0)
+        if a.server_wait:
+            r = with_server_wait(r, None if a.server_wait == "none" else float(a.server_wait))
         b = bounds(r)
         rows = {}
         for _ in range(a.rounds):

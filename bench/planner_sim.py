@@ -280,7 +280,7 @@ def run(r: Regime, mode: str, batch: int = 1, pipelines: int = 1) -> dict:
         steps = sum(o.env_steps for o in done)
         return {"mode": mode, "batch": batch, "pipelines": pipelines, "episodes": len(done), "wall_s": wall,
                 "env_steps_per_s": steps / wall, "mean_batch": inf.observations / max(1, inf.requests),
-                "accelerator_busy": inf.busy_s / wall}
+                "accelerator_busy": inf.busy_s / wall, "server_batches": list(inf.batch_sizes)}
 
     return run_virtual(go())
 
@@ -391,3 +391,9 @@ REGIMES = {
 
 def with_(r: Regime, **kw) -> Regime:
     return dataclasses.replace(r, **kw)
+
+
+def with_server_wait(r: Regime, wait_s: float | None) -> Regime:
+    """The regime with (wait_s seconds) or without (None) the server's own batching; a batching server runs one batch
+    at a time, so overlapping calls no longer share the accelerator."""
+    return with_(r, server_wait_s=wait_s, share_gain=0.0 if wait_s is not None else r.share_gain)

@@ -19,7 +19,7 @@ def sweep() -> dict[tuple, float]:
     res = {}
     for name, r0 in ps.REGIMES.items():
         for sw in ([None, SERVER_WAIT_S] if r0.server_wait_s is None else [r0.server_wait_s]):
-            r = ps.with_(r0, server_wait_s=sw, share_gain=0.0 if sw is not None else r0.share_gain)
+            r = ps.with_server_wait(r0, sw)
             for jitter in (0.2, 0.15):
                 rj = ps.with_(r, jitter=jitter)
                 rows = {lab: ps.run(rj, m, b, p)["env_steps_per_s"] for lab, m, b, p in ps.grid_rows(rj)}
