@@ -79,6 +79,54 @@ def truthy(v: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------- batches
+KERNEL_CATEGORIES = (   # first match wins; names as the CUDA kernels are called (cuBLAS, FlashAttention, Inductor)
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "splitk")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("optimizer", ("multi_tensor", "adam", "fused_adam")),
+    ("copy/cast", ("memcpy", "memset", "copy_kernel", "cat_", "to_copy")),
+    ("reduction", ("reduce", "norm", "softmax")),
+    ("inductor fused", ("triton_",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kernel_categories(prof) -> str:
+    """The profiled step's CUDA kernel time by kind, and the device's idle share of the step's span (the wall time
+    from its first kernel's start to its last kernel's end that no kernel ran: host-bound gaps)."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in prof.events() if getattr(e, "device_type", None) == DeviceType.CUDA]
+    if not kernels:
+        return "kernel categories: no CUDA kernels recorded"
+    by: dict[str, float] = {}
+    count: dict[str, int] = {}
+    spans = []
+    for e in kernels:
+        name = e.name.lower()
+        cat = next((c for c, keys in KERNEL_CATEGORIES if any(k in name for k in keys)), "other")
+        us = float(e.time_range.end - e.time_range.start)
+        by[cat] = by.get(cat, 0.0) + us
+        count[cat] = count.get(cat, 0) + 1
+        spans.append((e.time_range.start, e.time_range.end))
+    spans.sort()
+    busy, cur_s, cur_e = 0.0, *spans[0]
+    for s0, e0 in spans[1:]:   # the union of kernel intervals (streams may overlap)
+        if s0 > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s0, e0
+        else:
+            cur_e = max(cur_e, e0)
+    busy += cur_e - cur_s
+    span = spans[-1][1] - spans[0][0]
+    total = sum(by.values())
+    lines = [f"kernel categories (one step; span {span / 1e3:.1f} ms, kernels busy {busy / 1e3:.1f} ms = "
+             f"{busy / span:.1%}, idle {(span - busy) / 1e3:.1f} ms):",
+             "| kind | kernels | ms | share of kernel time |", "|---|---|---|---|"]
+    for cat, us in sorted(by.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {cat} | {count[cat]} | {us / 1e3:.1f} | {us / total:.1%} |")
+    return "\n".join(lines)
+
+
 def synthetic_batch(policy, b: int, device, seed: int = 0):
     import numpy as np
     import torch
@@ -384,6 +432,10 @@ def worker(kv):
             step()
             torch.cuda.synchronize()
         prof_table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        try:
+            prof_table += "\n" + kernel_categories(prof)
+        except Exception as e:  # noqa: BLE001 - the table above stands on its own
+            prof_table += f"\nkernel categories failed: {e!r}"
     measured = {k: v[warmup:] for k, v in per_step.items()}
     med = {k: statistics.median(v) for k, v in measured.items()}
     # the slowest rank's median step is the step time of the group
