@@ -22,7 +22,13 @@ SGLANG_PKGS := sglang==0.5.23 fastapi==0.165.0 orjson==3.13.0 pybase64==1.5.1 ms
   diffusers==0.42.1 addict==2.4.0 imageio-ffmpeg==0.8.1 cache-dit==1.5.3 openai==3.57.0 partial-json-parser==0.2.1.1.post7 \
   loguru==0.7.3 sniffio==1.3.1
 
-.PHONY: setup sglang-env apt demo test test-fast bench clean
+# Triton for its CPU interpreter (TRITON_INTERPRET=1), in a folder of its own that only the kernel tests put on
+# their path (tests/test_master_adamw.py runs the GPU kernels' code there): the CPU torch wheel ships no Triton.
+TRITON_SITE := .cache/triton-site
+TRITON_STAMP := $(TRITON_SITE)/.wamkit-triton
+TRITON_PKG := triton==3.6.0
+
+.PHONY: setup sglang-env triton-interp apt demo test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -54,13 +60,19 @@ $(SGLANG_STAMP): $(STAMP) Makefile
 	$(SGLANG_VENV)/bin/pip install -q --no-deps $(SGLANG_PKGS)
 	@touch $(SGLANG_STAMP)
 
+triton-interp: $(TRITON_STAMP)
+
+$(TRITON_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps --target $(TRITON_SITE) $(TRITON_PKG)
+	@touch $(TRITON_STAMP)
+
 demo: setup
 	$(BIN)/python -m wamkit.cli.main demo out=runs/demo
 
-test: setup sglang-env
+test: setup sglang-env triton-interp
 	$(BIN)/python -m pytest -q -rs tests
 
-test-fast: setup sglang-env
+test-fast: setup sglang-env triton-interp
 	$(BIN)/python -m pytest -q -rs -m "not slow" tests
 
 bench: setup

@@ -321,7 +321,7 @@ def worker(kv):
 
     from wamkit.train.config import TrainConfig, module_selection
     from wamkit.train.dist import close_distributed, init_distributed
-    from wamkit.train.optim import build_optimizer, count_params, select_trainable
+    from wamkit.train.optim import build_optimizer, clip_gradients, count_params, select_trainable
     from wamkit.train.parallelize import resolved_precision, resolved_reshard, setup_model
     from wamkit.train.trainer import build_policy
 
@@ -361,7 +361,7 @@ def worker(kv):
                         reshard_after_forward=kv["reshard_after_forward"],
                         cast_root_inputs=truthy(kv["cast_root_inputs"]))
     cfg = TrainConfig(optimizer_impl=kv["optimizer"])
-    opt = build_optimizer(model.state, cfg, dict(policy.lr_multipliers()))
+    opt = build_optimizer(model.state, cfg, dict(policy.lr_multipliers()), master=model.master)
     params = [p for p in model.state.parameters() if p.requires_grad]
     next_batch, loader = batch_source(kv, policy, micro, dev)
     phases = ("data_wait_s", "fwd_s", "bwd_s", "opt_s")
@@ -377,13 +377,13 @@ def worker(kv):
             loss, _ = policy.sft_loss(batch)
             t2 = time.perf_counter()
             (loss / ga if ga > 1 else loss).backward()
-            model.after_backward(k == 0)
+            model.after_backward(k == 0, k == ga - 1)
             t3 = time.perf_counter()
             rec["data_wait_s"] += t1 - t
             rec["fwd_s"] += t2 - t1
             rec["bwd_s"] += t3 - t2
         t = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        clip_gradients(opt, params, 1.0)
         opt.step()
         model.after_optimizer_step(opt)
         rec["opt_s"] += time.perf_counter() - t

@@ -6,6 +6,9 @@ weights.
     loss.backward(); mw.grads_to_master(first=True)   # bf16 grads -> the masters' fp32 grads (one multi-tensor copy)
     clip(mw.state); opt.step(); mw.masters_to_model()  # fp32 update, then one multi-tensor copy back to bf16
 
+(`optimizer_impl=triton`, train/master_adamw.py, does the copy in, the clip, the update and the copy back in one
+pass per tensor.)
+
 The arithmetic is the FSDP2 path's with `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` on one rank:
 forward and backward in bf16 over bf16-rounded copies of the fp32 weights, gradients taken to fp32 before clipping
 and AdamW (FSDP2: the fp32 "reduction" of one rank), the update on fp32 weights, buffers left in their own dtype,
@@ -90,14 +93,26 @@ class MasterWeights:
                 entries.append((name, b, False))
         self.state = _tree(entries)
         self._trainable = [(p, m) for p, m in zip(self._params, self._masters) if m.requires_grad]
+        # set by an optimizer that reads the module's bf16 gradients itself (train/master_adamw.py): an optimizer
+        # step of one micro-step then leaves them where backward put them (no fp32 copy)
+        self.grads_stay = False
         self._hook = module.register_forward_pre_hook(cast_floating(param_dtype), with_kwargs=True) \
             if cast_root_inputs else None
 
+    def trainable_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(module parameter, its fp32 master) of every trainable parameter."""
+        return list(self._trainable)
+
     @torch.no_grad()
-    def grads_to_master(self, first: bool) -> None:
+    def grads_to_master(self, first: bool, last: bool = False) -> None:
         """After a micro-step's backward: the module's bf16 gradients into the masters' fp32 ones (copied on the first
         micro-step of an optimizer step, added on the others) and dropped from the module. A master whose parameter
-        got no gradient in the step has none (AdamW skips it, as it would skip the parameter)."""
+        got no gradient in the step has none (AdamW skips it, as it would skip the parameter). With `grads_stay`, a
+        step of one micro-step (first and last) leaves the bf16 gradients on the module for the optimizer to read."""
+        if self.grads_stay and first and last:
+            for _, m in self._trainable:
+                m.grad = None
+            return
         cp_dst, cp_src, add_dst, add_src = [], [], [], []
         for p, m in self._trainable:
             g = p.grad
@@ -128,6 +143,12 @@ class MasterWeights:
         pairs = self._trainable if trainable_only else list(zip(self._params, self._masters))
         if pairs:
             torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+
+    def clear_grads(self) -> None:
+        """Every trainable gradient dropped, the module's and the masters' (after an optimizer that read them)."""
+        for p, m in self._trainable:
+            p.grad = None
+            m.grad = None
 
     def remove(self) -> None:
         if self._hook is not None:

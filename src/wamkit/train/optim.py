@@ -68,18 +68,38 @@ def param_groups(module: nn.Module, multipliers: dict, weight_decay: float) -> l
     return [{k: v for k, v in g.items() if k != "names"} for _, g in sorted(groups.items())]
 
 
-def build_optimizer(module: nn.Module, cfg, multipliers: dict) -> torch.optim.Optimizer:
+def build_optimizer(module: nn.Module, cfg, multipliers: dict, master=None) -> torch.optim.Optimizer:
+    """AdamW over `module`'s trainable parameters. optimizer_impl: fused (one kernel per parameter group on GPUs) or
+    foreach (multi-tensor), both of which work on DTensor (FSDP2) parameters; triton: MasterAdamW
+    (train/master_adamw.py), shard=none + bf16 only (`master`: the MasterWeights whose fp32 masters `module` holds):
+    the copy of the gradients to fp32, the clip, the update and the copy back to bf16 in one pass per tensor.
+    auto: fused on CUDA, foreach elsewhere."""
     groups = param_groups(module, multipliers, cfg.weight_decay)
     for g in groups:
         g["lr"] = cfg.lr * g["lr_mult"]
-    # fused (one kernel per parameter group on GPUs) or foreach (multi-tensor); both work on DTensor (FSDP2)
-    # parameters. auto: fused on CUDA, foreach elsewhere.
     impl = getattr(cfg, "optimizer_impl", "auto")
     if impl == "auto":
         on_cuda = any(p.device.type == "cuda" for g in groups for p in g["params"])
         impl = "fused" if on_cuda else "foreach"
+    if impl == "triton":
+        if master is None:
+            raise UserError("optimizer_impl=triton steps the fp32 master weights of shard=none with bf16 mixed "
+                            "precision; this run has none (shard=fsdp, or fp32): use auto, fused or foreach")
+        from wamkit.train.master_adamw import MasterAdamW
+
+        return MasterAdamW(groups, master, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kw)
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, params: list, max_norm: float) -> torch.Tensor:
+    """The gradients' total 2-norm, clipped to max_norm (math.inf: measured only). An optimizer with a clip of its
+    own (MasterAdamW: it reads gradients torch's clip cannot see, and applies the coefficient inside its step) does
+    it; otherwise torch.nn.utils.clip_grad_norm_ over `params`."""
+    own = getattr(optimizer, "clip_grad_norm_", None)
+    if own is not None:
+        return own(max_norm)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
 
 
 def lr_factor(step: int, warmup: int, decay: int | None, total: int) -> float:

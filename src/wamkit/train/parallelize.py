@@ -190,13 +190,16 @@ class TrainModel:
         if self.shard == "fsdp":
             self.module.set_requires_gradient_sync(last_micro_step)
 
-    def after_backward(self, first_micro_step: bool) -> None:
+    def after_backward(self, first_micro_step: bool, last_micro_step: bool = False) -> None:
         if self.master is not None:
-            self.master.grads_to_master(first_micro_step)
+            self.master.grads_to_master(first_micro_step, last_micro_step)
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The updated weights into the compute copies, and the gradients cleared for the next step (the masters'
-        fp32 gradients are kept allocated: the next step overwrites them)."""
+        fp32 gradients are kept allocated: the next step overwrites them). An optimizer that writes the compute
+        copies itself (MasterAdamW: `writes_model`) has done both."""
+        if getattr(optimizer, "writes_model", False):
+            return
         if self.master is not None:
             self.master.masters_to_model()
         else:

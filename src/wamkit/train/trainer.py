@@ -25,8 +25,8 @@ from wamkit.train.data import (BatchStream, DevicePrefetcher, build_source, ensu
                                is_import_target, translate_sampler_state)
 from wamkit.train.dist import DistInfo, all_gather_object, broadcast_object, close_distributed, init_distributed
 from wamkit.train.logger import TrainLogger
-from wamkit.train.optim import (EMA, build_optimizer, build_scheduler, check_lr_multipliers, count_params,
-                                lr_factor, select_trainable)
+from wamkit.train.optim import (EMA, build_optimizer, build_scheduler, check_lr_multipliers, clip_gradients,
+                                count_params, lr_factor, select_trainable)
 from wamkit.train.parallelize import setup_model
 
 
@@ -214,7 +214,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
                         cast_root_inputs=cfg.cast_root_inputs,
                         init=(lambda: policy.init_weights(info.device)) if deferred_init else None)
     state_module = model.state   # what the optimizer, the EMA and checkpoints see (names of `module`)
-    optimizer = build_optimizer(state_module, cfg, multipliers)
+    optimizer = build_optimizer(state_module, cfg, multipliers, master=model.master)
     scheduler = build_scheduler(optimizer, cfg)
     ema = EMA(state_module, cfg.ema) if cfg.ema > 0 else None
     trainable = [p for p in state_module.parameters() if p.requires_grad]
@@ -302,7 +302,7 @@ def _loop(cfg: TrainConfig, info: DistInfo, policy, model, optimizer, scheduler,
             loss, metrics = policy.sft_loss(batch)
             scaled = loss / ga if ga > 1 else loss
             scaled.backward()
-            model.after_backward(k == 0)           # shard=none + bf16: bf16 grads -> fp32 master grads
+            model.after_backward(k == 0, k == ga - 1)   # shard=none + bf16: bf16 grads -> fp32 master grads
             dev_window.setdefault("loss", []).append(scaled.detach())
             for name, v in metrics.items():
                 if name == "loss":
@@ -311,7 +311,7 @@ def _loop(cfg: TrainConfig, info: DistInfo, policy, model, optimizer, scheduler,
                     dev_window.setdefault(name, []).append(v.detach() / ga if ga > 1 else v.detach())
                 else:
                     window[name] = window.get(name, 0.0) + float(v) / ga
-        grad_norm = _full(torch.nn.utils.clip_grad_norm_(trainable, clip, foreach=True))
+        grad_norm = _full(clip_gradients(optimizer, trainable, clip))
         dev_window.setdefault("grad_norm", []).append(grad_norm.detach())
         optimizer.step()
         scheduler.step()
