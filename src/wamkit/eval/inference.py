@@ -262,9 +262,11 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
                 kw = dict(policy=policy, policy_args=dict(policy_args), port=options.port,
                           max_batch_size=options.max_batch_size, max_wait_ms=options.max_wait_ms,
                           token=options.token)
-                extra = getattr(options, "serve_args", None)
+                extra = dict(getattr(options, "serve_args", None) or {})
+                if getattr(options, "idle_dispatch", False):
+                    extra.setdefault("idle_dispatch", True)
                 if extra:
-                    kw["extra_args"] = dict(extra)
+                    kw["extra_args"] = extra
                 if env:
                     kw["env"] = env
                 w = (worker_factory or WamkitServerWorker)(**kw)
