@@ -224,3 +224,14 @@ def test_refill_gives_up_and_pauses_when_clients_are_slower_than_the_window():
 def test_new_keys_are_checked(key, value):
     with pytest.raises(ConfigError, match=key):
         ServeConfig(**{key: value}).validate()
+
+
+def test_tune_malloc_applies_on_glibc_and_is_harmless_twice():
+    import platform
+
+    from wamkit.serve.http import tune_malloc
+
+    expected = platform.libc_ver()[0] == "glibc"
+    assert tune_malloc() is expected and tune_malloc() is expected
+    big = [bytes(3 * 1024 * 1024) for _ in range(4)]   # allocations still work (heap, not mmap)
+    assert sum(map(len, big)) == 12 * 1024 * 1024

@@ -123,6 +123,9 @@ class ServerInference(Inference):
         return sum(max(0, w.starts - max(s0, 1)) for w, s0 in zip(self.workers, self._starts0))
 
     async def start(self) -> None:
+        from wamkit.serve.http import tune_malloc
+
+        tune_malloc()   # this process encodes every request body: large buffers from the heap, not fresh mmaps
         if self.attached:
             self.workers = self.attached
             await asyncio.gather(*(asyncio.to_thread(w.wait_healthy, self.options.startup_timeout_s)
