@@ -31,6 +31,7 @@ def test_replicas_get_their_gpu_and_the_serve_args():
         try:
             assert [w.env["CUDA_VISIBLE_DEVICES"] for w in inf.workers] == ["3", "5"]
             assert all("torch_threads=1" in w.command() for w in inf.workers)
+            assert all("idle_dispatch=True" in w.command() for w in inf.workers)   # ServerOptions' default
             assert len({w.url for w in inf.workers}) == 2
             a = await inf.predict(obs(3), [1, 2, 3])
             assert a.shape == (3, 2, 2)

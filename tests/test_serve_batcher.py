@@ -136,6 +136,62 @@ def test_closing_flushes_a_waiting_partial_batch():
     assert batches == [[9, 10]] and out[:, 0, 0].tolist() == [9, 10]
 
 
+def test_idle_dispatch_runs_a_lone_partial_batch_at_once():
+    """idle_dispatch: an idle batcher with nothing in intake runs a partial group now, although max_wait_ms (10 min)
+    says wait; without idle_dispatch the same group is still waiting when we look (it would wait the 10 min)."""
+    async def main(idle: bool):
+        p = GatedPredict()
+        b = DynamicBatcher(p, max_batch_size=8, max_wait_ms=600000, max_queue=64, idle_dispatch=idle)
+        await b.start()
+        p.release.release()                          # the batch, once started, runs straight through
+        t = asyncio.create_task(_submit(b, [1, 2]))
+        for _ in range(100):
+            if t.done():
+                break
+            await asyncio.sleep(0.005)
+        done = t.done()
+        await b.close()                              # flushes it if it was still waiting
+        await t
+        return done, p.batches
+
+    assert asyncio.run(asyncio.wait_for(main(True), 60)) == (True, [[1, 2]])
+    assert asyncio.run(asyncio.wait_for(main(False), 60)) == (False, [[1, 2]])
+
+
+def test_idle_dispatch_waits_for_requests_in_intake_and_batches_them_together():
+    """A request in intake (being received/decoded) holds an idle-dispatch group back: when it is submitted, both
+    share one batch. Requests submitted together (one event-loop turn) share one batch too."""
+    async def main():
+        p = GatedPredict()
+        b = DynamicBatcher(p, max_batch_size=8, max_wait_ms=600000, max_queue=64, idle_dispatch=True)
+        await b.start()
+        b.intake_begin()                             # request B's headers are in, its body is not
+        ta = asyncio.create_task(_submit(b, [1, 2]))
+        for _ in range(20):
+            await asyncio.sleep(0.005)
+        assert not p.batches and not ta.done()       # A waits for B
+        b.intake_end()
+        tb = asyncio.create_task(_submit(b, [3]))
+        await _wait_started(p)
+        p.release.release()
+        await ta, await tb
+        tc = asyncio.gather(_submit(b, [4]), _submit(b, [5, 6]), _submit(b, [7]))
+        await _wait_started(p)
+        p.release.release()
+        await tc
+        b.intake_begin()                             # a request refused in intake (bad body) releases the wait too
+        td = asyncio.create_task(_submit(b, [8]))
+        await asyncio.sleep(0.02)
+        b.intake_end()
+        await _wait_started(p)
+        p.release.release()
+        await td
+        await b.close()
+        return p.batches
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == [[1, 2, 3], [4, 5, 6, 7], [8]]
+
+
 def test_refill_window_follows_the_batch_time():
     b = DynamicBatcher(lambda o, s: None, max_batch_size=4, max_wait_ms=5, max_queue=8, max_wait_fraction=0.1)
     b._recent_batch_s.extend([0.3, 1.5, 0.4])         # the longest recent batch: 1.5 s
@@ -168,3 +224,14 @@ def test_refill_gives_up_and_pauses_when_clients_are_slower_than_the_window():
 def test_new_keys_are_checked(key, value):
     with pytest.raises(ConfigError, match=key):
         ServeConfig(**{key: value}).validate()
+
+
+def test_tune_malloc_applies_on_glibc_and_is_harmless_twice():
+    import platform
+
+    from wamkit.serve.http import tune_malloc
+
+    expected = platform.libc_ver()[0] == "glibc"
+    assert tune_malloc() is expected and tune_malloc() is expected
+    big = [bytes(3 * 1024 * 1024) for _ in range(4)]   # allocations still work (heap, not mmap)
+    assert sum(map(len, big)) == 12 * 1024 * 1024

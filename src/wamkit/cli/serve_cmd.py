@@ -64,7 +64,9 @@ def main(argv: list[str]) -> int:
     path, overrides = split_args(argv)
     cfg = load_config(ServeConfig, path, overrides)
     from wamkit.serve.app import create_app
-    from wamkit.serve.http import bind_socket, uvicorn_config
+    from wamkit.serve.http import bind_socket, tune_malloc, uvicorn_config
+
+    tune_malloc()   # before the policy and the server allocate anything large
 
     sock = bind_socket(cfg.host, cfg.port)   # before the policy is built: a taken port fails at once
     port = sock.getsockname()[1]

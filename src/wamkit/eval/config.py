@@ -25,6 +25,9 @@ class ServerOptions:
     port: int = 0                 # 0 = pick a free port
     max_batch_size: int = 64      # the server's cap on observations per batch
     max_wait_ms: float = 2.0      # how long the server lets a batch fill up
+    idle_dispatch: bool = True    # wamkit serve: an idle server runs a partial batch at once unless other requests
+                                  # are being received (then it waits up to max_wait_ms); false: every partial batch
+                                  # waits max_wait_ms (docs/serving.md "Batching")
     token: str | None = None      # bearer token of the server(s) (None: env WAMKIT_TOKEN, else no auth)
     url: str | None = None        # use already running server(s) (wamkit serve or SGLang; comma-separated for several)
     protocol: str = "auto"        # wire form: wamkit (HTTP + wamkit's extensions) | sglang (HTTP, SGLang's request

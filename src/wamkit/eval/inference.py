@@ -123,6 +123,9 @@ class ServerInference(Inference):
         return sum(max(0, w.starts - max(s0, 1)) for w, s0 in zip(self.workers, self._starts0))
 
     async def start(self) -> None:
+        from wamkit.serve.http import tune_malloc
+
+        tune_malloc()   # this process encodes every request body: large buffers from the heap, not fresh mmaps
         if self.attached:
             self.workers = self.attached
             await asyncio.gather(*(asyncio.to_thread(w.wait_healthy, self.options.startup_timeout_s)
@@ -262,9 +265,11 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
                 kw = dict(policy=policy, policy_args=dict(policy_args), port=options.port,
                           max_batch_size=options.max_batch_size, max_wait_ms=options.max_wait_ms,
                           token=options.token)
-                extra = getattr(options, "serve_args", None)
+                extra = dict(getattr(options, "serve_args", None) or {})
+                if getattr(options, "idle_dispatch", False):
+                    extra.setdefault("idle_dispatch", True)
                 if extra:
-                    kw["extra_args"] = dict(extra)
+                    kw["extra_args"] = extra
                 if env:
                     kw["env"] = env
                 w = (worker_factory or WamkitServerWorker)(**kw)

@@ -78,7 +78,7 @@ class ActionServer:
         self.model = cfg.model_name or self.spec.name
         self.metrics = ServerMetrics()
         self.batcher = DynamicBatcher(policy.predict, self.max_batch_size, cfg.max_wait_ms, cfg.max_queue, self.metrics,
-                                      max_wait_fraction=cfg.max_wait_fraction)
+                                      max_wait_fraction=cfg.max_wait_fraction, idle_dispatch=cfg.idle_dispatch)
         self.decode_pool = ThreadPoolExecutor(max_workers=cfg.decode_threads, thread_name_prefix="wamkit-decode")
         self._log_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -237,17 +237,21 @@ class ActionServer:
         self._check_token(request)
         ct = request.headers.get("content-type", "")
         binary = is_msgpack(ct) or "msgpack" in request.headers.get("accept", "").lower()
-        body = await self._read_body(request)
-        if len(body) > OFFLOAD_BYTES:
-            req = await asyncio.get_running_loop().run_in_executor(self.decode_pool, self._decode, body, ct)
-        else:
-            req = self._decode(body, ct)
-        n = len(req)
-        if n > self.cfg.max_queue:
-            raise _HTTPError(413, f"{n} observations in one request; the server queues at most {self.cfg.max_queue}",
-                             path="input")
-        self._check_against_policy(req)
-        keys = [req.group_key(i) for i in range(n)]
+        self.batcher.intake_begin()   # idle dispatch waits for requests in intake (wamkit.serve.batcher)
+        try:
+            body = await self._read_body(request)
+            if len(body) > OFFLOAD_BYTES:
+                req = await asyncio.get_running_loop().run_in_executor(self.decode_pool, self._decode, body, ct)
+            else:
+                req = self._decode(body, ct)
+            n = len(req)
+            if n > self.cfg.max_queue:
+                raise _HTTPError(413, f"{n} observations in one request; the server queues at most "
+                                      f"{self.cfg.max_queue}", path="input")
+            self._check_against_policy(req)
+            keys = [req.group_key(i) for i in range(n)]
+        finally:
+            self.batcher.intake_end()  # no await between here and submit: the batcher sees this request queued
         self.metrics.count("observations", n)
         actions, timing = await self.batcher.submit(req.observations, req.seeds, keys)
         out = build_response(req, actions, self.model, binary, timing=timing,

@@ -18,6 +18,12 @@
   longer (they step a simulator first, as the pipelined evaluation's other pipeline does, or encode PNGs on a busy
   CPU) the alternating halves hide their turnaround better and the device would idle for the window: off by
   default.
+- Idle dispatch (idle_dispatch=True; off by default): when no batch is computing and no other request is being
+  received or decoded by the server (its intake: headers in, not yet submitted; intake_begin / intake_end), a group
+  leaves at once instead of waiting max_wait_ms for company nobody has announced: the continuous-batching rule, which
+  spares a lone or lockstep client (one request in flight at a time) max_wait_ms per request. While other requests
+  are in intake, the group waits for them as before (until full, or max_wait_ms); a refill window still applies.
+  Observations that arrive while a batch computes queue for the next batch either way.
 - One batch computes at a time (predict in one worker thread) while the next one forms: the event loop keeps
   accepting and decoding requests, so observations that arrive during a batch queue for the next one. The refill
   window starts once the finished batch's requests have had their turn on the event loop (responses written).
@@ -75,7 +81,8 @@ class _Item:
 
 class DynamicBatcher:
     def __init__(self, predict: Callable[[Sequence[Observation], Sequence[int]], np.ndarray], max_batch_size: int,
-                 max_wait_ms: float, max_queue: int, metrics: Any = None, max_wait_fraction: float = 0.0):
+                 max_wait_ms: float, max_queue: int, metrics: Any = None, max_wait_fraction: float = 0.0,
+                 idle_dispatch: bool = False):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.predict = predict
@@ -83,7 +90,9 @@ class DynamicBatcher:
         self.max_wait_s = max(0.0, float(max_wait_ms)) / 1000.0
         self.max_wait_fraction = max(0.0, float(max_wait_fraction))
         self.max_queue = int(max_queue)
+        self.idle_dispatch = bool(idle_dispatch)
         self.metrics = metrics
+        self._intake = 0                         # requests being received/decoded, not yet submitted
         self._groups: collections.OrderedDict[Hashable, collections.deque[_Item]] = collections.OrderedDict()
         self._queued = 0
         self._closing = False
@@ -116,6 +125,16 @@ class DynamicBatcher:
             await self._task
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+    def intake_begin(self) -> None:
+        """A request is being received/decoded (event loop thread); pair with intake_end before its submit."""
+        self._intake += 1
+
+    def intake_end(self) -> None:
+        """That request was submitted, refused or dropped: an idle-dispatch group waiting for it may leave."""
+        self._intake = max(0, self._intake - 1)
+        if self.idle_dispatch and self._intake == 0 and self._wake is not None:
+            self._wake.set()
 
     @property
     def queued(self) -> int:
@@ -174,9 +193,10 @@ class DynamicBatcher:
         refill = self.refill_window_s()
         if refill and now >= self._free_since + refill:   # the missing ones are not coming: give up on them
             self._out, refill, self._refill_paused = 0, 0.0, REFILL_PAUSE_BATCHES
+        wait_s = 0.0 if self.idle_dispatch and self._intake == 0 else self.max_wait_s
         for key, dq in self._groups.items():
             t = dq[0].t
-            deadline = max(t + self.max_wait_s, self._free_since + refill)
+            deadline = max(t + wait_s, self._free_since + refill)
             first_deadline = deadline if first_deadline is None else min(first_deadline, deadline)
             if self._closing or len(dq) >= self.max_batch_size or now >= deadline:
                 if best_t is None or t < best_t:

@@ -39,6 +39,9 @@ class ServeConfig:
     max_wait_fraction: float = 0.0          # refill: after a batch, a partial batch waits up to this fraction of the
                                             # batch time for the clients just answered (closed-loop clients: 0.25;
                                             # 0: off; docs/serving.md "Batching")
+    idle_dispatch: bool = False             # when no batch computes and no other request is being received, run
+                                            # a partial batch at once instead of waiting max_wait_ms (continuous
+                                            # batching; a lone/lockstep client saves max_wait_ms a request)
     policy_process: bool = False            # run the policy in a child process: its host work (CUDA launches) and
                                             # the event loop (HTTP, decoding, batching) then never share one GIL
     decode_threads: int = 2                 # threads decoding request bodies over 256 KB off the event loop (PNG
