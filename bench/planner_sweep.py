@@ -2,10 +2,14 @@
 batching (`wamkit serve`: 5 ms, / 4 in the regimes' time scale) and at two jitter levels: 40 cases, their minimum
 and mean. A planner change is judged by these two figures and by the cases it loses.
 
-    python bench/planner_sweep.py"""
+    python bench/planner_sweep.py [--md bench/results/planner_sweep.md --label "what was run"]
+
+--md appends the per-case table and the summary, under the label, to that file (the sweep's results:
+bench/results/planner_sweep.md)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -29,11 +33,22 @@ def sweep() -> dict[tuple, float]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--md", default="", help="append the table and summary to this markdown file")
+    ap.add_argument("--label", default="", help="the section's heading in --md")
+    a = ap.parse_args()
     res = sweep()
+    lines = []
     for (name, sw, jitter), v in res.items():
         server = "server batching" if sw is not None else "one call per request"
         print(f"{name:26s} {server:21s} jitter {jitter:.2f}  auto / best fixed {v:.3f}")
-    print(f"{len(res)} cases: min {min(res.values()):.3f}, mean {sum(res.values()) / len(res):.4f}")
+        lines.append(f"| {name} | {server} | {jitter:.2f} | {v:.3f} |")
+    summary = f"{len(res)} cases: min {min(res.values()):.3f}, mean {sum(res.values()) / len(res):.4f}"
+    print(summary)
+    if a.md:
+        with open(a.md, "a") as f:
+            f.write(f"\n## {a.label or 'sweep'}\n\n{summary}\n\n| regime | server | jitter | auto / best fixed |\n"
+                    f"|---|---|---|---|\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

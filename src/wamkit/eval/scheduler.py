@@ -443,7 +443,9 @@ class RequestPlanner:
     async def submit(self, i: int, ep: Episode, obs: Observation, seed: int) -> np.ndarray:
         fut = asyncio.get_running_loop().create_future()
         self.pending.append((obs, seed, ep, fut, time.monotonic()))
-        self.poke()
+        # decide once every env whose chunk ended at this instant has submitted (the loop's next turn): poking here
+        # sent the first of sixteen envs that start together alone, and that 1 + 15 split persisted (docs 2b)
+        asyncio.get_running_loop().call_soon(self.poke)
         return await fut
 
     def _joinable(self) -> int:
