@@ -321,6 +321,12 @@ def test_bench_eval_rounds_and_contended_bound(mw_serial, tmp_path):
     assert c["sim_env_steps_per_s"] > 0 and c["inference_obs_per_s"] > 0
     assert c["bound_env_steps_per_s"] == min(c["sim_env_steps_per_s"], c["inference_obs_per_s"] * 4)
     assert "Contended" in markdown(rep) and "spread over 2 rounds" in markdown(rep)
+    lp = rep["bound"]["loop"]           # the env-loop bound: measured chunk and call, 2 envs x horizon 4
+    assert lp["chunk_s"] > 0 and lp["call_s"] > 0
+    assert lp["bound_env_steps_per_s"] == pytest.approx(2 * 4 / (lp["chunk_s"] + lp["call_s"]))
+    assert rep["bound"]["honest_env_steps_per_s"] == min(c["bound_env_steps_per_s"], lp["bound_env_steps_per_s"])
+    assert all(r["of_honest_bound"] >= r["of_contended_bound"] for r in rep["rows"])
+    assert "Loop bound" in markdown(rep)
     serial = {k: s for k, (s, _) in outcome_view(mw_serial).items()}
     for row in ("B2_P1", "auto"):
         for k in (1, 2):

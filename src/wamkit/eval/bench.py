@@ -7,7 +7,10 @@ Rows (all on the same plan, same policy):
   auto           asynchronous flow, render skipping, run to max steps (scheduling alone vs serial)
   auto+          auto with every wamkit feature on (render skipping, episodes end at success)
 Stage bound: simulation alone (`zero` policy, auto, same envs) and inference alone (batches of the chosen size
-back to back), both in env steps/s; bound = min of the two. Ratios are over the single-batch row."""
+back to back), both in env steps/s; bound = min of the two. Loop bound: an env cannot simulate while it waits for
+its own actions, so no schedule beats num_envs x horizon / (its fastest chunk + the fastest call): the chunk from the
+simulation-alone run (an env per core), the call a lone one-observation request through the same path, measured
+before the inference bound's batches (see loop_bound). Ratios are over the single-batch row."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import threading
 import time
@@ -130,39 +134,64 @@ def _first_task(out: Path, configs) -> str | None:
     return None
 
 
+def _inference(base: EvalConfig, workers: list | None):
+    """The rows' inference path, unstarted: ServerInference over `workers` (servers already running) or a fresh
+    in-process policy."""
+    from wamkit.eval.inference import InProcessInference, ServerInference
+    from wamkit.policies.registry import make_policy
+
+    pkw = bench_policy_kwargs(base)
+    if base.inference == "server":
+        from wamkit.eval.runner import remote_codec_of
+
+        return ServerInference(policy=base.policy, policy_args=pkw, options=base.server, workers=workers,
+                               codec=remote_codec_of(base.policy, pkw))
+    return InProcessInference(make_policy(base.policy, **pkw))
+
+
+def synthetic_observations(base: EvalConfig, n: int, task: str) -> list:
+    """n blank observations in the env's layout as far as the policy args tell it (MetaWorld: 1 camera, 39-D
+    state), for the inference-side measurements."""
+    import numpy as np
+
+    from wamkit.core.types import Observation
+    from wamkit.envs.base import env_class
+
+    pkw = bench_policy_kwargs(base)
+    size = base.image_size
+    cams = pkw.get("cameras", ("image", "wrist_image"))
+    cams = cams.split(",") if isinstance(cams, str) else list(cams)
+    state_dim = int(pkw.get("state_dim", 0) or getattr(env_class(base.env), "state_dim", 0) or 8)
+    return [Observation({c: np.zeros((size, size, 3), np.uint8) for c in cams},
+                        np.zeros(state_dim, np.float32), task) for _ in range(n)]
+
+
 def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0, task: str = "bench",
                     workers: list | None = None, stop: threading.Event | None = None) -> float:
     """Observations/s of the inference side alone under back-to-back batches of `batch` (synthetic observations in
     the env's layout; `task`: their instruction, a real one when the policy reads it; `workers`: servers already
     running, for inference=server). stop: run until it is set (at least one round) instead of for `seconds`."""
-    import numpy as np
+    return measure_inference(base, batch, seconds, task, workers, stop)[0]
 
-    from wamkit.core.types import Observation
-    from wamkit.envs.base import env_class
-    from wamkit.eval.inference import InProcessInference, ServerInference
-    from wamkit.policies.registry import make_policy
 
-    pkw = bench_policy_kwargs(base)
-    size = base.image_size
-    # the env's observation layout as far as the policy args tell it (MetaWorld: 1 camera, 39-D state)
-    cams = pkw.get("cameras", ("image", "wrist_image"))
-    cams = cams.split(",") if isinstance(cams, str) else list(cams)
-    state_dim = int(pkw.get("state_dim", 0) or getattr(env_class(base.env), "state_dim", 0) or 8)
-    obs = [Observation({c: np.zeros((size, size, 3), np.uint8) for c in cams},
-                       np.zeros(state_dim, np.float32), task) for _ in range(batch)]
+def measure_inference(base: EvalConfig, batch: int, seconds: float = 5.0, task: str = "bench",
+                      workers: list | None = None, stop: threading.Event | None = None,
+                      lone_calls: int = 0) -> tuple[float, float | None]:
+    """(inference_bound's observations/s, the median seconds of `lone_calls` calls of one observation each with
+    nothing else in flight, measured first on the same inference path; None when lone_calls is 0)."""
+    obs = synthetic_observations(base, batch, task)
 
     async def go():
-        if base.inference == "server":
-            from wamkit.eval.runner import remote_codec_of
-
-            inf = ServerInference(policy=base.policy, policy_args=pkw, options=base.server, workers=workers,
-                                  codec=remote_codec_of(base.policy, pkw))
-        else:
-            inf = InProcessInference(make_policy(base.policy, **pkw))
+        inf = _inference(base, workers)
         await inf.start()
         try:
-            depth = 2 * max(1, len(getattr(inf, "clients", [])))   # two requests in flight per server
             await inf.predict(obs, list(range(batch)))   # warm-up
+            took = []
+            for k in range(lone_calls):
+                t0 = time.perf_counter()
+                await inf.predict(obs[:1], [k])
+                took.append(time.perf_counter() - t0)
+            depth = 2 * max(1, len(getattr(inf, "clients", [])))   # two requests in flight per server
             t0 = time.perf_counter()
             n = 0
             while True:
@@ -170,11 +199,22 @@ def inference_bound(base: EvalConfig, batch: int, seconds: float = 5.0, task: st
                 n += depth * batch
                 if stop.is_set() if stop is not None else time.perf_counter() - t0 >= seconds:
                     break
-            return n / (time.perf_counter() - t0)
+            return n / (time.perf_counter() - t0), (float(statistics.median(took)) if took else None)
         finally:
             await inf.close()
 
     return asyncio.run(go())
+
+
+def loop_bound(num_envs: int, horizon: int, sim_env_steps_per_s: float, cores: int, call_s: float) -> dict[str, Any]:
+    """The env-loop bound in env steps/s: each env's cycle is at least its chunk plus one call, so throughput <=
+    num_envs x horizon / (chunk_s + call_s). chunk_s is an env's chunk with a core to itself, from the simulation-
+    alone run (min(num_envs, cores) envs simulating at a time: horizon x min(num_envs, cores) / its rate); call_s the
+    fastest call (measure_inference's lone calls). Binding where the stage bounds are not: few envs, or calls long
+    against chunks."""
+    chunk_s = horizon * min(num_envs, max(1, cores)) / max(sim_env_steps_per_s, 1e-9)
+    return {"chunk_s": chunk_s, "call_s": call_s,
+            "bound_env_steps_per_s": num_envs * horizon / max(chunk_s + call_s, 1e-9)}
 
 
 def _sim_alone(base: EvalConfig, out: Path, common: dict[str, Any]) -> EvalConfig:
@@ -312,22 +352,25 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     results = [_median_row(v) if rounds > 1 else v[0] for v in runs.values() if v]
     sim_steps = inf_obs = bound = batch = None
     contended: dict[str, Any] | None = None
+    loop: dict[str, Any] | None = None
     if with_bound:
         # stage bound: simulation alone and inference alone, same envs and plan
         sim = _run(_sim_alone(base, out / "bound_sim", common), console, runtime)
         sim_steps = sim["throughput"]["env_steps_per_s"]
         auto_rows = [x for x in results if x["row"] == "auto"]
         batch = max(1, round(auto_rows[0]["mean_batch"])) if auto_rows else max(1, m // 2)
-        inf_obs = inference_bound(base, batch, task=_first_task(out, configs) or "bench",
-                                  workers=(runtime or {}).get("server_workers"))
+        inf_obs, call_s = measure_inference(base, batch, task=_first_task(out, configs) or "bench",
+                                            workers=(runtime or {}).get("server_workers"), lone_calls=20)
         bound = min(sim_steps, inf_obs * horizon)
         if with_bound == "contended":
             contended = contended_bound(base, out, console, runtime, batch, horizon,
                                         task=_first_task(out, configs) or "bench", common=common)
-    add_ratios(results, bound, contended)
+        loop = loop_bound(m, horizon, sim_steps, (runtime or {}).get("cores") or os.cpu_count() or 1, call_s)
+    add_ratios(results, bound, contended, loop)
     report = {"rows": results, "bound": {"sim_env_steps_per_s": sim_steps, "inference_obs_per_s": inf_obs,
                                          "inference_batch": batch, "horizon": horizon,
-                                         "bound_env_steps_per_s": bound, "contended": contended},
+                                         "bound_env_steps_per_s": bound, "contended": contended, "loop": loop,
+                                         "honest_env_steps_per_s": honest_bound(bound, contended, loop)},
               "rounds": rounds,
               "plan": {"env": base.env, "suite": base.suite, "tasks": base.tasks, "trials": base.trials,
                        "num_envs": m, "max_steps": base.max_steps, "policy": base.policy,
@@ -340,7 +383,16 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     return report
 
 
-def add_ratios(results: list[dict[str, Any]], bound: float | None, contended: dict[str, Any] | None) -> None:
+def honest_bound(bound: float | None, contended: dict[str, Any] | None, loop: dict[str, Any] | None) -> float | None:
+    """The tightest measured ceiling of a row: the contended stage bound where measured (else the separate one),
+    and the env-loop bound."""
+    stage = contended["bound_env_steps_per_s"] if contended else bound
+    got = [b for b in (stage, (loop or {}).get("bound_env_steps_per_s")) if b]
+    return min(got) if got else None
+
+
+def add_ratios(results: list[dict[str, Any]], bound: float | None, contended: dict[str, Any] | None,
+               loop: dict[str, Any] | None = None) -> None:
     """Each row's speed-up over the single-batch row (when it comes first) and its share of the bound(s)."""
     base_rate = results[0]["env_steps_per_s"] if results and results[0]["row"] == "single-batch" else None
     base_eph = results[0]["episodes_per_hour"] if base_rate else None
@@ -358,6 +410,9 @@ def add_ratios(results: list[dict[str, Any]], bound: float | None, contended: di
         x["of_bound"] = x["env_steps_per_s"] / bound if bound else None
         if contended:
             x["of_contended_bound"] = x["env_steps_per_s"] / contended["bound_env_steps_per_s"]
+        if loop:
+            x["of_loop_bound"] = x["env_steps_per_s"] / loop["bound_env_steps_per_s"]
+            x["of_honest_bound"] = x["env_steps_per_s"] / honest_bound(bound, contended, loop)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -402,6 +457,13 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"Contended (both at once): simulation {c['sim_env_steps_per_s']:.1f} env steps/s while "
                      f"inference serves {c['inference_obs_per_s']:.2f} obs/s at batch {c['inference_batch']}; "
                      f"bound {c['bound_env_steps_per_s']:.1f} env steps/s.")
+    lp = b.get("loop")
+    if lp:
+        lines.append(f"Loop bound (an env waits for its own actions): {report['plan']['num_envs']} envs x horizon "
+                     f"{b['horizon']} / (chunk {1000 * lp['chunk_s']:.1f} ms + fastest call {1000 * lp['call_s']:.1f} "
+                     f"ms) = {lp['bound_env_steps_per_s']:.1f} env steps/s. Honest bound (the tightest measured): "
+                     f"{b['honest_env_steps_per_s']:.1f}; rows against it: "
+                     + ", ".join(f"{x['row']} {x['of_honest_bound']:.2f}" for x in report["rows"]) + ".")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,35 @@
+"""The env-loop bound of bench eval (eval/bench.py): an env cannot simulate while it waits for its actions, so no
+schedule beats num_envs x horizon / (fastest chunk + fastest call); the honest bound is the tightest measured one."""
+
+from __future__ import annotations
+
+import pytest
+
+from wamkit.eval.bench import add_ratios, honest_bound, loop_bound
+
+
+def test_loop_bound_from_the_simulation_alone_rate():
+    # 16 envs on 16 cores simulating 6400 env steps/s together: 400 steps/s each, a 16-step chunk takes 40 ms;
+    # with a 35 ms call every env cycles in 75 ms
+    lp = loop_bound(16, 16, 6400.0, 16, 0.035)
+    assert lp["chunk_s"] == pytest.approx(0.040)
+    assert lp["bound_env_steps_per_s"] == pytest.approx(16 * 16 / 0.075)
+    # twice the envs on the same cores: the simulation-alone run shared each core between two envs, so an env's
+    # chunk with a core to itself is still 40 ms, and the loop bound doubles
+    lp32 = loop_bound(32, 16, 6400.0, 16, 0.035)
+    assert lp32["chunk_s"] == pytest.approx(0.040)
+    assert lp32["bound_env_steps_per_s"] == pytest.approx(2 * lp["bound_env_steps_per_s"])
+
+
+def test_honest_bound_is_the_tightest_and_rows_are_measured_against_it():
+    loop = loop_bound(16, 16, 6400.0, 16, 0.035)          # 3413.3
+    contended = {"bound_env_steps_per_s": 4436.0}
+    assert honest_bound(6588.0, contended, loop) == pytest.approx(loop["bound_env_steps_per_s"])
+    assert honest_bound(6588.0, None, None) == 6588.0
+    assert honest_bound(3000.0, None, loop) == 3000.0
+    rows = [{"row": "B=4, P=4", "env_steps_per_s": 3400.0, "episodes_per_hour": 1.0},
+            {"row": "auto", "env_steps_per_s": 3100.0, "episodes_per_hour": 1.0}]
+    add_ratios(rows, 6588.0, contended, loop)
+    assert rows[0]["of_honest_bound"] == pytest.approx(3400.0 / loop["bound_env_steps_per_s"])
+    assert rows[1]["of_contended_bound"] == pytest.approx(3100.0 / 4436.0)
+    assert rows[1]["of_loop_bound"] == rows[1]["of_honest_bound"]
