@@ -44,7 +44,7 @@ class TinyNet(nn.Module):
         self.register_buffer("in_scale", torch.full((in_dim,), 2.0))
 
     def forward(self, x):
-        h = self.inp(x * self.in_scale)
+        h = self.inp(x * self.in_scale.to(x.dtype))   # bf16 compute (shard=none masters): the buffer stays fp32
         for b in self.blocks:
             h = b(h)
         return self.out(h)
