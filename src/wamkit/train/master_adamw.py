@@ -164,10 +164,11 @@ class _Plan:
                     continue
                 st = opt._state_of(w)
                 m, v, p = st["exp_avg"], st["exp_avg_sq"], opt._compute[id(w)]
+                # (a gradient's layout may change from step to step: one not contiguous is read from a copy)
                 ok = (g.dtype in by_dtype and kernel_usable(w.device) and (device is None or w.device == device)
                       and w.dtype == m.dtype == v.dtype == torch.float32 and p.dtype == torch.bfloat16
-                      and all(t.device == w.device and t.is_contiguous() for t in (g, m, v, p))
-                      and w.is_contiguous())
+                      and g.device == w.device
+                      and all(t.device == w.device and t.is_contiguous() for t in (w, m, v, p)))
                 if ok:
                     device = w.device
                     by_dtype[g.dtype].append((gi, w, p, m, v))
@@ -192,7 +193,8 @@ class _Plan:
         if not n:
             return
         pin = device.type == "cuda"
-        self.host = [torch.empty(n * (1 + _SC // 2), dtype=torch.int64, pin_memory=pin) for _ in range(2 if pin else 1)]
+        self.host = [torch.empty(n * (1 + _SC // 2), dtype=torch.int64, pin_memory=pin)
+                     for _ in range(2 if pin else 1)]
         self.host_np = [(h.numpy()[:n], h.numpy()[n:].view("float32").reshape(n, _SC)) for h in self.host]
         self.events = [torch.cuda.Event() for _ in self.host] if pin else None
         self.turn = 0
