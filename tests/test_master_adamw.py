@@ -186,6 +186,13 @@ MULTI_CHECK = textwrap.dedent("""
             g = torch.randn(*shapes[k], generator=gen)
             if k == "c":
                 g = grads["b"].float()          # b and c see the same gradient: only their group differs
+                if step % 2:                    # at an address off 16 bytes (the kernel's ALIGNED=False variant)
+                    buf = torch.empty(g.numel() + 1, dtype=torch.bfloat16)
+                    buf[1:] = g
+                    p.grad = buf[1:]
+                    assert p.grad.is_contiguous() and p.grad.data_ptr() % 16
+                    grads[k] = p.grad
+                    continue
             if k in fp32_grad:
                 m.grad = g.clone()
             elif k == "f":                      # a gradient not contiguous (the kernel reads a contiguous copy)

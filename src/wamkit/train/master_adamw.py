@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
 try:   # Triton ships with CUDA builds of torch, not with CPU ones
@@ -89,11 +90,12 @@ if triton is not None:
 
     @triton.jit
     def _master_adamw_multi_kernel(tab_ptr, gptr_ptr, sc_ptr, blk_ptr, coef_ptr, BLOCK_SIZE: tl.constexpr,
-                                   GRAD_BF16: tl.constexpr):
+                                   GRAD_BF16: tl.constexpr, ALIGNED: tl.constexpr):
         """All tensors of a step in one launch. Program i does block i of the launch: tensor t = blk[i] (int32),
         whose row of `tab` (int64, _TAB columns) holds the w, m, v, p addresses, its numel and its first block;
         gptr[t] is its gradient's address (bf16 or fp32: GRAD_BF16), sc[t, :] its scalars (float32, _SC columns:
-        beta1, beta2, eps, decay, step_size, bc2_sqrt)."""
+        beta1, beta2, eps, decay, step_size, bc2_sqrt). ALIGNED: every address is a multiple of 16 bytes (the host
+        checks), which with the unmasked full blocks lets the compiler use 16-byte loads and stores."""
         pid = tl.program_id(0)
         t = tl.load(blk_ptr + pid).to(tl.int64)
         row = tab_ptr + t * 6
@@ -107,10 +109,25 @@ if triton is not None:
             g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.bfloat16))
         else:
             g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.float32))
+        if ALIGNED:
+            g_ptr = tl.multiple_of(g_ptr, 16)
+            w_ptr = tl.multiple_of(w_ptr, 16)
+            m_ptr = tl.multiple_of(m_ptr, 16)
+            v_ptr = tl.multiple_of(v_ptr, 16)
+            p_ptr = tl.multiple_of(p_ptr, 16)
         sc = sc_ptr + t * 6
-        offs = (pid.to(tl.int64) - first) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        _adamw_block(g_ptr, w_ptr, m_ptr, v_ptr, p_ptr, offs, offs < n, tl.load(coef_ptr), tl.load(sc + 0),
-                     tl.load(sc + 1), tl.load(sc + 2), tl.load(sc + 3), tl.load(sc + 4), tl.load(sc + 5))
+        coef = tl.load(coef_ptr)
+        beta1, beta2, eps = tl.load(sc + 0), tl.load(sc + 1), tl.load(sc + 2)
+        decay, step_size, bc2_sqrt = tl.load(sc + 3), tl.load(sc + 4), tl.load(sc + 5)
+        start = (pid.to(tl.int64) - first) * BLOCK_SIZE
+        offs = start + tl.arange(0, BLOCK_SIZE)
+        if start + BLOCK_SIZE <= n:          # a full block: no mask (a constant one), so loads can be vectorized
+            full = tl.full([BLOCK_SIZE], 1, tl.int1)
+            _adamw_block(g_ptr, w_ptr, m_ptr, v_ptr, p_ptr, offs, full, coef, beta1, beta2, eps, decay, step_size,
+                         bc2_sqrt)
+        else:                                # the tensor's last block
+            _adamw_block(g_ptr, w_ptr, m_ptr, v_ptr, p_ptr, offs, offs < n, coef, beta1, beta2, eps, decay,
+                         step_size, bc2_sqrt)
 
 
 @torch.no_grad()
@@ -142,7 +159,8 @@ class _Plan:
     rows        the kernel's tensors: bf16-gradient ones first, then fp32-gradient ones, each in group order
     members     (master, module parameter, gradient dtype) per row: where the step reads the row's gradient
     absent      params without a gradient when the plan was built (one getting a gradient means a new plan)
-    slow        (group index, master) stepped one tensor at a time (not contiguous, a device without the kernel)
+    slow        (group index, master) stepped one tensor at a time (not contiguous or not 16-byte aligned, a
+                device without the kernel)
     runs        (first row, end row, group index, uniform): rows of one group; uniform: one step count for all
     launches    (GRAD_BF16, number of blocks, table, block table, gradient addresses, scalars) views, per dtype
     steps       float32 CPU tensor of the rows' step counts; each row's state["step"] is a 0-d view of it, so one
@@ -168,7 +186,8 @@ class _Plan:
                 ok = (g.dtype in by_dtype and kernel_usable(w.device) and (device is None or w.device == device)
                       and w.dtype == m.dtype == v.dtype == torch.float32 and p.dtype == torch.bfloat16
                       and g.device == w.device
-                      and all(t.device == w.device and t.is_contiguous() for t in (w, m, v, p)))
+                      and all(t.device == w.device and t.is_contiguous() and t.data_ptr() % 16 == 0
+                              for t in (w, m, v, p)))
                 if ok:
                     device = w.device
                     by_dtype[g.dtype].append((gi, w, p, m, v))
@@ -240,6 +259,7 @@ class _Plan:
             self.events[k].synchronize()    # this buffer's previous copy is done (a step ago at most)
         gptr, sc = self.host_np[k]
         gptr[:] = ptrs
+        aligned = not (np.bitwise_or.reduce(gptr) & 15)   # (w, m, v, p: checked when the plan was built)
         steps = self.steps_np
         steps += 1
         groups = opt.param_groups
@@ -257,7 +277,8 @@ class _Plan:
             self.events[k].record()
         c = coef if coef is not None else opt._one(self.device)
         for bf16, blocks, tab, blk, dev_g, dev_sc in self.launches:
-            _master_adamw_multi_kernel[(blocks,)](tab, dev_g, dev_sc, blk, c, BLOCK_SIZE=BLOCK, GRAD_BF16=bf16)
+            _master_adamw_multi_kernel[(blocks,)](tab, dev_g, dev_sc, blk, c, BLOCK_SIZE=BLOCK, GRAD_BF16=bf16,
+                                                  ALIGNED=aligned)
             opt.launches += 1
         del keep                            # (the stream orders the kernels before any reuse of their memory)
         return True
