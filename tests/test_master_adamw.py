@@ -182,3 +182,206 @@ def test_trainer_run_with_triton_matches_and_resumes_across_impls(tmp_path):
         assert sorted(c) == list(range(1, 7))
         for s in range(1, 7):
             assert c[s] == pytest.approx(a[s], rel=1e-4), (first, then, s)
+
+
+MULTI_CHECK = textwrap.dedent("""
+    import copy, math
+    import torch
+    import torch.nn as nn
+    from wamkit.train import master_adamw as M
+    from wamkit.train.master import MasterWeights
+    assert M.kernel_usable(torch.device("cpu")), "the interpreter should make the kernel usable"
+    B = M.BLOCK
+    # tensors of sizes off the block (and one of 1 element; b and c equal, in groups of different lr)
+    shapes = {"a": (1,), "b": (777,), "c": (777,), "d": (B + 3,), "e": (2, B + 1), "f": (33, 12), "h": (B,)}
+    gen = torch.Generator().manual_seed(0)
+    net = nn.Module()
+    for k, s in shapes.items():
+        net.register_parameter(k, nn.Parameter(torch.randn(*s, generator=gen)))
+    net.c.data.copy_(net.b.data)
+    mw = MasterWeights(net, cast_root_inputs=False)
+    pm = {n: (p, m) for (n, p), (_, m) in zip(net.named_parameters(), mw.trainable_pairs())}
+    groups = [{"params": [pm[k][1] for k in "abde"], "lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.95),
+               "eps": 1e-8},
+              {"params": [pm[k][1] for k in "cfh"], "lr": 3e-2, "weight_decay": 0.0, "betas": (0.8, 0.99),
+               "eps": 1e-6}]
+    opt = M.MasterAdamW(groups, mw, lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    fp32_grad = set("dh")              # these get their gradient on the master (fp32), the others on the module
+    gi_of = {k: 0 if k in "abde" else 1 for k in shapes}
+
+    def set_grads(step):
+        grads = {}
+        for k, (p, m) in pm.items():
+            g = torch.randn(*shapes[k], generator=gen)
+            if k == "c":
+                g = grads["b"].float()          # b and c see the same gradient: only their group differs
+                if step % 2:                    # at an address off 16 bytes (the kernel's ALIGNED=False variant)
+                    buf = torch.empty(g.numel() + 1, dtype=torch.bfloat16)
+                    buf[1:] = g
+                    p.grad = buf[1:]
+                    assert p.grad.is_contiguous() and p.grad.data_ptr() % 16
+                    grads[k] = p.grad
+                    continue
+            if k in fp32_grad:
+                m.grad = g.clone()
+            elif k == "f":                      # a gradient not contiguous (the kernel reads a contiguous copy)
+                p.grad = g.to(torch.bfloat16).t().contiguous().t()
+                assert not p.grad.is_contiguous()
+            else:
+                p.grad = g.to(torch.bfloat16)
+            grads[k] = m.grad if k in fp32_grad else p.grad
+        return grads
+
+    def reference(grads, coef):
+        out = {}
+        for k, (p, m) in pm.items():
+            st = opt.state[m]
+            grp = groups[gi_of[k]]
+            lr, (b1, b2), eps, wd = grp["lr"], grp["betas"], grp["eps"], grp["weight_decay"]
+            s = float(st["step"]) + 1 if st else 1.0
+            w = m.detach().clone()
+            ea = st["exp_avg"].clone() if st else torch.zeros_like(w)
+            es = st["exp_avg_sq"].clone() if st else torch.zeros_like(w)
+            pp = torch.empty_like(p)
+            M._step_torch(grads[k], w, ea, es, pp, coef, b1, b2, eps, 1 - lr * wd, lr / (1 - b1 ** s),
+                          math.sqrt(1 - b2 ** s))
+            out[k] = (w, ea, es, pp, s)
+        return out
+
+    def check(ref, what):
+        for k, (p, m) in pm.items():
+            st = opt.state[m]
+            w, ea, es, pp, s = ref[k]
+            for got, want, name in ((m.detach(), w, "w"), (st["exp_avg"], ea, "m"), (st["exp_avg_sq"], es, "v")):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=f"{what} {name} {k}")
+            assert torch.equal(p.detach(), m.detach().to(torch.bfloat16)), (what, k)
+            assert float(st["step"]) == s, (what, k, float(st["step"]), s)
+
+    for step in range(3):
+        for grp, lr in zip(groups, (1e-2 * (step + 1), 3e-2 / (step + 1))):   # the scheduler changes lr
+            grp["lr"] = lr
+        grads = set_grads(step)
+        coef = torch.tensor(0.37 + 0.1 * step)
+        ref = reference(grads, coef)
+        opt._coef = coef
+        opt.step()
+        check(ref, f"step {step}")
+        assert opt.launches == 2, opt.launches          # one per gradient dtype, not one per tensor
+        assert len(opt._plan.members) == len(shapes) and not opt._plan.slow
+        # b and c: same values, same gradient, different groups: a table with the two swapped would fail above
+        assert not torch.allclose(pm["b"][1], pm["c"][1])
+        assert all(p.grad is None and m.grad is None for p, m in pm.values())
+    plan = opt._plan
+
+    # torch AdamW's format: step a float32 CPU scalar; the state loads into torch's AdamW and back
+    sd = opt.state_dict()
+    assert all(s["step"].dtype == torch.float32 and s["step"].device.type == "cpu" and s["step"].dim() == 0
+               and float(s["step"]) == 3.0 for s in sd["state"].values())
+    other = torch.optim.AdamW(copy.deepcopy(groups), foreach=True)
+    other.load_state_dict(copy.deepcopy(sd))
+    sd2 = copy.deepcopy(other.state_dict())
+    for s in sd2["state"].values():
+        s["step"] = torch.tensor(7.0)                    # a loaded state's step counts are the ones used
+    opt.load_state_dict(sd2)
+    grads = set_grads(3)
+    ref = reference(grads, torch.tensor(1.0))
+    assert all(r[4] == 8.0 for r in ref.values())
+    opt.step()
+    check(ref, "after load")
+    assert opt._plan is not plan and opt.launches == 2
+
+    # one gradient dtype: one launch for all tensors; a parameter without a gradient is skipped, its step kept
+    fp32_grad.clear()
+    grads = set_grads(4)
+    a = pm.pop("a")
+    a[0].grad = None
+    ref = reference(grads, torch.tensor(1.0))
+    opt.step()
+    assert opt.launches == 1 and len(opt._plan.members) == len(shapes) - 1
+    check(ref, "one dtype")
+    assert float(opt.state[a[1]]["step"]) == 8.0
+    print("MULTI_OK")
+""")
+
+RUN_CHECK = textwrap.dedent("""
+    import sys
+    import torch
+    sys.path.insert(0, sys.argv[1])
+    import test_master_adamw as T
+    from wamkit.train import master_adamw as M
+    assert M.kernel_usable(torch.device("cpu"))
+    counts = []
+    orig = M._Plan.step
+    def counted(self, opt, coef):
+        ok = orig(self, opt, coef)
+        if ok:
+            counts.append(opt.launches)
+        return ok
+    M._Plan.step = counted
+    for ga in (1, 2):
+        T.test_triton_impl_matches_the_default_master_path(ga)     # the same checks, on the multi-tensor kernel
+        _, _, opt, _, _ = T._run("triton", ga=ga)
+        assert len(opt._plan.members) == 6 and not opt._plan.slow and opt.launches == 1, (ga, opt.launches)
+    assert counts and set(counts) == {1}, counts               # every step: one launch for the 6 tensors
+    T.test_without_the_clip_the_result_differs()
+    T.test_its_state_loads_into_torch_adamw_and_back()
+    print("RUN_OK")
+""")
+
+
+def _interpret(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(TRITON_SITE), str(ROOT / "src")])}
+    return subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.skipif(not (TRITON_SITE / "triton").is_dir(),
+                    reason="needs Triton for its CPU interpreter in .cache/triton-site (make test installs it)")
+def test_multi_tensor_step_equals_the_torch_form_per_tensor_in_the_interpreter():
+    """Several tensors (sizes off the block, one of 1 element, a non-contiguous gradient), two groups of different
+    lr, wd, betas and eps, both gradient dtypes: the one-launch-per-dtype step is `_step_torch` tensor by tensor,
+    over steps with a changing lr, after a state is loaded (its step counts used), and with a gradient missing."""
+    r = _interpret(MULTI_CHECK)
+    assert r.returncode == 0 and "MULTI_OK" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(not (TRITON_SITE / "triton").is_dir(),
+                    reason="needs Triton for its CPU interpreter in .cache/triton-site (make test installs it)")
+def test_triton_impl_matches_the_default_path_in_the_interpreter():
+    """The comparisons above with the kernel running (one launch a step for all tensors), not its torch form."""
+    r = _interpret(RUN_CHECK, str(ROOT / "tests"))
+    assert r.returncode == 0 and "RUN_OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_multi_kernel_that_cannot_build_falls_back_to_one_launch_per_tensor(monkeypatch, caplog):
+    """Where the multi-tensor kernel fails at its first launch (it did not build, say), nothing of the step has
+    run: the optimizer warns, steps every tensor with its own launch from then on, and counts each step once."""
+    import types
+
+    from wamkit.train import master_adamw as M
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                raise RuntimeError("no kernel for this device")
+            return launch
+
+    class PerTensor:                  # the per-tensor kernel, as its torch form (the interpreter test pins them)
+        def __getitem__(self, grid):
+            def launch(g, w, m, v, p, c, n, *args, BLOCK_SIZE):
+                M._step_torch(g, w, m, v, p, c, *args)
+            return launch
+
+    monkeypatch.setattr(M, "kernel_usable", lambda device: True)
+    monkeypatch.setattr(M, "triton", types.SimpleNamespace(cdiv=lambda a, b: -(-a // b)))
+    monkeypatch.setattr(M, "_master_adamw_multi_kernel", Broken(), raising=False)
+    monkeypatch.setattr(M, "_master_adamw_kernel", PerTensor(), raising=False)
+    ref_m, _, _, _, _ = _run("foreach")
+    with caplog.at_level("WARNING"):
+        m, _, opt, _, _ = _run("triton")
+    assert opt.multi is False and "multi-tensor kernel is unavailable" in caplog.text
+    assert opt.launches == len(list(opt.state))        # the last step: one launch per tensor
+    assert {float(st["step"]) for st in opt.state.values()} == {4.0}
+    for n in ref_m:
+        torch.testing.assert_close(m[n], ref_m[n], rtol=1e-5, atol=1e-6, msg=n)
