@@ -1,7 +1,8 @@
 """optimizer_impl=triton against the default shard=none path on the GPU (the CPU tests run the kernel in Triton's
 interpreter): a few AdamW steps with the clip engaged on a stack of bf16 Linear layers, both ways from the same
 weights and batches; prints the largest relative difference of the fp32 masters and of the moments, whether every
-bf16 weight is its master rounded, and the optimizer phase's device time (grads -> clip -> step -> weights) of each.
+bf16 weight is its master rounded, whether the multi-tensor kernel equals the per-tensor one bit for bit, and the
+optimizer phase's device time (grads -> clip -> step -> weights) of each.
 Step 1 is the check of the arithmetic (same weights, same batch: the same bf16 gradients go into both optimizers);
 after more steps the two trajectories drift apart through the forward (a bf16 weight one rounding apart changes
 near-zero gradients' signs, and AdamW moves every such element by ~lr), so later steps are shown, not judged.
@@ -23,12 +24,14 @@ from wamkit.train.optim import build_optimizer, clip_gradients
 from wamkit.train.parallelize import setup_model
 
 
-def run(impl: str, width: int, layers: int, steps: int):
+def run(impl: str, width: int, layers: int, steps: int, multi: bool = True):
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).cuda().float()
     model = setup_model(net, [], "cuda", 1, shard="none", mixed_precision="bf16")
     opt = build_optimizer(model.state, TrainConfig(lr=1e-3, weight_decay=0.1, optimizer_impl=impl), {},
                           master=model.master)
+    if impl == "triton":
+        opt.multi = multi          # MasterAdamW: one launch for every tensor, or one per tensor
     params = [p for p in model.state.parameters() if p.requires_grad]
     ms = []
     for s in range(steps):
@@ -60,6 +63,7 @@ def main() -> None:
     a = ap.parse_args()
     ref = run("fused", a.width, a.layers, a.steps)
     got = run("triton", a.width, a.layers, a.steps)
+    one = run("triton", a.width, a.layers, a.steps, multi=False)
 
     def rel(x, y):
         return max(float((u - v).abs().max() / v.abs().max().clamp_min(1e-30)) for u, v in zip(x, y))
@@ -71,12 +75,14 @@ def main() -> None:
            "bf16_is_master_rounded": all(torch.equal(c, m.to(torch.bfloat16)) for c, m in zip(got[1], got[0])),
            "bf16_weights_equal_fraction": float(sum(int((c == r).sum()) for c, r in zip(got[1], ref[1]))
                                                 / sum(c.numel() for c in got[1])),
-           "opt_ms_fused_path": ref[3], "opt_ms_triton": got[3]}
+           "multi_equals_per_tensor": all(torch.equal(x, y) for x, y in zip(got[0] + got[1], one[0] + one[1])),
+           "opt_ms_fused_path": ref[3], "opt_ms_triton": got[3], "opt_ms_triton_per_tensor": one[3]}
     print("MASTER_ADAMW " + json.dumps(out), flush=True)
     if a.json:
         json.dump(out, open(a.json, "w"), indent=1)
     out["steps"] = a.steps
-    ok = out["bf16_is_master_rounded"] and (a.steps > 1 or out["max_rel_diff_masters"] < 1e-5)
+    ok = (out["bf16_is_master_rounded"] and out["multi_equals_per_tensor"]
+          and (a.steps > 1 or out["max_rel_diff_masters"] < 1e-5))
     sys.exit(0 if ok else 1)
 
 
