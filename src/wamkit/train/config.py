@@ -37,9 +37,9 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.99)  # AdamW betas
     eps: float = 1e-8                       # AdamW epsilon
     weight_decay: float = 0.05              # applied to >= 2-D parameters only (not biases / norms)
-    # AdamW kernels; auto: fused on CUDA, foreach elsewhere; triton: shard=none + bf16 only, one pass per tensor
-    # from the bf16 gradient to the bf16 weight (train/master_adamw.py)
-    optimizer_impl: Literal["auto", "fused", "foreach", "for-loop", "triton"] = "auto"
+    optimizer_impl: Literal["auto", "fused", "foreach", "for-loop", "triton"] = "auto"  # AdamW kernels; auto: fused
+                                            # on CUDA, foreach elsewhere; triton: shard=none + bf16 only, one pass
+                                            # from the bf16 gradient to the bf16 weight (train/master_adamw.py)
     warmup: int = 500                       # linear warmup steps (from lr/warmup to lr)
     decay: int | None = None                # linear decay to 0 over this many steps after warmup; None = to `steps`;
                                             # 0 = constant after warmup
