@@ -1,7 +1,7 @@
 """Per-request overhead of the action server: client round trip minus server compute, and where it goes.
 
     PYTHONPATH=src .venv/bin/python bench/bench_request_overhead.py [--requests 30] [--rounds 3] \
-        [--batches 1,4,8,16] [--label before] [--out bench/results/request_overhead.md]
+        [--batches 1,4,8,16] [--protocols http,openpi,sglang-ws] [--label before] [--out bench/results/request_overhead.md]
 
 Server: a real `wamkit serve policy=fixed-cost policy_args.base_ms=20 policy_args.per_obs_ms=0
 policy_args.mode=sleep` on 127.0.0.1 with max_batch_size=64 max_wait_ms=2.0 (MetaWorld's server settings in `wamkit
@@ -28,6 +28,20 @@ Columns (medians over every request of every round, ms):
   routing, writing the response).
 - c.other: rtt minus (c.enc + HTTP exchange + c.dec): ServerInference / ActionClient bookkeeping.
 - predict: policy.predict inside the worker thread (compute - predict = the hop to the predict thread and back).
+
+--protocols (default http): the transports to compare, each through the client `wamkit eval` uses for it
+(ServerInference with server.protocol = wamkit for http, openpi, sglang-ws; the same server, which answers all three).
+Every round starts one fresh server and runs every protocol on it, in turn (A/B/C, then C/B/A: this machine is
+noisy), each over every request size. Websocket rows have their own, shorter columns (the server probe times the
+HTTP route only):
+- frames: frames one request went out as (openpi: one observation per frame, over as many connections; sglang-ws:
+  one frame with every observation, as the server's metadata says it takes batches).
+- batches: distinct server batches that answered one request (1: its observations were batched together; 2: the
+  batcher ran the first arrivals before the rest came, one more compute in the round trip).
+- compute: the median `compute_ms` of the request's frames; overhead = rtt - compute (so a request split over 2
+  batches shows ~one more compute as overhead).
+- c.enc: the codec's encode of every frame; c.dec: unpacking + decoding every reply.
+With several protocols, a last table puts the overheads side by side, with each round's median (consistency).
 """
 
 from __future__ import annotations
@@ -152,14 +166,25 @@ def install_client_probe(cur: dict) -> None:
             cur["c_http"] = cur.get("c_http", 0.0) + (time.perf_counter() - t) * 1000.0
     cl.ActionClient._request = _request
 
+    import wamkit.serve.ws_client as wc
+    from wamkit.serve.ws_codec import CODECS
+
+    for codec in CODECS.values():
+        codec.encode = timed("c_enc", codec.encode)
+        codec.decode = timed("c_dec", codec.decode)
+    wc.unpackb = timed("c_dec", wc.unpackb)
+
+
+WIRE = {"http": "wamkit", "openpi": "openpi", "sglang-ws": "sglang-ws"}   # --protocols -> server.protocol
+
 
 async def drive(worker, batches: list[int], requests: int, warmup: int, cur: dict, probe_path: Path,
-                rows: dict[int, list[dict]]) -> None:
+                rows: dict[int, list[dict]], protocol: str = "http") -> None:
     from wamkit.eval.config import ServerOptions
     from wamkit.eval.inference import ServerInference
 
-    inf = ServerInference(policy="fixed-cost", policy_args=POLICY_ARGS, options=ServerOptions(**SERVER),
-                          workers=[worker])
+    inf = ServerInference(policy="fixed-cost", policy_args=POLICY_ARGS,
+                          options=ServerOptions(**SERVER, protocol=WIRE[protocol]), workers=[worker])
     await inf.start()
     obs = [make_obs(i) for i in range(16)]
     step = 0
@@ -174,6 +199,15 @@ async def drive(worker, batches: list[int], requests: int, warmup: int, cur: dic
                 await inf.predict(obs[:b], seeds)
                 rtt = (time.perf_counter() - t) * 1000.0
                 step += 1
+                if protocol != "http":
+                    recs = inf.client.last_timings
+                    if r >= warmup:
+                        rows.setdefault(b, []).append({
+                            "rtt": rtt, "c_enc": cur.get("c_enc", 0.0), "c_dec": cur.get("c_dec", 0.0),
+                            "compute": statistics.median(x["server"]["compute_ms"] for x in recs),
+                            "queue": statistics.median(x["server"]["queue_ms"] for x in recs),
+                            "frames": len(recs), "batches": len({x["server"]["t_start"] for x in recs})})
+                    continue
                 timing = inf.client.last_timings[0]["server"]
                 srv = None
                 for _ in range(200):   # the server writes its line once the response is sent
@@ -213,6 +247,46 @@ HEAD = ("request size", "rtt", "compute", "**overhead**", "c.enc", "s.recv", "s.
         "s.resp", "c.dec", "http", "c.other", "predict", "n")
 
 
+def summarize_ws(samples: list[dict]) -> dict[str, float]:
+    def med(k):
+        return statistics.median(s[k] for s in samples)
+    return {"rtt": med("rtt"), "compute": med("compute"),
+            "overhead": statistics.median(s["rtt"] - s["compute"] for s in samples), "c_enc": med("c_enc"),
+            "c_dec": med("c_dec"), "queue": med("queue"), "frames": med("frames"), "batches": med("batches"),
+            "max_batches": max(s["batches"] for s in samples), "n": len(samples)}
+
+
+WS_HEAD = ("request size", "rtt", "compute", "**overhead**", "c.enc", "c.dec", "queue", "frames", "batches (median / "
+           "max)", "n")
+
+
+def ws_table(results: dict[int, dict]) -> list[str]:
+    lines = ["| " + " | ".join(WS_HEAD) + " |", "|" + "---:|" * len(WS_HEAD)]
+    for b, s in results.items():
+        lines.append(f"| {b} | {s['rtt']:.2f} | {s['compute']:.2f} | **{s['overhead']:.2f}** | {s['c_enc']:.2f} | "
+                     f"{s['c_dec']:.2f} | {s['queue']:.2f} | {s['frames']:g} | {s['batches']:g} / "
+                     f"{s['max_batches']:g} | {s['n']} |")
+    return lines
+
+
+def compare_table(protocols: list[str], batches: list[int], rows: dict, per_round: dict) -> list[str]:
+    """Overhead per protocol side by side: the median over every request, then each round's median."""
+    head = ["request size", *(f"{p} overhead" for p in protocols),
+            *(f"{p} vs http" for p in protocols if p != "http" and "http" in protocols),
+            *(f"{p} per round" for p in protocols)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for b in batches:
+        ov = {p: statistics.median(s["rtt"] - s["compute"] for s in rows[p][b]) for p in protocols if rows[p].get(b)}
+        if len(ov) < len(protocols):
+            continue
+        cells = [str(b), *(f"{ov[p]:.2f}" for p in protocols)]
+        if "http" in protocols:
+            cells += [f"{(ov[p] / ov['http'] - 1) * 100:+.0f}%" for p in protocols if p != "http"]
+        cells += [" / ".join(f"{v:.1f}" for v in per_round[p][b]) for p in protocols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def table(results: dict[int, dict]) -> list[str]:
     lines = ["| " + " | ".join(HEAD) + " |", "|" + "---:|" * len(HEAD)]
     for b, s in results.items():
@@ -229,6 +303,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all request sizes, each on a fresh server")
     ap.add_argument("--batches", default="1,4,8,16")
+    ap.add_argument("--protocols", default="http", help="comma-separated, of http, openpi, sglang-ws: each through "
+                    "the client `wamkit eval` uses for it, on the same server, interleaved within every round")
     ap.add_argument("--label", default="", help="a name for this run in the results file (e.g. before, after)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "request_overhead.md"))
     args = ap.parse_args()
@@ -243,7 +319,12 @@ def main() -> int:
 
     install_client_probe(cur := {})
     batches = [int(b) for b in args.batches.split(",")]
-    rows: dict[int, list[dict]] = {}
+    protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
+    for p in protocols:
+        if p not in WIRE:
+            ap.error(f"--protocols: {p!r} is not one of {', '.join(WIRE)}")
+    rows_by: dict[str, dict[int, list[dict]]] = {p: {} for p in protocols}
+    per_round: dict[str, dict[int, list[float]]] = {p: {b: [] for b in batches} for p in protocols}
     load0 = os.getloadavg()[0]
     from wamkit.eval.config import ServerOptions
     from wamkit.eval.inference import start_server_workers
@@ -257,13 +338,29 @@ def main() -> int:
                                    lambda **kw: ProbeWorker(env={PROBE_ENV: probe}, **kw))
         try:
             order = batches if rnd % 2 == 0 else batches[::-1]
-            asyncio.run(drive(w, order, args.requests, args.warmup, cur, Path(probe), rows))
+            for p in (protocols if rnd % 2 == 0 else protocols[::-1]):
+                got: dict[int, list[dict]] = {}
+                asyncio.run(drive(w, order, args.requests, args.warmup, cur, Path(probe), got, p))
+                for b, samples in got.items():
+                    rows_by[p].setdefault(b, []).extend(samples)
+                    per_round[p][b].append(statistics.median(s["rtt"] - s["compute"] for s in samples))
         finally:
             w.stop()
         os.unlink(probe)
         print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    results = {b: summarize(rows[b]) for b in batches if rows.get(b)}
-    tab = table(results)
+    tab: list[str] = []
+    for p in protocols:
+        rows = rows_by[p]
+        if p == "http":
+            part = table({b: summarize(rows[b]) for b in batches if rows.get(b)})
+        else:
+            part = ws_table({b: summarize_ws(rows[b]) for b in batches if rows.get(b)})
+        if protocols != ["http"]:
+            part = [f"**{p}** (server.protocol={WIRE[p]})", "", *part, ""]
+        tab += part
+    if len(protocols) > 1:
+        tab += ["**overhead (rtt - compute) by protocol**: medians over every request; per round: each round's "
+                "median, in the order the rounds ran", "", *compare_table(protocols, batches, rows_by, per_round)]
     print("\n".join(tab))
     cmd = "PYTHONPATH=src .venv/bin/python bench/bench_request_overhead.py " + " ".join(sys.argv[1:])
     head = [f"## {args.label or 'run'}: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}", "",

@@ -69,17 +69,33 @@ def test_requests_go_to_the_least_loaded_server():
     assert inf.served == [1, 5] and inf.in_flight == [0, 0]
 
 
-def test_attached_server_is_restarted_and_left_running():
+def test_auto_protocol_is_the_websocket_for_servers_started_here_only():
+    from wamkit.eval.inference import LOCAL_SERVE_PROTOCOL, resolve_protocol
+
+    def resolved(*over):
+        return resolve_protocol(load_config(EvalConfig, None, list(over)).server, None)
+
+    assert resolved() == LOCAL_SERVE_PROTOCOL == "sglang-ws"              # launch=wamkit, no url
+    assert resolved("server.protocol=wamkit") == "wamkit"                 # HTTP on request
+    assert resolved("server.url=http://h:8000") == "wamkit"               # a running server: HTTP, as before
+    assert resolved("server.launch=sglang", "server.sglang.model_path=/m") == "wamkit"
+    assert resolved("server.url=ws://h:8000", "server.protocol=openpi") == "openpi"
+
+
+@pytest.mark.parametrize("protocol", ["auto", "wamkit"])
+def test_attached_server_is_restarted_and_left_running(protocol):
     """Servers the caller started (bench eval's shared ones): used as they are, restarted by the client when killed
-    mid-run (restarts counted for this run only), and still running after close."""
+    mid-run, between requests or with a request in flight (restarts counted for this run only; the request retried,
+    same actions), and still running after close. auto: the websocket (its pooled connection dies with the server)."""
     import signal
 
     from wamkit.serve.workers import WamkitServerWorker
 
     with WamkitServerWorker("fixed-cost", {**ARGS, "base_ms": 1}) as w:
-        cfg = load_config(EvalConfig, None, [])
+        cfg = load_config(EvalConfig, None, [f"server.protocol={protocol}"])
         for run in range(2):
             inf = ServerInference(policy="fixed-cost", policy_args={}, options=cfg.server, workers=[w])
+            assert inf.protocol == ("sglang-ws" if protocol == "auto" else "wamkit")
 
             async def main():
                 await inf.start()
@@ -90,11 +106,20 @@ def test_attached_server_is_restarted_and_left_running():
                         os.killpg(w.pid, signal.SIGKILL)
                         b = await inf.predict(obs(2), [1, 2])   # the client restarts the server, then retries
                         np.testing.assert_array_equal(a, b)
+                        w.stop()                                  # now a slow one, killed with a request in flight
+                        w.policy_args = {**ARGS, "base_ms": 1000}
+                        w.start()
+                        w.wait_healthy(60)
+                        pending = asyncio.ensure_future(inf.predict(obs(2), [1, 2]))
+                        await asyncio.sleep(0.3)
+                        assert not pending.done()
+                        os.killpg(w.pid, signal.SIGKILL)
+                        np.testing.assert_array_equal(await pending, a)
                 finally:
                     await inf.close()
 
             asyncio.run(main())
-            assert inf.restarts == (1 if run == 0 else 0)
+            assert inf.restarts == (3 if run == 0 else 0)         # 2 kills + the restart with the slow policy
             assert w.healthy()                                    # close left it running
 
 

@@ -344,9 +344,13 @@ def mw_cfg(out, *extra):
 
 
 def episodes(out) -> dict:
+    """key -> (success, steps, actions_digest): equal digests, the same actions executed."""
     from pathlib import Path
 
-    return outcome_view([json.loads(x) for x in (Path(out) / "results.jsonl").read_text().splitlines()])
+    rows = [json.loads(x) for x in (Path(out) / "results.jsonl").read_text().splitlines()]
+    digests = {r["key"]: r["actions_digest"] for r in rows}
+    assert all(digests.values())
+    return {k: (*v, digests[k]) for k, v in outcome_view(rows).items()}
 
 
 @pytest.fixture(scope="module")
@@ -354,8 +358,23 @@ def mw_http(tmp_path_factory):
     from wamkit.eval.runner import run_eval
 
     out = tmp_path_factory.mktemp("http") / "run"
-    run_eval(mw_cfg(out))                             # server.protocol=wamkit: HTTP
+    s = run_eval(mw_cfg(out, "server.protocol=wamkit"))   # HTTP
+    assert s["scheduler"]["server_protocol"] == "wamkit"
     return episodes(out)
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_eval_default_protocol_on_a_local_server_is_the_websocket_and_matches_http(mw_http, tmp_path):
+    """server.protocol=auto (the default) with the local `wamkit serve` eval starts: SGLang's realtime websocket
+    (one frame per request), per-episode results and action digests equal to the HTTP path's."""
+    from wamkit.eval.inference import LOCAL_SERVE_PROTOCOL
+    from wamkit.eval.runner import run_eval
+
+    s = run_eval(mw_cfg(tmp_path / "auto"))
+    assert LOCAL_SERVE_PROTOCOL == "sglang-ws" and s["scheduler"]["server_protocol"] == "sglang-ws"
+    assert s["config"]["server"]["protocol"] == "auto"
+    assert s["episodes"] == 4 and episodes(tmp_path / "auto") == mw_http
 
 
 @pytest.mark.slow
@@ -366,7 +385,7 @@ def test_eval_openpi_protocol_on_a_local_server_matches_http(mw_http, tmp_path):
 
     s = run_eval(mw_cfg(tmp_path / "ws", "server.protocol=openpi"))
     assert s["episodes"] == 4 and episodes(tmp_path / "ws") == mw_http
-    assert len({ok for ok, _ in mw_http.values()}) == 2     # a mix of successes and failures: a real comparison
+    assert len({ok for ok, *_ in mw_http.values()}) == 2     # a mix of successes and failures: a real comparison
 
 
 @pytest.mark.slow

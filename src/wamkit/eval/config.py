@@ -33,7 +33,8 @@ class ServerOptions:
     protocol: str = "auto"        # wire form: wamkit (HTTP + wamkit's extensions) | sglang (HTTP, SGLang's request
                                   # form) | openpi (websocket, openpi's policy protocol: pi0/pi0.5 servers, SGLang's
                                   # /openpi/policy, wamkit serve) | sglang-ws (websocket, /v1/actions/realtime) |
-                                  # auto (sglang for policies served by SGLang, e.g. cosmos3; else wamkit);
+                                  # auto (sglang for policies served by SGLang, e.g. cosmos3; sglang-ws for the
+                                  # `wamkit serve` started here: less overhead per request; else wamkit);
                                   # websocket urls: ws://host:port (docs/websocket.md)
     launch: str = "wamkit"        # what is started when no url is given: wamkit (`wamkit serve`) | sglang (`sglang
                                   # serve`, one per GPU of `gpus`; options in `sglang`)

@@ -78,7 +78,8 @@ class InProcessInference(Inference):
 
 
 class ServerInference(Inference):
-    """Action server(s) over HTTP: local servers started here (`server.launch`: `wamkit serve` processes, or `sglang
+    """Action server(s) over HTTP or websockets (`server.protocol`; auto: SGLang's realtime websocket to the `wamkit
+    serve` processes started here, HTTP to server.url): local servers started here (`server.launch`: `wamkit serve` processes, or `sglang
     serve` for models SGLang serves; `server.replicas`, e.g. one per GPU with `server.gpus`; each restarted by its
     client when it stops answering, the request then retried), or existing URLs (`server.url=`, comma-separated;
     wamkit serve or SGLang). With several servers each request goes to the one with the fewest observations in
@@ -196,11 +197,21 @@ class ServerInference(Inference):
         await asyncio.gather(*(asyncio.to_thread(w.stop) for w in self.workers if w not in self.attached))
 
 
+# what server.protocol=auto speaks to the `wamkit serve` processes an evaluation starts itself: SGLang's realtime
+# websocket route, one frame per request with all its observations (one batch on the server), ~40-70% less per-request
+# overhead than HTTP + msgpack for MetaWorld-shaped requests of 1-16 observations (bench/results/request_overhead.md)
+LOCAL_SERVE_PROTOCOL = "sglang-ws"
+
+
 def resolve_protocol(options, codec: RemoteCodec | None) -> str:
-    """`server.protocol`, with auto resolved: the codec's wire form for a policy served elsewhere, else wamkit."""
+    """`server.protocol`, with auto resolved: the codec's wire form for a policy served elsewhere; for the `wamkit
+    serve` processes started here (launch=wamkit, no url) LOCAL_SERVE_PROTOCOL; else wamkit (HTTP)."""
     protocol = getattr(options, "protocol", "auto") or "auto"
     if protocol == "auto":
-        return codec.protocol if codec is not None else "wamkit"
+        if codec is not None:
+            return codec.protocol
+        local = getattr(options, "url", None) is None and getattr(options, "launch", "wamkit") == "wamkit"
+        return LOCAL_SERVE_PROTOCOL if local else "wamkit"
     if codec is not None and protocol != codec.protocol:
         raise UserError(f"server.protocol={protocol}, but this policy is served in {codec.protocol}'s request form "
                         f"(its model runs in {codec.protocol}): use server.protocol={codec.protocol} or auto")

@@ -291,6 +291,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "env_timeouts": sched.env_timeouts, "scene_loads": sched.affinity.loads,
                                 "scene_load_s": round(sched.affinity.load_seconds, 3),
                                 "setup_s": round(clock["setup_s"], 3),
+                                "server_protocol": getattr(inference, "protocol", None),
                                 "server_restarts": getattr(inference, "restarts", 0),
                                 "server_requests": list(getattr(inference, "served", [])),
                                 "requests": inference.requests,

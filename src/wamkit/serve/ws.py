@@ -153,23 +153,29 @@ class _Connection:
         if len(data) > srv.max_body:
             raise _FrameError(413, f"frame of {len(data)} bytes exceeds the cap of {srv.max_body} bytes "
                                    f"(max_body_mb={srv.cfg.max_body_mb})")
-        if len(data) > OFFLOAD_BYTES:
-            body = await asyncio.get_running_loop().run_in_executor(srv.decode_pool, unpackb, data)
-        else:
-            body = unpackb(data)
-        ctrl = body.get("__ctrl__")
-        if ctrl is not None:  # openpi's episode_start / episode_end notifications: nothing to do but acknowledge
-            return packb({"__ack__": ctrl if ctrl in ("episode_start", "episode_end") else "ignored"})
-        req, single = _parse(body)
-        n = len(req)
-        if n > srv.cfg.max_queue:
-            raise _FrameError(413, f"{n} observations in one frame; the server queues at most {srv.cfg.max_queue}",
-                              path="input")
+        # idle dispatch waits for requests in intake, as on the HTTP route (a frame is whole by now: this covers its
+        # decode, which runs off the event loop for large frames)
+        srv.batcher.intake_begin()
         try:
-            srv._check_against_policy(req)
-        except ProtocolError as e:   # name the field as the client sent it
-            raise ProtocolError(_openpi_path(e.path) if single else e.path, e.message, e.status) from None
-        keys = [req.group_key(i) for i in range(n)]
+            if len(data) > OFFLOAD_BYTES:
+                body = await asyncio.get_running_loop().run_in_executor(srv.decode_pool, unpackb, data)
+            else:
+                body = unpackb(data)
+            ctrl = body.get("__ctrl__")
+            if ctrl is not None:  # openpi's episode_start / episode_end notifications: nothing to do but acknowledge
+                return packb({"__ack__": ctrl if ctrl in ("episode_start", "episode_end") else "ignored"})
+            req, single = _parse(body)
+            n = len(req)
+            if n > srv.cfg.max_queue:
+                raise _FrameError(413, f"{n} observations in one frame; the server queues at most "
+                                       f"{srv.cfg.max_queue}", path="input")
+            try:
+                srv._check_against_policy(req)
+            except ProtocolError as e:   # name the field as the client sent it
+                raise ProtocolError(_openpi_path(e.path) if single else e.path, e.message, e.status) from None
+            keys = [req.group_key(i) for i in range(n)]
+        finally:
+            srv.batcher.intake_end()   # no await between here and submit: the batcher sees this frame queued
         srv.metrics.count("observations", n)
         actions, timing = await srv.batcher.submit(req.observations, req.seeds, keys)
         server_timing: dict[str, Any] = {"infer_ms": round((time.perf_counter() - t0) * 1000.0, 3)}
