@@ -1,7 +1,8 @@
 """Per-request overhead of the action server: client round trip minus server compute, and where it goes.
 
     PYTHONPATH=src .venv/bin/python bench/bench_request_overhead.py [--requests 30] [--rounds 3] \
-        [--batches 1,4,8,16] [--protocols http,openpi,sglang-ws] [--label before] [--out bench/results/request_overhead.md]
+        [--batches 1,4,8,16] [--protocols http,openpi,sglang-ws] [--label before] \
+        [--out bench/results/request_overhead.md]
 
 Server: a real `wamkit serve policy=fixed-cost policy_args.base_ms=20 policy_args.per_obs_ms=0
 policy_args.mode=sleep` on 127.0.0.1 with max_batch_size=64 max_wait_ms=2.0 (MetaWorld's server settings in `wamkit
@@ -295,6 +296,11 @@ def table(results: dict[int, dict]) -> list[str]:
     return lines
 
 
+def _dirty() -> bool:
+    """Whether src/ has uncommitted changes (the figures then belong to no commit)."""
+    return bool(os.popen(f"git -C {Path(__file__).parent} status --porcelain src").read().strip())
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "_probe_serve":
         return _probe_serve(sys.argv[2:])
@@ -368,7 +374,7 @@ def main() -> int:
             f"- machine: {cpu_model()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, load average "
             f"at start {load0:.1f}",
             f"- git: {os.popen('git -C ' + str(Path(__file__).parent) + ' rev-parse --short HEAD').read().strip()}"
-            f"{' (+ uncommitted changes)' if os.popen('git -C ' + str(Path(__file__).parent) + ' status --porcelain src').read().strip() else ''}",
+            f"{' (+ uncommitted changes)' if _dirty() else ''}",
             "", *tab, ""]
     out = Path(args.out)
     if not out.exists():
