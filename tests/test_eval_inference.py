@@ -82,6 +82,16 @@ def test_auto_protocol_is_the_websocket_for_servers_started_here_only():
     assert resolved("server.url=ws://h:8000", "server.protocol=openpi") == "openpi"
 
 
+def test_auto_protocol_stays_on_http_without_websockets(monkeypatch):
+    """An environment without the `websockets` package (wheels carried by hand) evaluates over HTTP under auto
+    instead of failing at the first request; an explicit websocket protocol is still taken as asked."""
+    from wamkit.eval import inference as I
+
+    monkeypatch.setattr(I, "_websockets_available", lambda: False)
+    assert I.resolve_protocol(load_config(EvalConfig, None, []).server, None) == "wamkit"
+    assert I.resolve_protocol(load_config(EvalConfig, None, ["server.protocol=sglang-ws"]).server, None) == "sglang-ws"
+
+
 @pytest.mark.parametrize("protocol", ["auto", "wamkit"])
 def test_attached_server_is_restarted_and_left_running(protocol):
     """Servers the caller started (bench eval's shared ones): used as they are, restarted by the client when killed

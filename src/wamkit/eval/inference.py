@@ -203,6 +203,12 @@ class ServerInference(Inference):
 LOCAL_SERVE_PROTOCOL = "sglang-ws"
 
 
+def _websockets_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("websockets") is not None
+
+
 def resolve_protocol(options, codec: RemoteCodec | None) -> str:
     """`server.protocol`, with auto resolved: the codec's wire form for a policy served elsewhere; for the `wamkit
     serve` processes started here (launch=wamkit, no url) LOCAL_SERVE_PROTOCOL; else wamkit (HTTP)."""
@@ -211,7 +217,9 @@ def resolve_protocol(options, codec: RemoteCodec | None) -> str:
         if codec is not None:
             return codec.protocol
         local = getattr(options, "url", None) is None and getattr(options, "launch", "wamkit") == "wamkit"
-        return LOCAL_SERVE_PROTOCOL if local else "wamkit"
+        # the websocket client needs `websockets` (a dependency of wamkit; a hand-assembled environment, such as a
+        # GPU machine's carried wheels, may lack it): without it auto stays on HTTP rather than failing
+        return LOCAL_SERVE_PROTOCOL if local and _websockets_available() else "wamkit"
     if codec is not None and protocol != codec.protocol:
         raise UserError(f"server.protocol={protocol}, but this policy is served in {codec.protocol}'s request form "
                         f"(its model runs in {codec.protocol}): use server.protocol={codec.protocol} or auto")
