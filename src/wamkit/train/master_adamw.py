@@ -99,15 +99,16 @@ if triton is not None:
 
     @triton.jit
     def _master_adamw_multi_kernel(tab_ptr, gptr_ptr, sc_ptr, blk_ptr, coef_ptr, BLOCK_SIZE: tl.constexpr,
-                                   GRAD_BF16: tl.constexpr, ALIGNED: tl.constexpr):
+                                   GRAD_BF16: tl.constexpr, ALIGNED: tl.constexpr, TAB: tl.constexpr,
+                                   SC: tl.constexpr):
         """All tensors of a step in one launch. Program i does block i of the launch: tensor t = blk[i] (int32),
-        whose row of `tab` (int64, _TAB columns) holds the w, m, v, p addresses, its numel and its first block;
-        gptr[t] is its gradient's address (bf16 or fp32: GRAD_BF16), sc[t, :] its scalars (float32, _SC columns:
+        whose row of `tab` (int64, TAB = _TAB columns) holds the w, m, v, p addresses, its numel and its first block;
+        gptr[t] is its gradient's address (bf16 or fp32: GRAD_BF16), sc[t, :] its scalars (float32, SC = _SC columns:
         beta1, beta2, eps, decay, step_size, bc2_sqrt). ALIGNED: every address is a multiple of 16 bytes (the host
         checks), which with the unmasked full blocks lets the compiler use 16-byte loads and stores."""
         pid = tl.program_id(0)
         t = tl.load(blk_ptr + pid).to(tl.int64)
-        row = tab_ptr + t * 6
+        row = tab_ptr + t * TAB
         w_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float32))
         m_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
         v_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
@@ -124,7 +125,7 @@ if triton is not None:
             m_ptr = tl.multiple_of(m_ptr, 16)
             v_ptr = tl.multiple_of(v_ptr, 16)
             p_ptr = tl.multiple_of(p_ptr, 16)
-        sc = sc_ptr + t * 6
+        sc = sc_ptr + t * SC
         coef = tl.load(coef_ptr)
         beta1, beta2, eps = tl.load(sc + 0), tl.load(sc + 1), tl.load(sc + 2)
         decay, step_size, bc2_sqrt = tl.load(sc + 3), tl.load(sc + 4), tl.load(sc + 5)
@@ -165,8 +166,8 @@ class _Plan:
     """The multi-tensor step's layout for one set of (tensor, gradient dtype): built when that set changes, reused
     every step while it does not (see MasterAdamW.step).
 
-    rows        the kernel's tensors: bf16-gradient ones first, then fp32-gradient ones, each in group order
-    members     (master, module parameter, gradient dtype) per row: where the step reads the row's gradient
+    members     (master, module parameter, gradient dtype) per row of the kernel's tables: bf16-gradient rows
+                first, then fp32-gradient ones, each in group order; where the step reads the row's gradient
     absent      params without a gradient when the plan was built (one getting a gradient means a new plan)
     slow        (group index, master) stepped one tensor at a time (not contiguous or not 16-byte aligned, a
                 device without the kernel)
@@ -237,7 +238,7 @@ class _Plan:
             blocks = [triton.cdiv(w.numel(), BLOCK) for _, w, _, _, _ in seg]
             first, tab = 0, []
             for (_, w, p, m, v), b in zip(seg, blocks):
-                tab.append([w.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr(), w.numel(), first])
+                tab.append([w.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr(), w.numel(), first])   # _TAB
                 first += b
             blk = torch.repeat_interleave(torch.arange(len(seg), dtype=torch.int32), torch.tensor(blocks))
             r1 = r0 + len(seg)
@@ -289,7 +290,7 @@ class _Plan:
         for i, (bf16, blocks, tab, blk, dev_g, dev_sc) in enumerate(self.launches):
             try:
                 _master_adamw_multi_kernel[(blocks,)](tab, dev_g, dev_sc, blk, c, BLOCK_SIZE=BLOCK,
-                                                      GRAD_BF16=bf16, ALIGNED=aligned)
+                                                      GRAD_BF16=bf16, ALIGNED=aligned, TAB=_TAB, SC=_SC)
             except Exception as e:  # noqa: BLE001 - the kernel did not build or launch here (nothing ran)
                 if i:                       # a first launch already updated part of the tensors: no way back
                     raise
@@ -305,8 +306,8 @@ class MasterAdamW(torch.optim.AdamW):
     `_master_adamw_multi_kernel` (one launch per gradient dtype for all tensors; `_master_adamw_kernel`, one launch
     per tensor, and `_step_torch` remain for tensors it cannot take).
 
-    `pairs` maps each master to the module parameter it feeds (bf16): its gradient is read from there and its new
-    value written there. Call `clip_grad_norm_(max_norm)` before `step()` (its coefficient is applied inside the
+    Each master's module parameter (bf16, from `master.trainable_pairs()`) is where its gradient is read and its new
+    value written. Call `clip_grad_norm_(max_norm)` before `step()` (its coefficient is applied inside the
     step; without it the coefficient is 1). `launches`: the kernel launches of the last step."""
 
     writes_model = True   # the step writes the module's bf16 weights and clears the gradients (TrainModel)
