@@ -81,8 +81,8 @@ class ServerInference(Inference):
     """Action server(s) over HTTP or websockets (`server.protocol`; auto: SGLang's realtime websocket to the `wamkit
     serve` processes started here, HTTP to server.url): local servers started here (`server.launch`: `wamkit serve`
     processes, or `sglang serve` for models SGLang serves; `server.replicas`, e.g. one per GPU with `server.gpus`;
-    each restarted by its client when it stops answering, the request then retried), or existing URLs (`server.url=`, comma-separated;
-    wamkit serve or SGLang). With several servers each request goes to the one with the fewest observations in
+    each restarted by its client when it stops answering, the request then retried), or existing URLs (`server.url=`,
+    comma-separated; wamkit serve or SGLang). With several servers each request goes to the one with the fewest observations in
     flight.
 
     A policy with a RemoteCodec (cosmos3: the model runs in SGLang) keeps its pre- and post-processing here, in the

@@ -237,8 +237,8 @@ class ActionServer:
         self._check_token(request)
         ct = request.headers.get("content-type", "")
         binary = is_msgpack(ct) or "msgpack" in request.headers.get("accept", "").lower()
-        self.batcher.intake_begin()   # idle dispatch waits for requests in intake (wamkit.serve.batcher)
-        try:
+        # idle dispatch waits for requests in intake (wamkit.serve.batcher); the block ends right before submit
+        with self.batcher.intake():
             body = await self._read_body(request)
             if len(body) > OFFLOAD_BYTES:
                 req = await asyncio.get_running_loop().run_in_executor(self.decode_pool, self._decode, body, ct)
@@ -250,8 +250,6 @@ class ActionServer:
                                       f"{self.cfg.max_queue}", path="input")
             self._check_against_policy(req)
             keys = [req.group_key(i) for i in range(n)]
-        finally:
-            self.batcher.intake_end()  # no await between here and submit: the batcher sees this request queued
         self.metrics.count("observations", n)
         actions, timing = await self.batcher.submit(req.observations, req.seeds, keys)
         out = build_response(req, actions, self.model, binary, timing=timing,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -135,6 +136,16 @@ class DynamicBatcher:
         self._intake = max(0, self._intake - 1)
         if self.idle_dispatch and self._intake == 0 and self._wake is not None:
             self._wake.set()
+
+    @contextlib.contextmanager
+    def intake(self):
+        """A route's receive/decode/check of one request (intake_begin ... intake_end, also when it is refused);
+        nothing may await between the block's end and the request's submit."""
+        self.intake_begin()
+        try:
+            yield
+        finally:
+            self.intake_end()
 
     @property
     def queued(self) -> int:

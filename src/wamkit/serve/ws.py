@@ -155,8 +155,7 @@ class _Connection:
                                    f"(max_body_mb={srv.cfg.max_body_mb})")
         # idle dispatch waits for requests in intake, as on the HTTP route (a frame is whole by now: this covers its
         # decode, which runs off the event loop for large frames)
-        srv.batcher.intake_begin()
-        try:
+        with srv.batcher.intake():   # the block ends right before submit
             if len(data) > OFFLOAD_BYTES:
                 body = await asyncio.get_running_loop().run_in_executor(srv.decode_pool, unpackb, data)
             else:
@@ -174,8 +173,6 @@ class _Connection:
             except ProtocolError as e:   # name the field as the client sent it
                 raise ProtocolError(_openpi_path(e.path) if single else e.path, e.message, e.status) from None
             keys = [req.group_key(i) for i in range(n)]
-        finally:
-            srv.batcher.intake_end()   # no await between here and submit: the batcher sees this frame queued
         srv.metrics.count("observations", n)
         actions, timing = await srv.batcher.submit(req.observations, req.seeds, keys)
         server_timing: dict[str, Any] = {"infer_ms": round((time.perf_counter() - t0) * 1000.0, 3)}
