@@ -76,7 +76,8 @@ def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
             "env_busy": sch.get("env_busy", 0.0), "inference_busy": sch.get("inference_busy", 0.0),
             "request_ms_mean": sch.get("request_ms_mean", 0.0), "compute_ms_mean": sch.get("compute_ms_mean", 0.0),
             "scene_loads": sch.get("scene_loads", 0), "scene_load_s": sch.get("scene_load_s", 0.0),
-            "env_steps": th["env_steps"], "success_rate": s["success_rate"]}
+            "env_steps": th["env_steps"], "success_rate": s["success_rate"],
+            **({"auto_shape": sch["auto_shape"]} if sch.get("auto_shape") else {})}
 
 
 def grid(num_envs: int) -> list[tuple[int, int]]:
@@ -309,6 +310,8 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     med["env_steps_per_s"] = statistics.median(rates)
     med["episodes_per_hour"] = statistics.median(x["episodes_per_hour"] for x in runs)
     med["rounds"] = rates
+    if any("auto_shape" in x for x in runs):   # the shape auto kept in each round
+        med["auto_shapes"] = [x.get("auto_shape", {}).get("shape") for x in runs]
     med["spread"] = (max(rates) - min(rates)) / med["env_steps_per_s"] if med["env_steps_per_s"] else 0.0
     return med
 
@@ -330,6 +333,11 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
                               **common)))
     configs.append(("auto+", r(base, mode="auto", num_envs=m, render_every_step=False, run_to_max_steps=False,
                                **common)))
+    # on request only: auto without its measured choice of shape (the cost model's plan alone), for A/B runs
+    configs.append(("auto-plan", r(base, mode="auto", auto_probe=False, num_envs=m, render_every_step=False,
+                                   run_to_max_steps=True, **common)))
+    if not rows:
+        configs = [c for c in configs if c[0] != "auto-plan"]
     if rows:
         unknown = [x for x in rows if x not in {c[0] for c in configs}]
         if unknown:

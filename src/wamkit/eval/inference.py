@@ -21,6 +21,10 @@ from wamkit.policies.base import RemoteCodec
 class Inference(abc.ABC):
     max_request_size: int = 64   # the most observations one predict() may carry (the server's max batch size)
     name: str = ""
+    # whether requests in flight together are merged into one model batch (an action server's dynamic batching);
+    # False: each predict() is its own model call, one after another (auto then never sends every observation at
+    # once: eval/shape_probe.py)
+    merges_requests: bool = False
 
     def __init__(self, timeline: Timeline | None = None):
         self.timeline = timeline
@@ -90,6 +94,7 @@ class ServerInference(Inference):
     SGLang's request form, and the answers decoded to env actions, so several requests are in flight at once."""
 
     name = "server"
+    merges_requests = True    # wamkit serve's DynamicBatcher; SGLang under --batching-mode dynamic
 
     def __init__(self, *, policy: str, policy_args: dict, options, timeline: Timeline | None = None,
                  worker_factory=None, workers: Sequence | None = None, codec: RemoteCodec | None = None):

@@ -202,7 +202,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         sglang = getattr(inference, "protocol", "") == "sglang"
         group = cfg.group_by_task if cfg.group_by_task is not None else sglang
         opts = SchedulerOptions(mode=cfg.mode, request_size=cfg.request_size, pipelines=cfg.pipelines, depth=cfg.depth,
-                                max_request_size=cfg.max_request_size, group_by_task=group, run_to_max_steps=cfg.run_to_max_steps,
+                                max_request_size=cfg.max_request_size, probe=cfg.auto_probe, group_by_task=group,
+                                run_to_max_steps=cfg.run_to_max_steps,
                                 render_every_step=cfg.render_every_step,
                                 video_episodes=frozenset(ep.index for ep in plan[:cfg.save_videos]
                                                          if not journal.done(ep.key)),
@@ -298,7 +299,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "mean_batch": inference.observations / max(inference.requests, 1),
                                 "env_busy": util["env_busy"], "inference_busy": util["inference_busy"],
                                 "request_ms_mean": util.get("request_ms_mean", 0.0),
-                                "compute_ms_mean": util.get("compute_ms_mean", 0.0)}})
+                                "compute_ms_mean": util.get("compute_ms_mean", 0.0),
+                                "auto_shape": sched.batcher.shape_summary() if sched.batcher else None}})
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         write_report(out)   # timeline.png, report.md, report.html
         if tracker is not None:

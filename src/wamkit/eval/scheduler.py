@@ -8,7 +8,9 @@
              another waits for inference.
 - auto:      asynchronous flow. Each env that finishes its chunk joins the next request batch without waiting for a
              group; several requests in flight; the batch size and in-flight depth are chosen from measured
-             simulation and inference times (see RequestPlanner.plan).
+             simulation and inference times (see RequestPlanner.plan). Where the server merges concurrent requests,
+             that plan is measured against sending whatever waits at once, and the faster kept
+             (eval/shape_probe.py).
 
 Common to all: each env takes its next episode as soon as its current one ends (one of the same task while any is
 queued, so the scene stays loaded; envs spread over the tasks and switch scenes only where it pays: eval/affinity.py);
@@ -35,6 +37,7 @@ from wamkit.core.types import ChunkResult, Observation
 from wamkit.eval.affinity import TaskAffinity
 from wamkit.eval.inference import Inference
 from wamkit.eval.plan import Episode, step_seed
+from wamkit.eval.shape_probe import GREEDY, PLAN, ShapeProbe
 from wamkit.eval.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,7 @@ class SchedulerOptions:
     pipelines: int = 1
     depth: int = 0
     max_request_size: int = 0
+    probe: bool = True          # auto: measure the model's plan against sending at once (eval/shape_probe.py)
     group_by_task: bool = False
     run_to_max_steps: bool = False
     render_every_step: bool = False
@@ -141,6 +145,8 @@ class Scheduler:
         self.reset_started: dict[int, float] = {}  # env index -> monotonic start of the reset under way
         self.reset_samples: deque[float] = deque(maxlen=50)   # seconds of the resets done
         self.batcher: RequestPlanner | None = None
+        self.episode_walls: deque[float] = deque(maxlen=100)   # wall seconds of the episodes done (latest)
+        self.started = time.monotonic()     # reset when run() starts
         # env -> task bookkeeping; workers kept from an earlier run report the scene they have loaded and how long
         # their last scene load took
         loads = [s for e in envs if isinstance(s := getattr(e, "load_s", None), float)]
@@ -220,6 +226,7 @@ class Scheduler:
         return self.affinity.next_episode(i, self.queue)
 
     def _done(self, out: EpisodeOutcome) -> None:
+        self.episode_walls.append(out.wall_s)
         self.affinity.episode_done(out.env_index)
         self.on_done(out)
 
@@ -270,6 +277,7 @@ class Scheduler:
     # ---- modes --------------------------------------------------------------------------------------------------
     async def run(self) -> None:
         mode = self.opts.mode
+        self.started = time.monotonic()
         if mode != "serial":
             self.affinity.start(self.queue, len(self.envs))
         if mode == "serial":
@@ -392,6 +400,16 @@ class RequestPlanner:
         self.fixed_depth = sched.opts.depth
         self._timer: asyncio.TimerHandle | None = None
         self.decisions: list[tuple[int, int]] = []
+        # a fixed depth is the user's plan: nothing to measure it against
+        # (and sending at once only pays where the server merges what arrives together)
+        merges = bool(getattr(self.inf, "merges_requests", False))
+        self.probe = ShapeProbe() if sched.opts.probe and self.fixed_depth == 0 and merges else None
+
+    @property
+    def shape(self) -> str:
+        """plan: the cost model's (batch, depth) and straggler rule; greedy: whatever waits goes at once, as one
+        request, with as many in flight as there are envs (a batching server merges them)."""
+        return self.probe.current if self.probe is not None else PLAN
 
     # -- measurements -> plan
     def _fit_inference(self) -> tuple[float, float]:
@@ -453,7 +471,37 @@ class RequestPlanner:
         simulating, resetting, or just got their actions and are about to simulate)."""
         return self.s.active_envs - len(self.pending) - self.obs_in_flight
 
+    def shape_summary(self) -> dict:
+        """What auto measured and kept (summary.scheduler.auto_shape)."""
+        if self.probe is None:
+            why = "depth fixed" if self.fixed_depth else ("probe off" if not self.s.opts.probe
+                                                          else "requests are not merged (one model call each)")
+            return {"shape": PLAN, "probed": False, "why": why, "rounds": []}
+        return {"shape": self.probe.current, "probed": bool(self.probe.rounds), "rounds": self.probe.summary()}
+
+    def _cycle_s(self) -> float:
+        """One env's cycle now: its chunk (at the current concurrency) plus a call."""
+        lat = self.inf.latencies[-50:]
+        call = statistics.median(t for _, t in lat) if lat else 0.0
+        c = max(1, self.s.opts.cores)
+        return self._sim_cost() * max(1.0, self.s.active_envs / c) + call
+
+    def _remaining_s(self) -> float | None:
+        """The run's rest: episodes queued or under way x the mean episode's wall time / active envs. Before any
+        episode has ended, a lower bound: every queued episode will take longer than the run so far has lasted, and
+        they run `active` at a time (so a long run is measured early, a short one never)."""
+        walls, active = self.s.episode_walls, self.s.active_envs
+        if active <= 0:
+            return None
+        if not walls:
+            return len(self.s.queue) / active * (time.monotonic() - self.s.started)
+        return (len(self.s.queue) + active) * statistics.fmean(walls) / active
+
     def poke(self) -> None:
+        if self.shape == GREEDY:
+            while self.pending and self.in_flight < max(1, self.s.active_envs):
+                self._dispatch(self.cap)
+            return
         n, k = self.plan()
         while self.pending and self.in_flight < k:
             if len(self.pending) >= n or self._joinable() <= 0 or self._timed_out():
@@ -501,6 +549,9 @@ class RequestPlanner:
 
     def _fire(self) -> None:
         self._timer = None
+        if self.shape == GREEDY:
+            self.poke()
+            return
         if self.pending and self.in_flight < self.plan()[1]:
             self._dispatch(self.plan()[0])
             self.poke()
@@ -536,5 +587,7 @@ class RequestPlanner:
         finally:
             self.in_flight -= 1
             self.obs_in_flight -= len(take)
-            self._slot_free_at = time.monotonic()
+            self._slot_free_at = now = time.monotonic()
+            if self.probe is not None:
+                self.probe.answered(now, len(take), self._cycle_s(), self.s.active_envs, self._remaining_s())
             self.poke()

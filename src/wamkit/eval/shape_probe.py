@@ -1,0 +1,137 @@
+"""auto's measured choice of request shape: the cost model's plan, or every waiting observation sent at once.
+
+The RequestPlanner's cost model (scheduler.py) picks a batch size and a number of requests in flight from measured
+chunk and call times. It cannot see everything that decides the rate on a real machine: a server that merges
+concurrent requests into one batch (`wamkit serve`, SGLang), envs whose tasks simulate at different speeds (a cohort
+waits for its slowest member), a server process slowed by the simulators around it. On the H200 (docs/benchmarks.md
+2) the model's plan lost 14-17% to the row that sends every observation as soon as it is ready and lets the server
+batch, while on other regimes the model's plan is the better one. So auto measures: for a few env cycles each it
+runs both shapes, counts the observations answered per second, keeps the faster, and measures again when the
+number of active envs falls well below what it was (the tail of a run) or after a while.
+
+Pure bookkeeping: every method takes the time it is told (`now`, monotonic seconds), so the same code runs on the
+real clock and on the planner model's virtual one (bench/planner_sim.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PLAN, GREEDY = "plan", "greedy"
+SHAPES = (PLAN, GREEDY)
+
+
+@dataclass
+class ProbeRound:
+    """One measurement of every shape: when it ended, with how many active envs, each shape's observations
+    answered per second, and the shape kept."""
+
+    at_s: float
+    active: int
+    rates: dict[str, float] = field(default_factory=dict)
+    chosen: str = PLAN
+
+    def as_dict(self) -> dict:
+        return {"at_s": round(self.at_s, 3), "active": self.active,
+                "rates_obs_per_s": {k: round(v, 2) for k, v in self.rates.items()}, "chosen": self.chosen}
+
+
+class ShapeProbe:
+    """Which shape the planner uses now, measured as described in the module's docstring.
+
+    A shape's window starts SETTLE_CYCLES env cycles after the switch (requests sent under the other shape drain
+    first) and lasts WINDOW_CYCLES cycles, at least MIN_WINDOW_S. The rate counts from the first answer after the
+    window opens to the first answer after it closes (whole answers at both ends: a shape that answers in large
+    lumps is not favoured or penalized by where a lump falls)."""
+
+    SETTLE_CYCLES = 2.0
+    WINDOW_CYCLES = 8.0
+    MIN_WINDOW_S = 0.4
+    EARLY_STOP = 0.7          # a shape this far below the best measured so far, a quarter into its window, stops
+    WARM_ANSWERS = 2          # x active envs: observations answered before the first measurement (calls measured)
+    REPROBE_ACTIVE = 0.75     # measure again once active envs fall below this share of those at the last round
+    REPROBE_S = 120.0         # ... or this long after it
+    MAX_SHARE = 0.15          # a round starts only if it costs at most this share of the run's predicted rest
+
+    def __init__(self, shapes: tuple[str, ...] = SHAPES):
+        self.shapes = tuple(shapes)
+        self.current = self.shapes[0]
+        self.rounds: list[ProbeRound] = []
+        self._answered = 0
+        self._order: list[str] = []        # shapes still to measure in this round (current first)
+        self._rates: dict[str, float] = {}
+        self._active0 = 0
+        self._open_at: float | None = None   # the window opens (settled) ...
+        self._close_at: float | None = None  # ... and closes
+        self._t0: float | None = None        # the first answer after it opened
+        self._count = 0
+        self._chosen_at: float | None = None
+        self._chosen_active = 0
+
+    @property
+    def probing(self) -> bool:
+        return bool(self._order)
+
+    def answered(self, now: float, n: int, cycle_s: float, active: int, remaining_s: float | None) -> bool:
+        """Record `n` observations answered at `now` (env cycle ~cycle_s, `active` envs, the run's rest predicted
+        to take remaining_s, None: not known yet); True when the shape to use changed (the caller re-plans)."""
+        self._answered += n
+        before = self.current
+        if self.probing:
+            self._measure(now, n, cycle_s, active)
+        elif self._due(now, active) and self._affordable(cycle_s, remaining_s):
+            self._start_round(now, cycle_s, active)
+        return self.current != before
+
+    def _affordable(self, cycle_s: float, remaining_s: float | None) -> bool:
+        """A short run (or its last stretch) cannot pay back a round: each shape's settle + window cycles."""
+        if remaining_s is None:
+            return False
+        cost = len(self.shapes) * (self.SETTLE_CYCLES + self.WINDOW_CYCLES) * cycle_s
+        return cost <= self.MAX_SHARE * remaining_s
+
+    # -- a round
+    def _due(self, now: float, active: int) -> bool:
+        if active < 2 or len(self.shapes) < 2:
+            return False
+        if self._chosen_at is None:
+            return self._answered >= self.WARM_ANSWERS * active
+        return (active < self.REPROBE_ACTIVE * self._chosen_active
+                or now - self._chosen_at >= self.REPROBE_S)
+
+    def _start_round(self, now: float, cycle_s: float, active: int) -> None:
+        self._order = [self.current] + [s for s in self.shapes if s != self.current]
+        self._rates = {}
+        self._active0 = active
+        self._begin(now, cycle_s, switched=False)   # the shape in use when the round starts has settled
+
+    def _begin(self, now: float, cycle_s: float, switched: bool = True) -> None:
+        self.current = self._order[0]
+        self._open_at = now + (self.SETTLE_CYCLES * cycle_s if switched else 0.0)
+        self._close_at = self._open_at + max(self.MIN_WINDOW_S, self.WINDOW_CYCLES * cycle_s)
+        self._t0, self._count = None, 0
+
+    def _measure(self, now: float, n: int, cycle_s: float, active: int) -> None:
+        if now < self._open_at:
+            return
+        if self._t0 is None:          # the first answer after the window opened: the clock starts here
+            self._t0 = now
+            return
+        self._count += n
+        rate = self._count / max(now - self._t0, 1e-9)
+        if now < self._close_at:
+            # clearly the slower shape: stop paying for it (a quarter of the window is several cycles of answers)
+            quarter = self._open_at + 0.25 * (self._close_at - self._open_at)
+            if not (self._rates and now >= quarter and rate < self.EARLY_STOP * max(self._rates.values())):
+                return
+        self._rates[self.current] = rate
+        self._order.pop(0)
+        if self._order:
+            self._begin(now, cycle_s)
+            return
+        best = max(self._rates, key=lambda s: self._rates[s])
+        self.rounds.append(ProbeRound(now, self._active0, dict(self._rates), best))
+        self.current = best
+        self._chosen_at, self._chosen_active = now, active
+
+    def summary(self) -> list[dict]:
+        return [r.as_dict() for r in self.rounds]

@@ -1,0 +1,213 @@
+"""auto's measured choice of request shape (eval/shape_probe.py): the bookkeeping on synthetic answer streams, and
+the planner using it on modelled costs (bench/planner_sim.py: the real Scheduler on a virtual clock)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from wamkit.eval import scheduler as scheduler_mod
+from wamkit.eval.shape_probe import GREEDY, PLAN, ShapeProbe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import planner_sim as ps  # noqa: E402
+
+
+def drive(probe: ShapeProbe, answers, until: float, active=lambda t: 8, cycle=0.05, remaining=100.0):
+    """Feed the probe the answers of whichever shape it uses: answers[shape](t0, t1) -> observations answered in
+    [t0, t1). Ticks of 1 ms; returns the seconds spent in each shape."""
+    spent = {PLAN: 0.0, GREEDY: 0.0}
+    t, dt = 0.0, 0.001
+    while t < until:
+        n = answers[probe.current](t, t + dt)
+        spent[probe.current] += dt
+        if n:
+            probe.answered(t + dt, n, cycle, active(t), remaining)
+        t += dt
+    return spent
+
+
+def steady(rate: float):
+    """`rate` observations per second, one at a time."""
+    return lambda t0, t1: int(t1 * rate) - int(t0 * rate)
+
+
+def lumps(size: int, period: float):
+    """`size` observations at once every `period` seconds (a cohort answered together)."""
+    return lambda t0, t1: size * (int(t1 / period) - int(t0 / period))
+
+
+def test_the_faster_shape_is_kept_and_its_rate_is_measured():
+    p = ShapeProbe()
+    drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=3.0)
+    assert len(p.rounds) == 1 and p.current == GREEDY
+    rates = p.rounds[0].rates
+    assert rates[PLAN] == pytest.approx(100.0, rel=0.05) and rates[GREEDY] == pytest.approx(150.0, rel=0.05)
+
+
+def test_the_plan_is_kept_where_it_is_faster_and_a_clearly_slower_shape_stops_early():
+    p = ShapeProbe()
+    spent = drive(p, {PLAN: steady(150.0), GREEDY: steady(60.0)}, until=3.0)
+    assert p.current == PLAN and p.rounds[0].chosen == PLAN
+    window = ShapeProbe.SETTLE_CYCLES * 0.05 + max(ShapeProbe.MIN_WINDOW_S, ShapeProbe.WINDOW_CYCLES * 0.05)
+    assert spent[GREEDY] < 0.6 * window      # 60 < 0.7 x 150 a quarter into its window: stopped there
+
+
+def test_answers_in_lumps_are_counted_whole_at_both_ends():
+    """A shape that answers a cohort at a time (16 every 0.1 s = 160/s) against one that answers 150/s one at a
+    time: where the window's edges fall inside a lump's period must not decide (counting from the window's opening
+    instead of the first answer after it would credit up to a whole extra lump: 200/s for some phases)."""
+    for phase in [i * 0.01 for i in range(10)]:
+        p = ShapeProbe()
+        lump = lumps(16, 0.1)
+        drive(p, {PLAN: steady(150.0), GREEDY: lambda t0, t1: lump(t0 + phase, t1 + phase)}, until=3.0)
+        assert p.current == GREEDY, phase
+        assert p.rounds[0].rates[GREEDY] == pytest.approx(160.0, rel=0.05), (phase, p.rounds[0].rates)
+
+
+def test_no_round_before_the_rest_of_the_run_is_known_or_where_it_cannot_pay_back():
+    p = ShapeProbe()
+    drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=2.0, remaining=None)
+    assert p.rounds == [] and p.current == PLAN
+    cost = 2 * (ShapeProbe.SETTLE_CYCLES + ShapeProbe.WINDOW_CYCLES) * 0.05
+    p = ShapeProbe()
+    drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=2.0, remaining=cost / ShapeProbe.MAX_SHARE * 0.9)
+    assert p.rounds == [] and p.current == PLAN
+    p = ShapeProbe()
+    drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=2.0, remaining=cost / ShapeProbe.MAX_SHARE * 1.1)
+    assert len(p.rounds) == 1
+
+
+def test_measured_again_when_the_active_envs_fall_well_below_the_last_round():
+    p = ShapeProbe()
+    drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=3.0, active=lambda t: 8)
+    assert len(p.rounds) == 1
+    # the same envs for longer: no new round (REPROBE_S is far away)
+    drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=2.0, active=lambda t: 7)
+    assert len(p.rounds) == 1
+    # the tail: 5 of 8 envs left, and now the plan is the faster one
+    drive(p, {PLAN: steady(90.0), GREEDY: steady(40.0)}, until=3.0, active=lambda t: 5)
+    assert len(p.rounds) == 2 and p.rounds[1].active == 5 and p.current == PLAN
+    assert p.rounds[1].as_dict()["chosen"] == PLAN
+
+
+def test_one_env_is_never_probed():
+    p = ShapeProbe()
+    drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=2.0, active=lambda t: 1)
+    assert p.rounds == []
+
+
+# ------------------------------------------------------------------ the planner with it, on modelled costs
+HETERO = ps.Regime("hetero-16", 16, 16, 0.030, 0.012, 0.0002, net_s=0.002, jitter=0.1, chunks=20, episodes=256,
+                   server_wait_s=0.0, task_cost=(0.5, 1.0, 1.5, 2.0))
+
+
+@pytest.fixture
+def planners(monkeypatch):
+    made = []
+    init = scheduler_mod.RequestPlanner.__init__
+
+    def keep(self, sched):
+        init(self, sched)
+        made.append(self)
+
+    monkeypatch.setattr(scheduler_mod.RequestPlanner, "__init__", keep)
+    return made
+
+
+def test_a_poor_plan_is_replaced_by_sending_at_once_where_the_server_merges(monkeypatch, planners):
+    """The cost model's plan forced to lockstep (one request of every env) on envs whose tasks simulate at 0.5-2x:
+    the probe measures both shapes, keeps greedy, and auto ends at the greedy row's rate, well above the plan's."""
+    greedy_row = ps.run(HETERO, "pipelines", 1, 16)["env_steps_per_s"]
+    lockstep_row = ps.run(HETERO, "pipelines", 16, 1)["env_steps_per_s"]
+    monkeypatch.setattr(scheduler_mod.RequestPlanner, "plan", lambda self: (max(1, self.s.active_envs), 1))
+    auto = ps.run(HETERO, "auto")["env_steps_per_s"]
+    summary = planners[-1].shape_summary()
+    assert summary["probed"] and summary["rounds"][0]["chosen"] == GREEDY and summary["shape"] == GREEDY
+    assert lockstep_row < 0.85 * greedy_row            # the plan really is the poor one here
+    assert auto >= 0.97 * greedy_row, (auto, greedy_row)
+
+
+def test_no_probe_where_every_request_is_its_own_model_call(planners):
+    r = ps.with_(HETERO, server_wait_s=None)
+    ps.run(r, "auto")
+    s = planners[-1].shape_summary()
+    assert s["probed"] is False and s["shape"] == PLAN and "not merged" in s["why"]
+
+
+def test_a_fixed_depth_is_not_probed(planners):
+    async def go():
+        import asyncio
+
+        cores = asyncio.Semaphore(HETERO.cores)
+        envs = [ps.SimEnv(i, HETERO, cores) for i in range(4)]
+        opts = scheduler_mod.SchedulerOptions(mode="auto", depth=2, cores=HETERO.cores, run_to_max_steps=True,
+                                              env_timeout_min_s=600)
+        sched = scheduler_mod.Scheduler(envs, ps.SimAccelerator(HETERO), ps.make_plan("sim", [0], 8), opts,
+                                        lambda o: None)
+        await sched.run()
+        return sched.batcher.shape_summary()
+
+    s = ps.run_virtual(go())
+    assert s["probed"] is False and s["why"] == "depth fixed"
+
+
+# ------------------------------------------------------------------ a real evaluation, probe forced
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_a_real_auto_eval_probes_switches_and_gets_the_lockstep_rows_episodes(tmp_path, monkeypatch):
+    """MetaWorld's scripted expert behind a local `wamkit serve` (websocket), 2 envs, auto with a probe round forced
+    early (the run is far too short to pay for one otherwise): the shapes are measured and switched mid-episode,
+    and every episode's outcome and executed actions equal the lockstep row's."""
+    import json
+
+    from wamkit.core.config import load_config
+    from wamkit.eval.config import EvalConfig
+    from wamkit.eval.metrics import outcome_view
+    from wamkit.eval.runner import run_eval
+
+    def cfg(out, *extra):
+        return load_config(EvalConfig, None, ["env=metaworld", "suite=mt", "env_args.tasks=reach-v3,drawer-open-v3",
+                                              "trials=3", "image_size=32", "policy=metaworld-expert", "horizon=4",
+                                              "max_steps=80", "progress=false", "num_envs=2", "inference=server",
+                                              f"out={out}", *extra])
+
+    def episodes(out):
+        rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+        digests = {r["key"]: r["actions_digest"] for r in rows}
+        return {k: (*v, digests[k]) for k, v in outcome_view(rows).items()}
+
+    run_eval(cfg(tmp_path / "lockstep", "mode=pipelines", "request_size=2", "pipelines=1"))
+    monkeypatch.setattr(ShapeProbe, "MAX_SHARE", 1e9)
+    monkeypatch.setattr(ShapeProbe, "WARM_ANSWERS", 1)
+    monkeypatch.setattr(ShapeProbe, "WINDOW_CYCLES", 2.0)
+    monkeypatch.setattr(ShapeProbe, "MIN_WINDOW_S", 0.05)
+    s = run_eval(cfg(tmp_path / "auto", "mode=auto"))
+    shape = s["scheduler"]["auto_shape"]
+    assert shape["probed"] and set(shape["rounds"][0]["rates_obs_per_s"]) == {PLAN, GREEDY}
+    assert all(r > 0 for r in shape["rounds"][0]["rates_obs_per_s"].values())
+    assert s["episodes"] == 6 and episodes(tmp_path / "auto") == episodes(tmp_path / "lockstep")
+    assert len({ok for ok, *_ in episodes(tmp_path / "auto").values()}) == 2   # successes and failures both
+    off = run_eval(cfg(tmp_path / "off", "mode=auto", "auto_probe=false"))["scheduler"]["auto_shape"]
+    assert off == {"shape": PLAN, "probed": False, "why": "probe off", "rounds": []}
+
+
+def test_the_rest_of_the_run_is_bounded_before_any_episode_ends_and_estimated_after():
+    """Before an episode has ended, every queued one will outlast the run so far (a lower bound: 40 queued over 4
+    envs after 2 s is >= 20 s); after, episodes left x the mean episode / active envs."""
+    import time
+    from collections import deque
+    from types import SimpleNamespace
+
+    inf = SimpleNamespace(max_request_size=64, latencies=[], merges_requests=True)
+    sched = SimpleNamespace(inference=inf, opts=scheduler_mod.SchedulerOptions(mode="auto"), episode_walls=deque(),
+                            active_envs=4, queue=deque(range(40)), started=time.monotonic() - 2.0)
+    planner = scheduler_mod.RequestPlanner(sched)
+    assert planner.probe is not None
+    assert planner._remaining_s() == pytest.approx(20.0, rel=0.02)
+    sched.episode_walls.extend([2.0, 4.0])
+    assert planner._remaining_s() == pytest.approx((40 + 4) * 3.0 / 4)
+    sched.active_envs = 0
+    assert planner._remaining_s() is None
