@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from wamkit.eval import scheduler as scheduler_mod
-from wamkit.eval.shape_probe import GREEDY, PLAN, ShapeProbe
+from wamkit.eval.shape_probe import GREEDY, LOCKSTEP, PLAN, ShapeProbe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import planner_sim as ps  # noqa: E402
@@ -18,7 +18,7 @@ import planner_sim as ps  # noqa: E402
 def drive(probe: ShapeProbe, answers, until: float, active=lambda t: 8, cycle=0.05, remaining=100.0):
     """Feed the probe the answers of whichever shape it uses: answers[shape](t0, t1) -> observations answered in
     [t0, t1). Ticks of 1 ms; returns the seconds spent in each shape."""
-    spent = {PLAN: 0.0, GREEDY: 0.0}
+    spent = {shape: 0.0 for shape in answers}
     t, dt = 0.0, 0.001
     while t < until:
         n = answers[probe.current](t, t + dt)
@@ -40,7 +40,7 @@ def lumps(size: int, period: float):
 
 
 def test_the_faster_shape_is_kept_and_its_rate_is_measured():
-    p = ShapeProbe()
+    p = ShapeProbe((PLAN, GREEDY))
     drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=3.0)
     assert len(p.rounds) == 1 and p.current == GREEDY
     rates = p.rounds[0].rates
@@ -48,7 +48,7 @@ def test_the_faster_shape_is_kept_and_its_rate_is_measured():
 
 
 def test_the_plan_is_kept_where_it_is_faster_and_a_clearly_slower_shape_stops_early():
-    p = ShapeProbe()
+    p = ShapeProbe((PLAN, GREEDY))
     spent = drive(p, {PLAN: steady(150.0), GREEDY: steady(60.0)}, until=3.0)
     assert p.current == PLAN and p.rounds[0].chosen == PLAN
     window = ShapeProbe.SETTLE_CYCLES * 0.05 + max(ShapeProbe.MIN_WINDOW_S, ShapeProbe.WINDOW_CYCLES * 0.05)
@@ -60,7 +60,7 @@ def test_answers_in_lumps_are_counted_whole_at_both_ends():
     time: where the window's edges fall inside a lump's period must not decide (counting from the window's opening
     instead of the first answer after it would credit up to a whole extra lump: 200/s for some phases)."""
     for phase in [i * 0.01 for i in range(10)]:
-        p = ShapeProbe()
+        p = ShapeProbe((PLAN, GREEDY))
         lump = lumps(16, 0.1)
         drive(p, {PLAN: steady(150.0), GREEDY: lambda t0, t1: lump(t0 + phase, t1 + phase)}, until=3.0)
         assert p.current == GREEDY, phase
@@ -68,20 +68,20 @@ def test_answers_in_lumps_are_counted_whole_at_both_ends():
 
 
 def test_no_round_before_the_rest_of_the_run_is_known_or_where_it_cannot_pay_back():
-    p = ShapeProbe()
+    p = ShapeProbe((PLAN, GREEDY))
     drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=2.0, remaining=None)
     assert p.rounds == [] and p.current == PLAN
     cost = 2 * (ShapeProbe.SETTLE_CYCLES + ShapeProbe.WINDOW_CYCLES) * 0.05
-    p = ShapeProbe()
+    p = ShapeProbe((PLAN, GREEDY))
     drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=2.0, remaining=cost / ShapeProbe.MAX_SHARE * 0.9)
     assert p.rounds == [] and p.current == PLAN
-    p = ShapeProbe()
+    p = ShapeProbe((PLAN, GREEDY))
     drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=2.0, remaining=cost / ShapeProbe.MAX_SHARE * 1.1)
     assert len(p.rounds) == 1
 
 
 def test_measured_again_when_the_active_envs_fall_well_below_the_last_round():
-    p = ShapeProbe()
+    p = ShapeProbe((PLAN, GREEDY))
     drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=3.0, active=lambda t: 8)
     assert len(p.rounds) == 1
     # the same envs for longer: no new round (REPROBE_S is far away)
@@ -93,8 +93,18 @@ def test_measured_again_when_the_active_envs_fall_well_below_the_last_round():
     assert p.rounds[1].as_dict()["chosen"] == PLAN
 
 
-def test_one_env_is_never_probed():
+def test_three_shapes_the_fastest_kept_and_each_measured_once():
+    """The default shapes: the plan, greedy and lockstep (one request of every env, answered as one lump a cycle)."""
     p = ShapeProbe()
+    assert p.shapes == (PLAN, GREEDY, LOCKSTEP)
+    spent = drive(p, {PLAN: steady(120.0), GREEDY: steady(140.0), LOCKSTEP: lumps(16, 0.1)}, until=4.0)
+    assert len(p.rounds) == 1 and p.current == LOCKSTEP and set(p.rounds[0].rates) == {PLAN, GREEDY, LOCKSTEP}
+    assert p.rounds[0].rates[LOCKSTEP] == pytest.approx(160.0, rel=0.05)
+    assert spent[GREEDY] < 1.5     # measured once: a window and its settling, not the rest of the run
+
+
+def test_one_env_is_never_probed():
+    p = ShapeProbe((PLAN, GREEDY))
     drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=2.0, active=lambda t: 1)
     assert p.rounds == []
 
@@ -186,7 +196,7 @@ def test_a_real_auto_eval_probes_switches_and_gets_the_lockstep_rows_episodes(tm
     monkeypatch.setattr(ShapeProbe, "MIN_WINDOW_S", 0.05)
     s = run_eval(cfg(tmp_path / "auto", "mode=auto"))
     shape = s["scheduler"]["auto_shape"]
-    assert shape["probed"] and set(shape["rounds"][0]["rates_obs_per_s"]) == {PLAN, GREEDY}
+    assert shape["probed"] and set(shape["rounds"][0]["rates_obs_per_s"]) == {PLAN, GREEDY, LOCKSTEP}
     assert all(r > 0 for r in shape["rounds"][0]["rates_obs_per_s"].values())
     assert s["episodes"] == 6 and episodes(tmp_path / "auto") == episodes(tmp_path / "lockstep")
     assert len({ok for ok, *_ in episodes(tmp_path / "auto").values()}) == 2   # successes and failures both

@@ -9,8 +9,8 @@
 - auto:      asynchronous flow. Each env that finishes its chunk joins the next request batch without waiting for a
              group; several requests in flight; the batch size and in-flight depth are chosen from measured
              simulation and inference times (see RequestPlanner.plan). Where the server merges concurrent requests,
-             that plan is measured against sending whatever waits at once, and the faster kept
-             (eval/shape_probe.py).
+             that plan is measured against sending whatever waits at once and against lockstep, and the fastest
+             kept (eval/shape_probe.py).
 
 Common to all: each env takes its next episode as soon as its current one ends (one of the same task while any is
 queued, so the scene stays loaded; envs spread over the tasks and switch scenes only where it pays: eval/affinity.py);
@@ -37,7 +37,7 @@ from wamkit.core.types import ChunkResult, Observation
 from wamkit.eval.affinity import TaskAffinity
 from wamkit.eval.inference import Inference
 from wamkit.eval.plan import Episode, step_seed
-from wamkit.eval.shape_probe import GREEDY, PLAN, ShapeProbe
+from wamkit.eval.shape_probe import GREEDY, LOCKSTEP, PLAN, ShapeProbe
 from wamkit.eval.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class SchedulerOptions:
     pipelines: int = 1
     depth: int = 0
     max_request_size: int = 0
-    probe: bool = True          # auto: measure the model's plan against sending at once (eval/shape_probe.py)
+    probe: bool = True          # auto: measure the model's plan against other shapes (eval/shape_probe.py)
     group_by_task: bool = False
     run_to_max_steps: bool = False
     render_every_step: bool = False
@@ -408,7 +408,8 @@ class RequestPlanner:
     @property
     def shape(self) -> str:
         """plan: the cost model's (batch, depth) and straggler rule; greedy: whatever waits goes at once, as one
-        request, with as many in flight as there are envs (a batching server merges them)."""
+        request, with as many in flight as there are envs (a batching server merges them); lockstep: one request of
+        every env's observation once no env could still join (B = envs, P = 1)."""
         return self.probe.current if self.probe is not None else PLAN
 
     # -- measurements -> plan
@@ -502,6 +503,10 @@ class RequestPlanner:
             while self.pending and self.in_flight < max(1, self.s.active_envs):
                 self._dispatch(self.cap)
             return
+        if self.shape == LOCKSTEP:
+            while self.pending and self._joinable() <= 0:
+                self._dispatch(self.cap)
+            return
         n, k = self.plan()
         while self.pending and self.in_flight < k:
             if len(self.pending) >= n or self._joinable() <= 0 or self._timed_out():
@@ -549,7 +554,7 @@ class RequestPlanner:
 
     def _fire(self) -> None:
         self._timer = None
-        if self.shape == GREEDY:
+        if self.shape in (GREEDY, LOCKSTEP):
             self.poke()
             return
         if self.pending and self.in_flight < self.plan()[1]:

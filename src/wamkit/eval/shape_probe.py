@@ -1,13 +1,15 @@
-"""auto's measured choice of request shape: the cost model's plan, or every waiting observation sent at once.
+"""auto's measured choice of request shape: the cost model's plan, every waiting observation sent at once, or
+every env's observation in one request.
 
 The RequestPlanner's cost model (scheduler.py) picks a batch size and a number of requests in flight from measured
 chunk and call times. It cannot see everything that decides the rate on a real machine: a server that merges
 concurrent requests into one batch (`wamkit serve`, SGLang), envs whose tasks simulate at different speeds (a cohort
 waits for its slowest member), a server process slowed by the simulators around it. On the H200 (docs/benchmarks.md
 2) the model's plan lost 14-17% to the row that sends every observation as soon as it is ready and lets the server
-batch, while on other regimes the model's plan is the better one. So auto measures: for a few env cycles each it
-runs both shapes, counts the observations answered per second, keeps the faster, and measures again when the
-number of active envs falls well below what it was (the tail of a run) or after a while.
+batch, while on other regimes the model's plan is the better one, and on one H200 the lockstep row (every env in one
+request, the reference's B = envs, P = 1) beat both by 8%. So auto measures: for a few env cycles each it runs the
+three shapes, counts the observations answered per second, keeps the fastest, and measures again when the number of
+active envs falls well below what it was (the tail of a run) or after a while.
 
 Pure bookkeeping: every method takes the time it is told (`now`, monotonic seconds), so the same code runs on the
 real clock and on the planner model's virtual one (bench/planner_sim.py)."""
@@ -16,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PLAN, GREEDY = "plan", "greedy"
-SHAPES = (PLAN, GREEDY)
+PLAN, GREEDY, LOCKSTEP = "plan", "greedy", "lockstep"
+SHAPES = (PLAN, GREEDY, LOCKSTEP)
 
 
 @dataclass
