@@ -94,8 +94,11 @@ fi
 
 if part eval; then
   for sc in ${EVALSCALES//,/ }; do
-    ENVS=${sc%x*}; EPS=${sc#*x}; TRIALS=$(( EPS / 4 ))
-    echo "=== eval: $EPS episodes, $ENVS envs (4 tasks x $TRIALS trials, max_steps=$EVAL_STEPS)"
+    # EVAL_NTASKS (default 4, at most 6: MetaWorld's default task list) x 50 init states cap the plan's episodes;
+    # 6 tasks let 16-env rows of 500-step episodes last ~30 s on the H200
+    NT=${EVAL_NTASKS:-4}; ENVS=${sc%x*}; EPS=${sc#*x}; TRIALS=$(( EPS / NT ))
+    TASKARG="tasks=$(seq -s, 0 $(( NT - 1 )))"
+    echo "=== eval: $EPS episodes, $ENVS envs ($NT tasks x $TRIALS trials, max_steps=$EVAL_STEPS)"
     ROWARG=(); [ -n "$EVAL_ROWS" ] && ROWARG=("rows=$EVAL_ROWS")
     if [ -z "$EVAL_ROWS" ]; then   # the (B, P) grid with B x P = envs (B = envs, 4, 1 at 16 envs), serial, auto
       if [ "$ENVS" -ge 16 ]; then ROWARG=("rows=single-batch;serial;B=16, P=1;B=4, P=4;B=1, P=16;auto")
@@ -107,7 +110,7 @@ if part eval; then
       TAG="${ENVS}x${EPS}"; [ "$R" -gt 1 ] && TAG="${TAG}_${R}servers"
       GPUS=$(seq -s, 0 $(( R - 1 )))
       timeout -k 10 $EVAL_T python3 -m wamkit.cli.main bench eval bench/device/eval_metaworld.yaml num_envs="$ENVS" \
-        trials="$TRIALS" max_steps="$EVAL_STEPS" out="/tmp/eval_$TAG" server.replicas="$R" server.gpus="$GPUS" \
+        "$TASKARG" trials="$TRIALS" max_steps="$EVAL_STEPS" out="/tmp/eval_$TAG" server.replicas="$R" server.gpus="$GPUS" \
         "${ROWARG[@]}" $EVAL_ARGS
       rc=$?
       cp "/tmp/eval_$TAG/bench_eval.json" "$OUT/eval_$TAG.json" 2>/dev/null \
