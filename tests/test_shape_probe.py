@@ -198,6 +198,7 @@ def test_a_real_auto_eval_probes_switches_and_gets_the_lockstep_rows_episodes(tm
     shape = s["scheduler"]["auto_shape"]
     assert shape["probed"] and set(shape["rounds"][0]["rates_obs_per_s"]) == {PLAN, GREEDY, LOCKSTEP}
     assert all(r > 0 for r in shape["rounds"][0]["rates_obs_per_s"].values())
+    assert 0 < shape["rounds"][0]["at_s"] < s["throughput"]["wall_s"]     # seconds into the run
     assert s["episodes"] == 6 and episodes(tmp_path / "auto") == episodes(tmp_path / "lockstep")
     assert len({ok for ok, *_ in episodes(tmp_path / "auto").values()}) == 2   # successes and failures both
     off = run_eval(cfg(tmp_path / "off", "mode=auto", "auto_probe=false"))["scheduler"]["auto_shape"]

@@ -594,5 +594,7 @@ class RequestPlanner:
             self.obs_in_flight -= len(take)
             self._slot_free_at = now = time.monotonic()
             if self.probe is not None:
-                self.probe.answered(now, len(take), self._cycle_s(), self.s.active_envs, self._remaining_s())
+                # the probe's clock: seconds since the run started (its rounds' at_s read as such in the summary)
+                self.probe.answered(now - self.s.started, len(take), self._cycle_s(), self.s.active_envs,
+                                    self._remaining_s())
             self.poke()

@@ -24,8 +24,8 @@ SHAPES = (PLAN, GREEDY, LOCKSTEP)
 
 @dataclass
 class ProbeRound:
-    """One measurement of every shape: when it ended, with how many active envs, each shape's observations
-    answered per second, and the shape kept."""
+    """One measurement of every shape: when it ended (the caller's clock: seconds since the run started), with how
+    many active envs, each shape's observations answered per second, and the shape kept."""
 
     at_s: float
     active: int
