@@ -33,3 +33,17 @@ def test_honest_bound_is_the_tightest_and_rows_are_measured_against_it():
     assert rows[0]["of_honest_bound"] == pytest.approx(3400.0 / loop["bound_env_steps_per_s"])
     assert rows[1]["of_contended_bound"] == pytest.approx(3100.0 / 4436.0)
     assert rows[1]["of_loop_bound"] == rows[1]["of_honest_bound"]
+
+
+def test_the_inference_bound_is_measured_at_every_envs_observation_at_once():
+    """Not at auto's mean request size: sending at once, auto's requests average ~1 observation while the server
+    merges them; the bound's batch is num_envs, capped by the request cap."""
+    from wamkit.core.config import load_config
+    from wamkit.eval.bench import bound_batch
+    from wamkit.eval.config import EvalConfig
+
+    cfg = load_config(EvalConfig, None, ["env=metaworld", "inference=server"])
+    assert bound_batch(cfg, 16) == 16 and bound_batch(cfg, 1) == 1
+    assert bound_batch(cfg, 128) == cfg.server.max_batch_size == 64
+    capped = load_config(EvalConfig, None, ["env=metaworld", "max_request_size=8"])
+    assert bound_batch(capped, 16) == 8

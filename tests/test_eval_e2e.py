@@ -319,6 +319,7 @@ def test_bench_eval_rounds_and_contended_bound(mw_serial, tmp_path):
         assert r["of_contended_bound"] > 0 and r["scene_loads"] >= 0
     c = rep["bound"]["contended"]
     assert c["sim_env_steps_per_s"] > 0 and c["inference_obs_per_s"] > 0
+    assert rep["bound"]["inference_batch"] == c["inference_batch"] == 2   # every env's observation at once
     assert c["bound_env_steps_per_s"] == min(c["sim_env_steps_per_s"], c["inference_obs_per_s"] * 4)
     assert "Contended" in markdown(rep) and "spread over 2 rounds" in markdown(rep)
     lp = rep["bound"]["loop"]           # the env-loop bound: measured chunk and call, 2 envs x horizon 4
