@@ -85,3 +85,20 @@ def test_sigterm_of_eval_exits_cleanly(tmp_path):
 
     for line in (out / "results.jsonl").read_text().splitlines():
         json.loads(line)
+
+
+def test_asyncio_s_report_of_the_unwinding_exception_is_dropped_and_nothing_else():
+    """The 'Task exception was never retrieved' record asyncio writes for a main task that ended holding Terminated
+    (SIGTERM landed while it ran) is dropped; any other exception's record is kept."""
+    import logging
+
+    from wamkit.cli.main import Terminated, drop_terminated
+
+    def record(exc):
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "Task exception was never retrieved", None,
+                                 (type(exc), exc, None))
+
+    assert drop_terminated(record(Terminated())) is False
+    assert drop_terminated(record(RuntimeError("real"))) is True
+    assert drop_terminated(record(KeyboardInterrupt())) is True
+    assert drop_terminated(logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "no exception", None, None))

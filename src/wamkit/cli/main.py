@@ -37,12 +37,23 @@ def _on_sigterm(signum, frame) -> None:
     raise Terminated()
 
 
+def drop_terminated(record) -> bool:
+    """Logging filter: False for a record that carries Terminated. When SIGTERM lands while asyncio.run's main task
+    is itself running, the task ends holding the exception that unwinds the run, and asyncio logs it as 'Task
+    exception was never retrieved' (with a traceback) once the task is collected, after the one-line exit message:
+    the unwinding is the intended exit, not an error."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not isinstance(exc, Terminated)
+
+
 def _unwind_on_sigterm() -> None:
+    import logging
     import signal
     import threading
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
+        logging.getLogger("asyncio").addFilter(drop_terminated)
 
 
 def usage() -> str:

@@ -403,7 +403,7 @@ class RequestPlanner:
         # a fixed depth is the user's plan: nothing to measure it against
         # (and sending at once only pays where the server merges what arrives together)
         merges = bool(getattr(self.inf, "merges_requests", False))
-        self.probe = ShapeProbe() if sched.opts.probe and self.fixed_depth == 0 and merges else None
+        self.probe = ShapeProbe() if merges and self.fixed_depth == 0 and sched.opts.probe else None
 
     @property
     def shape(self) -> str:
