@@ -348,7 +348,7 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
                                    run_to_max_steps=True, **common)))
     if not rows:
         configs = [c for c in configs if c[0] != "auto-plan"]
-    if rows:
+    else:
         unknown = [x for x in rows if x not in {c[0] for c in configs}]
         if unknown:
             raise ConfigError(f"rows: unknown row(s) {unknown}; rows of this plan: {'; '.join(c[0] for c in configs)}")

@@ -452,8 +452,7 @@ class RequestPlanner:
             return self.cap, math.ceil(a_envs / self.cap)
         best = min(c for c, _, _ in options)
         ties = [o for o in options if o[0] <= best * (1 + self.TIE)]
-        lat = self.inf.latencies[-100:]
-        call = statistics.median(t for _, t in lat) if lat else a + b
+        call = self._median_call(100, default=a + b)
         cheap = bool(self.s.sim_samples) and s0 > self.CHEAP_CALL * call   # measured chunks only (see CHEAP_CALL)
         _, n, k = (max if cheap else min)(ties, key=lambda o: o[2])
         return n, k
@@ -480,12 +479,15 @@ class RequestPlanner:
             return {"shape": PLAN, "probed": False, "why": why, "rounds": []}
         return {"shape": self.probe.current, "probed": bool(self.probe.rounds), "rounds": self.probe.summary()}
 
+    def _median_call(self, last: int, default: float) -> float:
+        """The median seconds of the last `last` calls (default before any)."""
+        lat = self.inf.latencies[-last:]
+        return statistics.median(t for _, t in lat) if lat else default
+
     def _cycle_s(self) -> float:
         """One env's cycle now: its chunk (at the current concurrency) plus a call."""
-        lat = self.inf.latencies[-50:]
-        call = statistics.median(t for _, t in lat) if lat else 0.0
         c = max(1, self.s.opts.cores)
-        return self._sim_cost() * max(1.0, self.s.active_envs / c) + call
+        return self._sim_cost() * max(1.0, self.s.active_envs / c) + self._median_call(50, default=0.0)
 
     def _remaining_s(self) -> float | None:
         """The run's rest: episodes queued or under way x the mean episode's wall time / active envs. Before any

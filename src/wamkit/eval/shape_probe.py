@@ -73,16 +73,14 @@ class ShapeProbe:
     def probing(self) -> bool:
         return bool(self._order)
 
-    def answered(self, now: float, n: int, cycle_s: float, active: int, remaining_s: float | None) -> bool:
+    def answered(self, now: float, n: int, cycle_s: float, active: int, remaining_s: float | None) -> None:
         """Record `n` observations answered at `now` (env cycle ~cycle_s, `active` envs, the run's rest predicted
-        to take remaining_s, None: not known yet); True when the shape to use changed (the caller re-plans)."""
+        to take remaining_s, None: not known yet); `current` may change (the caller re-plans after every answer)."""
         self._answered += n
-        before = self.current
         if self.probing:
             self._measure(now, n, cycle_s, active)
         elif self._due(now, active) and self._affordable(cycle_s, remaining_s):
             self._start_round(now, cycle_s, active)
-        return self.current != before
 
     def _affordable(self, cycle_s: float, remaining_s: float | None) -> bool:
         """A short run (or its last stretch) cannot pay back a round: each shape's settle + window cycles."""
