@@ -323,3 +323,52 @@ def test_gemm_triton_predict_matches_cublas():
     assert len(calls) == 2 * 4 * 4          # steps x blocks x (qkv, o, gate_up, down)
     assert sum(calls) == 2 * 4              # down: SwiGLU + down projection + gated residual in one kernel
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _training_call(pol, n=4, seed=0):
+    """A training forward's arguments: model inputs of n prompts of different lengths, actions, noise, t."""
+    inp = _inputs(pol, n, seed)
+    g = torch.Generator().manual_seed(seed)
+    actions = torch.randn(n, pol.horizon, pol.model_action_dim, generator=g)
+    return dict(inp, actions=actions, action_mask=torch.ones(n, pol.horizon, dtype=torch.bool),
+                noise=torch.randn(actions.shape, generator=g), t=torch.rand(n, generator=g))
+
+
+def test_static_training_prefix_matches_transformers_forward():
+    """The training forward's static prefix (model.encode_prefix_static: vision geometry cached, image and DeepStack
+    features placed by index) gives transformers' loss and the same gradients for every parameter, the
+    understanding tower's included, as the forward through transformers' Qwen3VLModel."""
+    pol = make_policy("wam-ref", size="tiny", max_text_len=20, state_dim=8)
+    pol.apply_trainable_patterns(["*"])
+    m = pol.module
+    assert m.image_slots == pol.inputs.image_slots
+    call = _training_call(pol)
+    assert call["attention_mask"].sum(1).unique().numel() > 1    # padded prompts of different lengths
+    out = {}
+    for static in (False, True):
+        m.zero_grad(set_to_none=True)
+        loss = m(**call, static_prefix=static).mean()
+        loss.backward()
+        out[static] = loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    (ref, gref), (got, ggot) = out[False], out[True]
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    assert set(ggot) == set(gref) and any(n.startswith("und.visual.") for n in gref)
+    for n in gref:
+        torch.testing.assert_close(ggot[n], gref[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_static_training_prefix_is_one_graph_with_no_host_reads():
+    """What the training step needs to keep the host ahead of the GPU: the static prefix's forward reads no device
+    data on the host (.tolist, .item, boolean masks, nonzero: each a graph break), so torch.compile captures the
+    whole training forward as one graph (transformers' forward: 29 graph breaks here and on the H200, session 9)."""
+    pol = make_policy("wam-ref", size="tiny", max_text_len=20, state_dim=8)
+    pol.apply_trainable_patterns(["*"])
+    m = pol.module
+    call = _training_call(pol)
+    m.static_vision_kwargs(call["input_ids"].shape[0], call["input_ids"].device)   # what sft_loss does first
+    torch._dynamo.reset()
+    try:
+        ex = torch._dynamo.explain(m)(**call, static_prefix=True)
+    finally:
+        torch._dynamo.reset()
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), [r.reason.splitlines()[0] for r in ex.break_reasons]

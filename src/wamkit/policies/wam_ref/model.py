@@ -328,6 +328,46 @@ class WamRefModel(nn.Module):
         super().__init__()
         self.und = und      # transformers Qwen3VLModel
         self.gen = gen
+        self.image_slots: list[tuple[int, int]] | None = None   # set_static_layout
+        self._geometry: dict[tuple, dict] = {}
+        self._slot_index: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ the static prompt layout (training)
+    def set_static_layout(self, image_slots: list[tuple[int, int]]) -> bool:
+        """Every prompt holds its image tokens at `image_slots` ((start, length) per camera, all lengths equal): then
+        the training forward runs the understanding tower without host synchronisation (`encode_prefix_static`).
+        False (and the transformers forward stays) when this transformers' text model has no DeepStack hook."""
+        lm = self.und.language_model
+        if not callable(getattr(type(lm), "_deepstack_process", None)) or len({n for _, n in image_slots}) != 1:
+            return False
+        self.image_slots = [(int(a), int(n)) for a, n in image_slots]
+        lm._deepstack_process = _deepstack_process.__get__(lm)   # this instance only
+        return True
+
+    def slot_index(self, device) -> torch.Tensor:
+        """The prompt positions of the image tokens (camera after camera), a long tensor on `device` (cached)."""
+        key = str(device)
+        idx = self._slot_index.get(key)
+        if idx is None:
+            idx = torch.cat([torch.arange(a, a + n) for a, n in self.image_slots]).to(device)
+            self._slot_index[key] = idx
+        return idx
+
+    def vision_geometry(self, n_images: int, grid: tuple[int, int, int], device) -> dict:
+        """The vision tower's precomputed kwargs for n_images images of grid (t, h, w) patches (cached per count):
+        host work done once instead of per call (see `vision_geometry`)."""
+        key = (int(n_images), tuple(grid), str(device))
+        geo = self._geometry.get(key)
+        if geo is None:
+            geo = self._geometry[key] = vision_geometry(self.und.visual, n_images, grid, device)
+        return geo
+
+    def static_vision_kwargs(self, batch_size: int, device) -> dict:
+        """`vision_geometry` for a batch of `batch_size` prompts in the static layout (square images)."""
+        merge = self.und.visual.config.spatial_merge_size
+        tokens = self.image_slots[0][1]
+        side = int(round((tokens * merge * merge) ** 0.5))
+        return self.vision_geometry(batch_size * len(self.image_slots), (1, side, side), device)
 
     def _und_trainable(self) -> bool:
         return any(p.requires_grad for p in self.und.parameters())
@@ -347,28 +387,47 @@ class WamRefModel(nn.Module):
             out = self.und(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                            mm_token_type_ids=mm_token_type_ids, use_cache=True)
-        # transformers >= 5.2x names the cache `cache`; earlier 5.x releases (e.g. 5.17 on the GPU image) name it
-        # `past_key_values`, and older Cache classes keep key_cache/value_cache lists instead of `layers`
-        cache = getattr(out, "cache", None)
-        if cache is None:
-            cache = out.past_key_values
-        if hasattr(cache, "layers"):
-            keys = [layer.keys for layer in cache.layers]
-            values = [layer.values for layer in cache.layers]
-        else:
-            keys, values = list(cache.key_cache), list(cache.value_cache)
-        valid = attention_mask.bool()
-        next_pos = position_ids.masked_fill(~valid[None], -1).amax(dim=(0, 2)) + 1
-        return Prefix(keys=keys, values=values, key_mask=valid, next_pos=next_pos)
+        return _prefix_from(out, attention_mask, position_ids)
 
     def velocity(self, prefix: Prefix, x_t, t, state=None):
         return self.gen(prefix, x_t, t, state)
 
+    def encode_prefix_static(self, input_ids, attention_mask, pixel_values, position_ids) -> Prefix:
+        """`encode_prefix` for prompts in the static layout (`set_static_layout`), with the same arithmetic and no
+        host synchronisation, so that it runs (and back-propagates) without stalling the host on the GPU:
+        transformers' forward reads the image count back (`tolist` of the grid, the placeholder-mask check),
+        computes the vision geometry on every call and places image and DeepStack features through boolean masks
+        (nonzero); here the geometry is computed once per batch size (`static_vision_kwargs`, cached: call it
+        before a compiled forward so that the trace finds it) and the features go to the fixed slots by index. The
+        decoder layers run through transformers' text model as they are (FSDP's per-layer hooks fire; its cache
+        holds the K/V). The geometry is looked up here rather than passed in: FSDP's root would cast its float
+        interpolation weights to the parameters' dtype."""
+        grad = torch.is_grad_enabled() and self._und_trainable()
+        with torch.set_grad_enabled(grad):
+            vis = self.und.visual
+            b = input_ids.shape[0]
+            vision_kwargs = self.static_vision_kwargs(b, input_ids.device)
+            idx = self.slot_index(input_ids.device)
+            out = vis(pixel_values.to(vis.dtype), grid_thw=vision_kwargs["grid_thw"],
+                      **{k: v for k, v in vision_kwargs.items() if k != "grid_thw"})
+            lm = self.und.language_model
+            h = lm.embed_tokens(input_ids)
+            h = h.index_copy(1, idx, out.pooler_output.view(b, idx.numel(), -1).to(h.dtype))
+            deep = [f.view(b, idx.numel(), -1) for f in out.deepstack_features]
+            out = lm(inputs_embeds=h, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                     visual_pos_masks=idx, deepstack_visual_embeds=deep)
+        return _prefix_from(out, attention_mask, position_ids)
+
     def forward(self, input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw, actions,
-                action_mask, noise, t, state=None, position_ids=None):
-        """Per-sample flow-matching loss (B,) (masked mean over valid timesteps and channels)."""
-        prefix = self.encode_prefix(input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw,
-                                    position_ids)
+                action_mask, noise, t, state=None, position_ids=None, static_prefix: bool = False):
+        """Per-sample flow-matching loss (B,) (masked mean over valid timesteps and channels). static_prefix: the
+        prompts are in the static layout (set_static_layout) and the prefix is computed without host syncs
+        (`encode_prefix_static`); else through transformers' forward."""
+        if static_prefix and self.image_slots is not None and position_ids is not None:
+            prefix = self.encode_prefix_static(input_ids, attention_mask, pixel_values, position_ids)
+        else:
+            prefix = self.encode_prefix(input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw,
+                                        position_ids)
         tt = t.to(actions.dtype)[:, None, None]
         x_t = (1 - tt) * noise + tt * actions
         target = actions - noise
@@ -376,6 +435,53 @@ class WamRefModel(nn.Module):
         err = (v - target.float()).pow(2).mean(-1)  # (B, H)
         m = action_mask.float()
         return (err * m).sum(-1) / m.sum(-1).clamp_min(1.0)
+
+
+def _prefix_from(out, attention_mask, position_ids) -> Prefix:
+    """The Prefix of a transformers forward with use_cache=True: its cache's per-layer K/V."""
+    # transformers >= 5.2x names the cache `cache`; earlier 5.x releases (e.g. 5.17 on the GPU image) name it
+    # `past_key_values`, and older Cache classes keep key_cache/value_cache lists instead of `layers`
+    cache = getattr(out, "cache", None)
+    if cache is None:
+        cache = out.past_key_values
+    if hasattr(cache, "layers"):
+        keys = [layer.keys for layer in cache.layers]
+        values = [layer.values for layer in cache.layers]
+    else:
+        keys, values = list(cache.key_cache), list(cache.value_cache)
+    valid = attention_mask.bool()
+    next_pos = position_ids.masked_fill(~valid[None], -1).amax(dim=(0, 2)) + 1
+    return Prefix(keys=keys, values=values, key_mask=valid, next_pos=next_pos)
+
+
+def _deepstack_process(self, hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor,
+                       visual_embeds: torch.Tensor) -> torch.Tensor:
+    """transformers' Qwen3-VL DeepStack step (add visual features to the image tokens' hidden states), installed on
+    a text model by WamRefModel.set_static_layout: a boolean mask goes through transformers' own method; a long
+    tensor of prompt positions (shared by every prompt; visual_embeds (B, positions, hidden)) adds by index, with no
+    host sync (a boolean mask costs a nonzero per layer, forward and backward)."""
+    if visual_pos_masks.dtype == torch.bool:
+        return type(self)._deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds)
+    return hidden_states.index_add(1, visual_pos_masks, visual_embeds.to(hidden_states.dtype))
+
+
+def vision_geometry(visual, n_images: int, grid: tuple[int, int, int], device) -> dict:
+    """The vision tower's precomputed kwargs for n_images images of grid (t, h, w) patches: patch position ids,
+    position-embedding interpolation taps and attention boundaries depend only on the image count when all images
+    share one size; transformers computes them per call, with host syncs, unless they are passed in
+    (`transformers.vision_utils` hooks). cu_seqlens stays on the host: only its length and the Python-int max_seqlen
+    are read."""
+    from transformers import vision_utils as vu
+
+    thw = torch.tensor([list(grid)] * n_images, dtype=torch.long)
+    idx, w = vu.get_vision_interpolation_indices_and_weights(
+        thw.to(device), num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
+    return {"interp_indices": idx, "interp_weights": w,
+            "position_ids": vu.get_vision_position_ids(thw.to(device), visual.spatial_merge_size),
+            "cu_seqlens": vu.get_vision_cu_seqlens(thw),          # host tensor: read for its length only
+            "max_seqlen": int(grid[0] * grid[1] * grid[2]),
+            "grid_thw": thw}                                       # host tensor: its values are never read
 
 
 VISION_ATTENTION = "wamkit_flash_equal_length"  # "flash" in the name routes transformers to its packed-sequence call

@@ -79,6 +79,7 @@ class WamRefPolicy(WamRefTraining, Policy):
         self.gen_hidden, self.gen_ffn = generation_width(cfg, qcfg.text_config)
         self.model = build_model(cfg, towers, self.model_action_dim, self.placement.device)
         self.inputs.rope_index = self.model.und.get_rope_index
+        self.model.set_static_layout(self.inputs.image_slots)   # training's prefix without host syncs
         self.apply_trainable_patterns()
         self.batched_vision_attention = cfg.batched_vision_attention and batch_vision_attention(self.model)
         if cfg.und_path is None and self.device.type not in ("cpu", "meta"):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from wamkit.policies.wam_ref.fused import FusedWeights, TextLayerWeights
-from wamkit.policies.wam_ref.model import Prefix
+from wamkit.policies.wam_ref.model import Prefix, vision_geometry
 
 
 class PrefixPass:
@@ -39,23 +39,12 @@ class PrefixPass:
 
     # ------------------------------------------------------------------ vision geometry (host work, once per count)
     def geometry(self, n_images: int, grid: tuple[int, int, int], device: torch.device) -> dict:
-        """The vision tower's precomputed kwargs for n_images images of grid (t, h, w) patches."""
+        """The vision tower's precomputed kwargs for n_images images of grid (t, h, w) patches (model.vision_geometry,
+        cached per count)."""
         key = (n_images, grid, str(device))
         geo = self._geometry.get(key)
         if geo is None:
-            from transformers import vision_utils as vu
-
-            vis = self.model.und.visual
-            thw = torch.tensor([list(grid)] * n_images, dtype=torch.long)
-            idx, w = vu.get_vision_interpolation_indices_and_weights(
-                thw.to(device), num_grid_per_side=vis.num_grid_per_side, mode=vis.interpolation_mode,
-                align_corners=vis.interpolation_align_corners, spatial_merge_size=vis.config.spatial_merge_size)
-            geo = {"interp_indices": idx, "interp_weights": w,
-                   "position_ids": vu.get_vision_position_ids(thw.to(device), vis.spatial_merge_size),
-                   "cu_seqlens": vu.get_vision_cu_seqlens(thw),          # host tensor: read for its length only
-                   "max_seqlen": int(grid[0] * grid[1] * grid[2]),
-                   "grid_thw": thw}                                       # host tensor: its values are never read
-            self._geometry[key] = geo
+            geo = self._geometry[key] = vision_geometry(self.model.und.visual, n_images, grid, device)
         return geo
 
     # ------------------------------------------------------------------ the pass

@@ -94,7 +94,12 @@ class WamRefTraining:
         b = actions.shape[0]
         noise = torch.randn(actions.shape, device=self.device)
         t = torch.sigmoid(torch.randn((b,), device=self.device))   # logit-normal(0, 1)
-        per_sample = self.model(**inputs, actions=actions, action_mask=mask, noise=noise, t=t)
+        # prompts in the static layout: the prefix without host syncs (model.encode_prefix_static), its vision
+        # geometry computed here first (once per batch size, host work) so that a compiled forward finds it cached
+        static = self.model.image_slots is not None
+        if static:
+            self.model.static_vision_kwargs(b, inputs["input_ids"].device)
+        per_sample = self.model(**inputs, actions=actions, action_mask=mask, noise=noise, t=t, static_prefix=static)
         loss = per_sample.mean()
         # 0-d tensors, not floats: reading them here would stop the host after the forward every step (the trainer
         # sums tensor metrics on the device and reads them once per log window)
