@@ -47,3 +47,30 @@ def test_the_inference_bound_is_measured_at_every_envs_observation_at_once():
     assert bound_batch(cfg, 128) == cfg.server.max_batch_size == 64
     capped = load_config(EvalConfig, None, ["env=metaworld", "max_request_size=8"])
     assert bound_batch(capped, 16) == 8
+
+
+def test_the_tables_show_rows_against_the_honest_bound_when_measured():
+    """The printed and markdown tables' bound column is the honest bound where the run measured it (the separate-
+    stage bound overstates a row's ceiling: on the H200 it read 0.40 for a row at 0.70 of the honest one)."""
+    from rich.console import Console
+
+    from wamkit.eval.bench import markdown, table
+
+    loop = loop_bound(16, 16, 6400.0, 16, 0.035)          # 3413.3: the tightest
+    rows = [{"row": "B=1, P=16", "env_steps_per_s": 3072.0, "episodes_per_hour": 1.0, "episodes": 4,
+             "inference_obs_per_s": 192.0, "mean_batch": 1.0}]
+    add_ratios(rows, 8000.0, {"bound_env_steps_per_s": 4436.0}, loop)
+    report = {"rows": rows, "rounds": 1, "plan": {"num_envs": 16},
+              "bound": {"bound_env_steps_per_s": 8000.0, "sim_env_steps_per_s": 8000.0, "inference_obs_per_s": 900.0,
+                        "inference_batch": 16, "horizon": 16, "contended": None, "loop": loop,
+                        "honest_env_steps_per_s": loop["bound_env_steps_per_s"]}}
+    want = f"{3072.0 / loop['bound_env_steps_per_s']:.2f}"           # 0.90, not 3072 / 8000 = 0.38
+    md = markdown(report)
+    assert "| of honest bound |" in md.splitlines()[0] and f"| {want} |" in md.splitlines()[2]
+    con = Console(width=200, record=True)
+    con.print(table(report))
+    text = con.export_text()
+    assert "of honest bound" in text and want in text and "0.38" not in text
+    # a run without the loop bound (reports written before it existed) keeps the stage bound
+    del rows[0]["of_honest_bound"]
+    assert "| of bound |" in markdown(dict(report, bound=dict(report["bound"], loop=None))).splitlines()[0]
