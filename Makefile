@@ -70,7 +70,7 @@ demo: setup
 	$(BIN)/python -m wamkit.cli.main demo out=runs/demo
 
 test: setup sglang-env triton-interp
-	$(BIN)/python -m pytest -q -rs tests
+	$(BIN)/python -m pytest -q -rs --durations=25 tests
 
 test-fast: setup sglang-env triton-interp
 	$(BIN)/python -m pytest -q -rs -m "not slow" tests
