@@ -222,3 +222,27 @@ def test_the_rest_of_the_run_is_bounded_before_any_episode_ends_and_estimated_af
     assert planner._remaining_s() == pytest.approx((40 + 4) * 3.0 / 4)
     sched.active_envs = 0
     assert planner._remaining_s() is None
+
+
+def test_the_planners_estimates_are_computed_only_when_a_round_needs_them():
+    """Given as functions, the env cycle and the run's rest are read when a round starts or switches shape, not on
+    every answer (each costs medians over the planner's samples, on the event loop that moves the requests); the
+    same stream given as functions and as figures gives the same rounds."""
+    calls = {"cycle": 0, "remaining": 0}
+
+    def cycle():
+        calls["cycle"] += 1
+        return 0.05
+
+    def remaining():
+        calls["remaining"] += 1
+        return 100.0
+
+    stream = {PLAN: steady(100.0), GREEDY: steady(150.0)}
+    lazy, eager = ShapeProbe((PLAN, GREEDY)), ShapeProbe((PLAN, GREEDY))
+    drive(lazy, stream, until=3.0, cycle=cycle, remaining=remaining)
+    drive(eager, stream, until=3.0)
+    answers = int(3.0 * 150.0)
+    assert lazy.summary() == eager.summary() and len(lazy.rounds) == 1
+    # one read to start the round and one per switch; the rest predicted once: far fewer than the ~400 answers
+    assert calls == {"cycle": 2, "remaining": 1}, (calls, answers)

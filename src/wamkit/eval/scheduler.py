@@ -597,6 +597,7 @@ class RequestPlanner:
             self._slot_free_at = now = time.monotonic()
             if self.probe is not None:
                 # the probe's clock: seconds since the run started (its rounds' at_s read as such in the summary)
-                self.probe.answered(now - self.s.started, len(take), self._cycle_s(), self.s.active_envs,
-                                    self._remaining_s())
+                # (the estimates as functions: computed only when the probe needs them, not per answer)
+                self.probe.answered(now - self.s.started, len(take), self._cycle_s, self.s.active_envs,
+                                    self._remaining_s)
             self.poke()

@@ -17,9 +17,16 @@ real clock and on the planner model's virtual one (bench/planner_sim.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
 
 PLAN, GREEDY, LOCKSTEP = "plan", "greedy", "lockstep"
 SHAPES = (PLAN, GREEDY, LOCKSTEP)
+
+Cost = Union[float, None, Callable[[], Optional[float]]]   # a figure, or a function that computes it when asked
+
+
+def _value(x: Cost) -> float | None:
+    return x() if callable(x) else x
 
 
 @dataclass
@@ -73,14 +80,19 @@ class ShapeProbe:
     def probing(self) -> bool:
         return bool(self._order)
 
-    def answered(self, now: float, n: int, cycle_s: float, active: int, remaining_s: float | None) -> None:
+    def answered(self, now: float, n: int, cycle_s: Cost, active: int, remaining_s: Cost) -> None:
         """Record `n` observations answered at `now` (env cycle ~cycle_s, `active` envs, the run's rest predicted
-        to take remaining_s, None: not known yet); `current` may change (the caller re-plans after every answer)."""
+        to take remaining_s, None: not known yet); `current` may change (the caller re-plans after every answer).
+        cycle_s and remaining_s may be given as functions: they are read only when a round starts or switches
+        shape (the planner's estimates take medians over its samples: ~0.1-0.3 ms, at hundreds of answers per
+        second on the event loop that also moves the requests)."""
         self._answered += n
         if self.probing:
             self._measure(now, n, cycle_s, active)
-        elif self._due(now, active) and self._affordable(cycle_s, remaining_s):
-            self._start_round(now, cycle_s, active)
+        elif self._due(now, active):
+            cycle = _value(cycle_s)
+            if self._affordable(cycle, _value(remaining_s)):
+                self._start_round(now, cycle, active)
 
     def _affordable(self, cycle_s: float, remaining_s: float | None) -> bool:
         """A short run (or its last stretch) cannot pay back a round: each shape's settle + window cycles."""
@@ -110,7 +122,7 @@ class ShapeProbe:
         self._close_at = self._open_at + max(self.MIN_WINDOW_S, self.WINDOW_CYCLES * cycle_s)
         self._t0, self._count = None, 0
 
-    def _measure(self, now: float, n: int, cycle_s: float, active: int) -> None:
+    def _measure(self, now: float, n: int, cycle_s: Cost, active: int) -> None:
         if now < self._open_at:
             return
         if self._t0 is None:          # the first answer after the window opened: the clock starts here
@@ -126,7 +138,7 @@ class ShapeProbe:
         self._rates[self.current] = rate
         self._order.pop(0)
         if self._order:
-            self._begin(now, cycle_s)
+            self._begin(now, _value(cycle_s))
             return
         best = max(self._rates, key=lambda s: self._rates[s])
         self.rounds.append(ProbeRound(now, self._active0, dict(self._rates), best))
