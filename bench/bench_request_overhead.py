@@ -31,7 +31,8 @@ Columns (medians over every request of every round, ms):
 - predict: policy.predict inside the worker thread (compute - predict = the hop to the predict thread and back).
 
 --protocols (default http): the transports to compare, each through the client `wamkit eval` uses for it
-(ServerInference with server.protocol = wamkit for http, openpi, sglang-ws; the same server, which answers all three).
+(ServerInference with server.protocol = wamkit for http, openpi, sglang-ws; the same server, which answers all three;
+sglang-ws+shm: sglang-ws with server.shm_arrays, images and states by reference through shared memory).
 Every round starts one fresh server and runs every protocol on it, in turn (A/B/C, then C/B/A: this machine is
 noisy), each over every request size. Websocket rows have their own, shorter columns (the server probe times the
 HTTP route only):
@@ -41,7 +42,7 @@ HTTP route only):
   batcher ran the first arrivals before the rest came, one more compute in the round trip).
 - compute: the median `compute_ms` of the request's frames; overhead = rtt - compute (so a request split over 2
   batches shows ~one more compute as overhead).
-- c.enc: the codec's encode of every frame; c.dec: unpacking + decoding every reply.
+- c.enc: the codec's encode of every frame (with +shm: the copy into the shared-memory slot); c.dec: unpacking + decoding every reply.
 With several protocols, a last table puts the overheads side by side, with each round's median (consistency).
 """
 
@@ -170,13 +171,19 @@ def install_client_probe(cur: dict) -> None:
     import wamkit.serve.ws_client as wc
     from wamkit.serve.ws_codec import CODECS
 
+    import wamkit.protocol.shm as shm
+
     for codec in CODECS.values():
-        codec.encode = timed("c_enc", codec.encode)
+        codec.body = timed("c_enc", codec.body)
         codec.decode = timed("c_dec", codec.decode)
+    wc.packb = timed("c_enc", wc.packb)                          # inline arrays
+    shm.ShmSlots.pack = timed("c_enc", shm.ShmSlots.pack)        # arrays into a shared-memory slot
     wc.unpackb = timed("c_dec", wc.unpackb)
 
 
-WIRE = {"http": "wamkit", "openpi": "openpi", "sglang-ws": "sglang-ws"}   # --protocols -> server.protocol
+# --protocols -> (server.protocol, server.shm_arrays): "+shm" sends the arrays through shared memory
+WIRE = {"http": ("wamkit", False), "openpi": ("openpi", False), "sglang-ws": ("sglang-ws", False),
+        "sglang-ws+shm": ("sglang-ws", True)}
 
 
 async def drive(worker, batches: list[int], requests: int, warmup: int, cur: dict, probe_path: Path,
@@ -185,7 +192,8 @@ async def drive(worker, batches: list[int], requests: int, warmup: int, cur: dic
     from wamkit.eval.inference import ServerInference
 
     inf = ServerInference(policy="fixed-cost", policy_args=POLICY_ARGS,
-                          options=ServerOptions(**SERVER, protocol=WIRE[protocol]), workers=[worker])
+                          options=ServerOptions(**SERVER, protocol=WIRE[protocol][0], shm_arrays=WIRE[protocol][1]),
+                          workers=[worker])
     await inf.start()
     obs = [make_obs(i) for i in range(16)]
     step = 0
@@ -309,8 +317,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all request sizes, each on a fresh server")
     ap.add_argument("--batches", default="1,4,8,16")
-    ap.add_argument("--protocols", default="http", help="comma-separated, of http, openpi, sglang-ws: each through "
-                    "the client `wamkit eval` uses for it, on the same server, interleaved within every round")
+    ap.add_argument("--protocols", default="http", help="comma-separated, of http, openpi, sglang-ws, sglang-ws+shm: "
+                    "each through the client `wamkit eval` uses for it, on the same server, interleaved within every "
+                    "round")
     ap.add_argument("--label", default="", help="a name for this run in the results file (e.g. before, after)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "request_overhead.md"))
     args = ap.parse_args()
@@ -339,7 +348,7 @@ def main() -> int:
         fd, probe = tempfile.mkstemp(prefix="wamkit-probe-", suffix=".jsonl")
         os.close(fd)
         # started as `wamkit eval` starts its servers (ServerOptions' defaults, e.g. its batching keys)
-        opts = ServerOptions(**SERVER, serve_args={"log_every_s": 0})
+        opts = ServerOptions(**SERVER, serve_args={"log_every_s": 0}, shm_arrays=True)   # offered; used by +shm
         [w] = start_server_workers("fixed-cost", POLICY_ARGS, opts,
                                    lambda **kw: ProbeWorker(env={PROBE_ENV: probe}, **kw))
         try:

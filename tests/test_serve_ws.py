@@ -374,6 +374,8 @@ def test_eval_default_protocol_on_a_local_server_is_the_websocket_and_matches_ht
     s = run_eval(mw_cfg(tmp_path / "auto"))
     assert LOCAL_SERVE_PROTOCOL == "sglang-ws" and s["scheduler"]["server_protocol"] == "sglang-ws"
     assert s["config"]["server"]["protocol"] == "auto"
+    # the arrays went through shared memory (server.shm_arrays, on by default for the servers eval starts)
+    assert s["config"]["server"]["shm_arrays"] is True and s["scheduler"]["server_shm_arrays"] is True
     assert s["episodes"] == 4 and episodes(tmp_path / "auto") == mw_http
 
 
@@ -383,8 +385,9 @@ def test_eval_openpi_protocol_on_a_local_server_matches_http(mw_http, tmp_path):
     """server.protocol=openpi with the local `wamkit serve` eval starts: per-episode results equal the HTTP path's."""
     from wamkit.eval.runner import run_eval
 
-    s = run_eval(mw_cfg(tmp_path / "ws", "server.protocol=openpi"))
+    s = run_eval(mw_cfg(tmp_path / "ws", "server.protocol=openpi", "server.shm_arrays=false"))
     assert s["episodes"] == 4 and episodes(tmp_path / "ws") == mw_http
+    assert s["scheduler"]["server_shm_arrays"] is False   # arrays inline in the frames
     assert len({ok for ok, *_ in mw_http.values()}) == 2     # a mix of successes and failures: a real comparison
 
 

@@ -47,6 +47,8 @@ class ServerOptions:
     replicas: int = 1             # local servers to start (e.g. one per GPU); requests go to the least loaded one
     gpus: list[int] | None = None  # replica i sees only GPU gpus[i % len(gpus)] (CUDA_VISIBLE_DEVICES); None: all
     serve_args: dict[str, Any] = field(default_factory=dict)  # more `wamkit serve` keys, e.g. {torch_threads: 8}
+    shm_arrays: bool = True       # the `wamkit serve` started here takes images and states through shared memory
+                                  # (websocket protocols; wamkit.protocol.shm): no msgpack/socket copy of the arrays
 
 
 

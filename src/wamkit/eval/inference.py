@@ -166,8 +166,10 @@ class ServerInference(Inference):
         if self.protocol in ("openpi", "sglang-ws"):  # websocket: openpi's policy protocol / SGLang's realtime route
             from wamkit.serve.ws_client import WebsocketActionClient
 
+            # arrays through shared memory to a server started on this host (used when its metadata offers it)
+            shm = bool(getattr(self.options, "shm_arrays", False)) and worker is not None
             return WebsocketActionClient(url, protocol=self.protocol, action_horizon=self.policy_args.get("horizon"),
-                                         **kw)
+                                         shm_arrays=shm, **kw)
         raise UserError(f"server.protocol={self.protocol!r} is not supported; valid choices: wamkit, sglang, openpi, "
                         f"sglang-ws")
 
@@ -292,6 +294,8 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
                 extra = dict(getattr(options, "serve_args", None) or {})
                 if getattr(options, "idle_dispatch", False):
                     extra.setdefault("idle_dispatch", True)
+                if getattr(options, "shm_arrays", False):
+                    extra.setdefault("shm_arrays", True)
                 if extra:
                     kw["extra_args"] = extra
                 if env:

@@ -293,6 +293,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "scene_load_s": round(sched.affinity.load_seconds, 3),
                                 "setup_s": round(clock["setup_s"], 3),
                                 "server_protocol": getattr(inference, "protocol", None),
+                                "server_shm_arrays": any(getattr(c, "shm_used", False)
+                                                         for c in getattr(inference, "clients", []) or []),
                                 "server_restarts": getattr(inference, "restarts", 0),
                                 "server_requests": list(getattr(inference, "served", [])),
                                 "requests": inference.requests,

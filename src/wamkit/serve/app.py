@@ -39,6 +39,8 @@ from starlette.routing import Route
 from wamkit.policies.base import Policy
 from wamkit.protocol import ProtocolError, build_response, decode_body, encode_body, is_msgpack, parse_request
 from wamkit.protocol.messages import ActionRequest
+from wamkit.protocol.shm import ShmMaps
+from wamkit.protocol.shm import available as shm_available
 from wamkit.serve.batcher import DynamicBatcher, QueueFull
 from wamkit.serve.config import INSTANCE_ENV, ServeConfig
 from wamkit.serve.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics, wants_prometheus
@@ -72,6 +74,8 @@ class ActionServer:
         self.spec = policy.spec
         self.max_batch_size = served_max_batch_size(cfg, policy)
         self.max_body = int(cfg.max_body_mb * 1024 * 1024)
+        # shared-memory arrays (protocol/shm.py): a slot holds at most one frame's worth of arrays
+        self.shm = ShmMaps(self.max_body) if cfg.shm_arrays and shm_available() else None
         self.limits = cfg.decode_limits()
         self.instance_id = os.environ.get(INSTANCE_ENV) or None
         self.token = cfg.resolved_token()
@@ -209,7 +213,8 @@ class ActionServer:
             "capabilities": {"action_modes": ["policy"], "batch_inputs": True, "max_batch_size": self.max_batch_size,
                              "batched_action_modes": ["policy"], "multiple_candidates": False,
                              "realtime_websocket": True, "multiple_cameras": True, "state": True,
-                             "per_observation_seeds": True, "openpi_websocket": True, "msgpack": True},
+                             "per_observation_seeds": True, "openpi_websocket": True, "msgpack": True,
+                             "shm_arrays": self.shm is not None},
             "server": {"name": "wamkit", "max_wait_ms": self.cfg.max_wait_ms,
                        "max_wait_fraction": self.cfg.max_wait_fraction, "max_queue": self.cfg.max_queue,
                        "max_body_bytes": self.max_body, "auth": self.token is not None,

@@ -47,6 +47,9 @@ class ServeConfig:
     decode_threads: int = 2                 # threads decoding request bodies over 256 KB off the event loop (PNG
                                             # decoding runs in parallel; JSON/base64 parsing holds the GIL)
     max_queue: int = 1024                   # observations waiting; beyond that 503 + Retry-After
+    shm_arrays: bool = False                # websocket clients on this host may send arrays by reference into
+                                            # their shared-memory files (wamkit.protocol.shm; loopback connections
+                                            # only; `wamkit eval` turns it on for the servers it starts itself)
     max_body_mb: float = 64.0               # request body cap (413 beyond)
     token: str | None = None                # bearer token; None: env WAMKIT_TOKEN, else no auth
     log_every_s: float = 10.0               # one-line metrics summary to stderr (0: off)

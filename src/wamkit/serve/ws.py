@@ -35,6 +35,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from wamkit.protocol import ProtocolError, build_response, parse_request
 from wamkit.protocol.messages import ActionRequest
+from wamkit.protocol.shm import refuse as refuse_shm
 from wamkit.protocol.openpi import (bytes_keyed_marker, is_action_request, observation_from_openpi, packb,
                                     unpackb)
 from wamkit.serve.batcher import QueueFull
@@ -90,6 +91,10 @@ class _Connection:
     def __init__(self, srv: Any, ws: WebSocket, envelope: bool):
         self.srv, self.ws, self.envelope = srv, ws, envelope
         self.prev_total_ms: float | None = None
+        # arrays by reference (protocol/shm.py): a server that offers them, a client on this host
+        client = ws.client
+        local = client is not None and client.host in ("127.0.0.1", "::1")
+        self.shm = getattr(srv, "shm", None) if local else None
 
     async def run(self) -> None:
         srv = self.srv
@@ -160,6 +165,10 @@ class _Connection:
                 body = await asyncio.get_running_loop().run_in_executor(srv.decode_pool, unpackb, data)
             else:
                 body = unpackb(data)
+            if self.shm is not None:
+                body = self.shm.resolve(body)
+            else:
+                refuse_shm(body)
             ctrl = body.get("__ctrl__")
             if ctrl is not None:  # openpi's episode_start / episode_end notifications: nothing to do but acknowledge
                 return packb({"__ack__": ctrl if ctrl in ("episode_start", "episode_end") else "ignored"})

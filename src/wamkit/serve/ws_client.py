@@ -38,7 +38,8 @@ import numpy as np
 from wamkit.core.types import Observation
 from wamkit.protocol import ProtocolError
 from wamkit.protocol.client import RETRY_STATUS, ActionClientError, RetryingClient, checked_seeds, scatter_chunks
-from wamkit.protocol.openpi import unpackb
+from wamkit.protocol.openpi import packb, unpackb
+from wamkit.protocol.shm import available as shm_available
 from wamkit.serve.ws_codec import CODECS, DEFAULT_PATHS, PROTOCOLS, Refused, error_reply  # noqa: F401
 from wamkit.serve.ws_pool import ConnectionPool
 
@@ -62,7 +63,7 @@ class WebsocketActionClient(RetryingClient):
                  parameters: dict[str, Any] | None = None, send_seed: bool = True,
                  postprocess: Callable[[np.ndarray], np.ndarray] | None = None,
                  on_timing: Callable[[dict[str, Any]], None] | None = None, raw_action_dim: int | None = None,
-                 action_horizon: int | None = None, worker: Any = None):
+                 action_horizon: int | None = None, worker: Any = None, shm_arrays: bool = False):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
         if max_connections < 1:
@@ -81,6 +82,11 @@ class WebsocketActionClient(RetryingClient):
         self.postprocess, self.on_timing, self.raw_action_dim = postprocess, on_timing, raw_action_dim
         self.action_horizon = action_horizon      # keep the first H actions of longer chunks (openpi's replan_steps)
         self.worker = worker
+        # arrays by reference through shared memory (protocol/shm.py): asked for, a server on this host that offers
+        # them (its metadata: capabilities.shm_arrays)
+        self.shm_arrays = bool(shm_arrays) and urlsplit(self.url).hostname in ("127.0.0.1", "localhost", "::1")
+        self._slots = None
+        self.shm_used = False                     # whether this client sent its arrays through shared memory
         self.last_timings: list[dict[str, Any]] = []
         self._per_frame: int | None = None        # observations per frame
         self._restart_lock: asyncio.Lock | None = None
@@ -91,6 +97,9 @@ class WebsocketActionClient(RetryingClient):
         also from another event loop."""
         self._restart_lock = None
         await self.pool.close()
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
 
     async def __aenter__(self) -> "WebsocketActionClient":
         return self
@@ -176,7 +185,13 @@ class WebsocketActionClient(RetryingClient):
 
     async def max_request_size(self) -> int:
         if self._per_frame is None:
-            self._per_frame = self.codec.per_frame((await self.metadata()).get("capabilities") or {})
+            caps = (await self.metadata()).get("capabilities") or {}
+            self._per_frame = self.codec.per_frame(caps)
+            if self.shm_arrays and caps.get("shm_arrays") and shm_available():
+                from wamkit.protocol.shm import ShmSlots
+
+                self._slots = ShmSlots()
+                self.shm_used = True
         if not self._max_request:
             self._max_request = self._per_frame if self._per_frame > 1 else self.max_connections
         return int(self._max_request)
@@ -215,8 +230,19 @@ class WebsocketActionClient(RetryingClient):
 
     async def _send(self, obs: list[Observation], seeds: list[int], params: dict[str, Any], rad: int | None,
                     timings: list[dict[str, Any]]) -> np.ndarray:
-        frame, rid = self.codec.encode(obs, seeds, params, self.send_seed)
-        reply, attempts, nbytes, t_send, t_recv = await self._exchange(frame)
+        body, rid = self.codec.body(obs, seeds, params, self.send_seed)
+        slots = self._slots
+        if slots is None:
+            frame = packb(body)
+            reply, attempts, nbytes, t_send, t_recv = await self._exchange(frame)
+        else:   # the arrays into a shared-memory slot, kept until the reply is in (dropped if none comes)
+            frame, slot = slots.pack(body)
+            ok = False
+            try:
+                reply, attempts, nbytes, t_send, t_recv = await self._exchange(frame)
+                ok = True
+            finally:
+                slots.done(slot, ok)
         try:
             actions, server = self.codec.decode(reply, rad, len(obs))
         except ProtocolError as e:

@@ -55,10 +55,16 @@ class OpenpiCodec:
     def per_frame(self, capabilities: dict[str, Any]) -> int:
         return 1
 
+    def body(self, obs: Sequence[Observation], seeds: Sequence[int], params: dict[str, Any],
+             send_seed: bool) -> tuple[dict[str, Any], str]:
+        """(frame body, request id) for one observation (packb makes the frame)."""
+        return observation_to_openpi(obs[0], seeds[0] if send_seed else None), ""
+
     def encode(self, obs: Sequence[Observation], seeds: Sequence[int], params: dict[str, Any],
                send_seed: bool) -> tuple[bytes, str]:
         """(frame, request id) for one observation."""
-        return packb(observation_to_openpi(obs[0], seeds[0] if send_seed else None)), ""
+        body, rid = self.body(obs, seeds, params, send_seed)
+        return packb(body), rid
 
     def decode(self, reply: dict[str, Any], raw_action_dim: int | None, n: int) -> tuple[np.ndarray, dict[str, Any]]:
         """(actions (1, H, D), server timing); ProtocolError when the reply is malformed."""
@@ -74,10 +80,15 @@ class SglangWsCodec:
         batched = capabilities.get("batch_inputs") and capabilities.get("max_batch_size")
         return int(capabilities["max_batch_size"]) if batched else 1
 
+    def body(self, obs: Sequence[Observation], seeds: Sequence[int], params: dict[str, Any],
+             send_seed: bool) -> tuple[dict[str, Any], str]:
+        body = build_ws_request(obs, seeds, params)
+        return body, body["request_id"]
+
     def encode(self, obs: Sequence[Observation], seeds: Sequence[int], params: dict[str, Any],
                send_seed: bool) -> tuple[bytes, str]:
-        body = build_ws_request(obs, seeds, params)
-        return packb(body), body["request_id"]
+        body, rid = self.body(obs, seeds, params, send_seed)
+        return packb(body), rid
 
     def decode(self, reply: dict[str, Any], raw_action_dim: int | None, n: int) -> tuple[np.ndarray, dict[str, Any]]:
         resp = parse_response(reply, raw_action_dim=raw_action_dim, expect_n=n)

@@ -1,0 +1,193 @@
+"""Arrays by reference through shared memory (wamkit.protocol.shm): the client's slots and the server's checks, then
+a real `wamkit serve shm_arrays=true` answering wamkit's websocket client with the HTTP path's actions."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+
+import numpy as np
+import pytest
+
+from wamkit.core.types import Observation
+from wamkit.protocol import ProtocolError
+from wamkit.protocol.openpi import packb, unpackb
+from wamkit.protocol.shm import SHM_DIR, ShmMaps, ShmSlots, available, refuse
+
+pytestmark = pytest.mark.skipif(not available(), reason="needs a writable /dev/shm")
+
+ARGS = {"base_ms": 1, "per_obs_ms": 0, "action_dim": 4, "horizon": 8}   # fixed-cost: chunks seeded by the seed
+
+
+def _body(rng, n=3):
+    imgs = [{"image": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)} for _ in range(n)]
+    states = [rng.standard_normal(5).astype(np.float32) for _ in range(n)]
+    return {"input": {"images": imgs, "state": states, "task": "t"}, "parameters": {"seed": list(range(n))}}
+
+
+def test_slots_round_trip_into_the_servers_array_markers():
+    """The server's resolved frame holds ordinary array markers over the same bytes the client packed."""
+    rng = np.random.default_rng(0)
+    body = _body(rng)
+    slots, maps = ShmSlots(), ShmMaps(1 << 24)
+    try:
+        frame, slot = slots.pack(body)
+        assert len(frame) < 1000                     # references, not 3 x 3 KB of pixels
+        got = maps.resolve(unpackb(frame))
+        for i in range(3):
+            m = got["input"]["images"][i]["image"]
+            assert np.array_equal(np.frombuffer(m[b"data"], np.uint8).reshape(m[b"shape"]),
+                                  body["input"]["images"][i]["image"])
+            s = got["input"]["state"][i]
+            assert np.array_equal(np.frombuffer(s[b"data"], np.dtype(s[b"dtype"])), body["input"]["state"][i])
+        # answered: the slot is reused for the next request; a failed request's slot is dropped (file gone)
+        slots.done(slot, True)
+        frame2, slot2 = slots.pack(_body(rng))
+        assert slot2 is slot
+        slots.done(slot2, False)
+        assert not os.path.exists(slot.path)
+        _, slot3 = slots.pack(body)
+        assert slot3 is not slot and os.path.exists(slot3.path)
+    finally:
+        slots.close()
+    assert not os.path.exists(slot3.path)            # close unlinks every file
+
+
+def test_a_slot_grows_by_a_new_file_when_requests_carry_more():
+    rng = np.random.default_rng(1)
+    slots = ShmSlots()
+    try:
+        _, small = slots.pack(_body(rng, 1))
+        slots.done(small, True)
+        big = {"input": {"images": [{"image": rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)}] * 4}}
+        frame, slot = slots.pack(big)
+        assert slot is not small and slot.size >= 4 * 256 * 256 * 3 and not os.path.exists(small.path)
+        got = ShmMaps(1 << 24).resolve(unpackb(frame))
+        m = got["input"]["images"][3]["image"]
+        assert bytes(m[b"data"]) == big["input"]["images"][3]["image"].tobytes()
+    finally:
+        slots.close()
+
+
+def test_bad_references_are_refused_naming_the_field(tmp_path):
+    rng = np.random.default_rng(2)
+    slots, maps = ShmSlots(), ShmMaps(1 << 20)
+    try:
+        frame, slot = slots.pack(_body(rng))
+        body = unpackb(frame)
+        ref = body["input"]["images"][1]["image"]
+
+        def refused(change: dict, where: str):
+            bad = unpackb(frame)
+            bad["input"]["images"][1]["image"] = {**ref, **change}
+            with pytest.raises(ProtocolError) as e:
+                maps.resolve(bad)
+            assert e.value.path.startswith("input.images[1].image" + where), e.value.path
+
+        refused({"__shm__": "../etc/passwd"}, "")                      # not a slot name
+        refused({"__shm__": "wamkit-shm-" + "0" * 24}, "")             # no such slot
+        refused({"offset": slot.size}, "")                             # outside the file
+        refused({"offset": -1}, ".offset")
+        refused({"dtype": "|O"}, ".dtype")                             # no object arrays
+        refused({"shape": [1 << 40]}, "")                              # more bytes than the file has
+        refused({"shape": "32x32"}, ".shape")
+        # a link with a slot's name is not followed; a file bigger than the cap is refused (413)
+        link = os.path.join(SHM_DIR, "wamkit-shm-" + "1" * 24)
+        os.symlink(slot.path, link)
+        try:
+            refused({"__shm__": os.path.basename(link)}, "")
+        finally:
+            os.unlink(link)
+        with pytest.raises(ProtocolError) as e:
+            ShmMaps(16).resolve(body)
+        assert e.value.status == 413
+        # a server that takes no references says so, naming the field
+        with pytest.raises(ProtocolError) as e:
+            refuse(body)
+        assert e.value.path == "input.images[0].image" and "shm_arrays=true" in str(e.value)
+        refuse(unpackb(packb(_body(rng))))                             # inline arrays pass
+    finally:
+        slots.close()
+
+
+def _obs(n: int, seed: int = 0) -> list[Observation]:
+    rng = np.random.default_rng(seed)
+    return [Observation({"image": rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)},
+                        rng.standard_normal(6).astype(np.float32), f"task {i % 2}") for i in range(n)]
+
+
+def test_a_server_with_shm_arrays_answers_the_http_paths_actions_and_keeps_serving():
+    """`wamkit serve shm_arrays=true` and WebsocketActionClient(shm_arrays=True): the same actions as HTTP, frames
+    of references only; a malformed reference is a 400 naming the field and the connection keeps serving; a
+    client that did not ask sends inline arrays to the same server; nothing is left in /dev/shm."""
+    from websockets.sync.client import connect
+
+    from wamkit.serve import ActionClient, WamkitServerWorker
+    from wamkit.serve.ws_client import WebsocketActionClient
+
+    obs, seeds = _obs(6), [3, 4, 5, 6, 7, 8]
+    before = set(glob.glob(os.path.join(SHM_DIR, "wamkit-shm-*")))
+    with WamkitServerWorker("fixed-cost", ARGS, max_batch_size=8, max_wait_ms=2,
+                            extra_args={"shm_arrays": True}) as w:
+        async def http():
+            async with ActionClient(w.url) as c:
+                return await c.predict(obs, seeds)
+
+        async def ws(shm: bool):
+            seen = []
+            async with WebsocketActionClient(w.url, protocol="sglang-ws", shm_arrays=shm, on_timing=seen.append) as c:
+                a = await c.predict(obs, seeds)
+                b = await c.predict(obs[:2], seeds[:2])
+                return a, b, c.shm_used, seen
+
+        ref = asyncio.run(http())
+        a, b, used, seen = asyncio.run(ws(True))
+        assert used and np.array_equal(a, ref) and np.array_equal(b, ref[:2])
+        assert all(t["request_bytes"] < 4096 for t in seen)           # 6 x 12 KB of pixels went by reference
+        a2, _, used2, seen2 = asyncio.run(ws(False))
+        assert not used2 and np.array_equal(a2, ref) and seen2[0]["request_bytes"] > 6 * 64 * 64 * 3
+
+        slots = ShmSlots()
+        try:
+            frame, slot = slots.pack({"input": {"images": [{"image": o.images["image"]} for o in obs[:2]],
+                                                "state": [o.state for o in obs[:2]], "task": "t"},
+                                      "parameters": {"seed": [1, 2]}})
+            bad = unpackb(frame)
+            bad["input"]["images"][1]["image"]["offset"] = 1 << 40
+            with connect(w.url.replace("http", "ws") + "/v1/actions/realtime", max_size=None) as conn:
+                assert unpackb(conn.recv())["capabilities"]["shm_arrays"] is True
+                conn.send(packb(bad))
+                err = unpackb(conn.recv())["error"]
+                assert err["code"] == 400 and err["path"] == "input.images[1].image"
+                conn.send(frame)                                        # the same connection keeps serving
+                reply = unpackb(conn.recv())
+                assert len(reply["data"]) == 2 and "error" not in reply
+        finally:
+            slots.close()
+    assert set(glob.glob(os.path.join(SHM_DIR, "wamkit-shm-*"))) <= before
+
+
+def test_a_server_without_shm_arrays_refuses_references_and_the_client_sends_inline():
+    from websockets.sync.client import connect
+
+    from wamkit.serve import WamkitServerWorker
+    from wamkit.serve.ws_client import WebsocketActionClient
+
+    obs = _obs(2)
+    with WamkitServerWorker("fixed-cost", ARGS, max_batch_size=8, max_wait_ms=2) as w:
+        async def ws():
+            async with WebsocketActionClient(w.url, protocol="sglang-ws", shm_arrays=True) as c:
+                return await c.predict(obs, [1, 2]), c.shm_used
+        a, used = asyncio.run(ws())
+        assert a.shape == (2, 8, 4) and not used                       # the server did not offer it
+        slots = ShmSlots()
+        try:
+            frame, _ = slots.pack({"input": {"images": [{"image": o.images["image"]} for o in obs], "task": "t"}})
+            with connect(w.url.replace("http", "ws") + "/v1/actions/realtime", max_size=None) as conn:
+                assert unpackb(conn.recv())["capabilities"]["shm_arrays"] is False
+                conn.send(frame)
+                err = unpackb(conn.recv())["error"]
+                assert err["code"] == 400 and err["path"] == "input.images[0].image"
+        finally:
+            slots.close()
