@@ -191,3 +191,37 @@ def test_a_server_without_shm_arrays_refuses_references_and_the_client_sends_inl
                 assert err["code"] == 400 and err["path"] == "input.images[0].image"
         finally:
             slots.close()
+
+
+def test_a_client_whose_slots_the_server_cannot_see_falls_back_to_inline_arrays(tmp_path, monkeypatch):
+    """A server on another /dev/shm (a container sharing the host's loopback) answers 400 'cannot read' for a slot:
+    the client resends that request with the arrays inline and sends inline from then on; nothing is lost."""
+    import wamkit.protocol.shm as shm
+    from wamkit.serve import ActionClient, WamkitServerWorker
+    from wamkit.serve.ws_client import WebsocketActionClient
+
+    obs, seeds = _obs(4, seed=5), [1, 2, 3, 4]
+    with WamkitServerWorker("fixed-cost", ARGS, max_batch_size=8, max_wait_ms=2,
+                            extra_args={"shm_arrays": True}) as w:
+        async def http():
+            async with ActionClient(w.url) as c:
+                return await c.predict(obs, seeds)
+
+        ref = asyncio.run(http())
+        monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))       # this client's slots: where the server never looks
+        packed = []
+        pack = shm.ShmSlots.pack
+        monkeypatch.setattr(shm.ShmSlots, "pack", lambda self, body: packed.append(1) or pack(self, body))
+
+        async def ws():
+            seen = []
+            async with WebsocketActionClient(w.url, protocol="sglang-ws", shm_arrays=True, retries=0,
+                                             on_timing=seen.append) as c:
+                a = await c.predict(obs, seeds)
+                b = await c.predict(obs, seeds)
+                return a, b, c.shm_used, seen
+        a, b, used, seen = asyncio.run(ws())
+    assert np.array_equal(a, ref) and np.array_equal(b, ref) and not used
+    assert packed == [1]                                            # tried once, refused, then inline
+    assert all(t["request_bytes"] > 4 * 64 * 64 * 3 for t in seen)   # both went inline
+    assert list(tmp_path.iterdir()) == []                           # the slots were removed

@@ -40,6 +40,8 @@ from wamkit.protocol.errors import ProtocolError
 SHM_DIR = "/dev/shm"
 PREFIX = "wamkit-shm-"
 MARKER = "__shm__"
+UNREADABLE = "cannot read shared-memory slot"   # the server's refusal when a slot is not there for it (the client
+                                                # then sends inline arrays: another mount namespace, another user)
 _NAME = re.compile(r"^wamkit-shm-[A-Za-z0-9_]{16,64}$")
 _ARRAY_MARKER = b"__ndarray__"
 
@@ -172,11 +174,11 @@ class ShmMaps:
         try:
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as e:
-            raise ProtocolError(path, f"cannot open shared-memory slot {name}: {e.strerror}") from None
+            raise ProtocolError(path, f"{UNREADABLE} {name}: {e.strerror}") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                raise ProtocolError(path, f"shared-memory slot {name} is not a regular file of this user")
+                raise ProtocolError(path, f"{UNREADABLE} {name}: not a regular file of the server's user")
             if not 0 < st.st_size <= self.max_file_bytes:
                 raise ProtocolError(path, f"shared-memory slot {name} has {st.st_size} bytes (at most "
                                           f"{self.max_file_bytes})", 413)

@@ -39,6 +39,7 @@ from wamkit.core.types import Observation
 from wamkit.protocol import ProtocolError
 from wamkit.protocol.client import RETRY_STATUS, ActionClientError, RetryingClient, checked_seeds, scatter_chunks
 from wamkit.protocol.openpi import packb, unpackb
+from wamkit.protocol.shm import UNREADABLE as SHM_UNREADABLE
 from wamkit.protocol.shm import available as shm_available
 from wamkit.serve.ws_codec import CODECS, DEFAULT_PATHS, PROTOCOLS, Refused, error_reply  # noqa: F401
 from wamkit.serve.ws_pool import ConnectionPool
@@ -241,8 +242,17 @@ class WebsocketActionClient(RetryingClient):
             try:
                 reply, attempts, nbytes, t_send, t_recv = await self._exchange(frame)
                 ok = True
+            except ActionClientError as e:
+                if e.status != 400 or SHM_UNREADABLE not in str(e):
+                    raise
+                # the server cannot see this host's slots (another /dev/shm): arrays inline from now on
+                self._slots, self.shm_used = None, False
+                frame = packb(body)
+                reply, attempts, nbytes, t_send, t_recv = await self._exchange(frame)
             finally:
                 slots.done(slot, ok)
+                if self._slots is None and slots is not None:
+                    slots.close()
         try:
             actions, server = self.codec.decode(reply, rad, len(obs))
         except ProtocolError as e:
