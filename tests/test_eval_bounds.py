@@ -74,3 +74,13 @@ def test_the_tables_show_rows_against_the_honest_bound_when_measured():
     # a run without the loop bound (reports written before it existed) keeps the stage bound
     del rows[0]["of_honest_bound"]
     assert "| of bound |" in markdown(dict(report, bound=dict(report["bound"], loop=None))).splitlines()[0]
+
+
+def test_the_report_says_what_the_env_workers_rendered_with():
+    from wamkit.eval.bench import render_line
+
+    same = [{"row": "B=1, P=16", "env_render": {"osmesa": 16}}, {"row": "auto", "env_render": {"osmesa": 16}}]
+    assert render_line(same) == "Env workers rendered with: osmesa x16."
+    mixed = [{"row": "B=1, P=16", "env_render": {"egl": 15, "egl device 1": 1}}, {"row": "auto"}]
+    assert render_line(mixed) == "Env workers rendered with: B=1, P=16: egl x15, egl device 1 x1; auto: -."
+    assert render_line([{"row": "auto"}]) == ""   # reports from before it was recorded, or no MuJoCo

@@ -61,7 +61,7 @@ def test_metaworld_results_contract(mw_serial, tmp_path):
 @pytest.mark.slow
 @pytest.mark.metaworld
 @pytest.mark.parametrize("mode_args", [
-    ("mode=auto", "num_envs=3"),
+    ("mode=auto", "num_envs=3", "env_args.render_backend=osmesa"),
     ("mode=pipelines", "num_envs=2", "request_size=1", "pipelines=2"),
     ("mode=pipelines", "num_envs=2", "request_size=2", "pipelines=1"),
     ("mode=auto", "num_envs=2", "inference=server"),
@@ -73,6 +73,13 @@ def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     s = run_eval(mw_cfg(tmp_path, "x", *mode_args))
     assert outcome_view(results(tmp_path / "x")) == outcome_view(mw_serial)
     assert s["episodes"] == 4
+    # what each env worker rendered with is in the summary (one count per worker; the serial run rendered with
+    # this machine's default, EGL on Mesa, the auto3 row with OSMesa: same outcomes)
+    n_envs = int(next(a for a in mode_args if a.startswith("num_envs=")).split("=")[1])
+    render = s["scheduler"]["env_render"]
+    assert sum(render.values()) == n_envs, render
+    if "env_args.render_backend=osmesa" in mode_args:
+        assert render == {"osmesa": n_envs}
     if "server.replicas=2" in mode_args:   # both servers answered requests (least-loaded dispatch)
         served = s["scheduler"]["server_requests"]
         assert len(served) == 2 and min(served) > 0, served

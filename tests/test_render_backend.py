@@ -137,13 +137,15 @@ def test_env_worker_renders_with_the_configured_backend_and_same_pixels():
     pytest.importorskip("metaworld")
     from wamkit.envs.worker import EnvWorker
 
-    frames, libs = {}, {}
+    frames, libs, said = {}, {}, {}
     for b in ("osmesa", "egl"):
         with EnvWorker("metaworld", dict(tasks=("reach-v3",), image_size=96, max_steps=5, render_backend=b)) as w:
             frames[b] = w.reset_sync(0, 0).images["image"]
             maps = open(f"/proc/{w.pid}/maps").read()
             libs[b] = ("libOSMesa" in maps, "libEGL_mesa" in maps)
+            said[b] = w.render["backend"]   # what the worker reports (summary.scheduler.env_render counts these)
     assert libs == {"osmesa": (True, False), "egl": (False, True)}
+    assert said == {"osmesa": "osmesa", "egl": "egl"}
     np.testing.assert_array_equal(frames["egl"], frames["osmesa"])
 
 
@@ -333,3 +335,24 @@ def test_ray_actors_get_the_mark_with_mujoco_gl(monkeypatch):
     monkeypatch.setenv(GL_SET_MARK, "egl")
     env = RayOptions().runtime_env()["env_vars"]
     assert env["MUJOCO_GL"] == "egl" and env[GL_SET_MARK] == "egl"
+
+
+def test_describe_counts_workers_by_backend_and_device():
+    assert rb.describe([{"backend": "egl", "device": None}] * 2 + [{"backend": "egl", "device": 1}, None,
+                                                                    {"backend": "osmesa", "device": None}]) == \
+        {"egl": 2, "egl device 1": 1, "osmesa": 1}
+    assert rb.describe([None, None]) == {}
+
+
+def test_in_use_reads_what_mujoco_was_imported_with(monkeypatch):
+    import mujoco  # noqa: F401  (in_use says None before mujoco is loaded)
+
+    monkeypatch.setenv("MUJOCO_GL", "egl")
+    monkeypatch.setenv("MUJOCO_EGL_DEVICE_ID", "2")
+    assert rb.in_use() == {"backend": "egl", "device": 2}
+    monkeypatch.setenv("MUJOCO_GL", "osmesa")
+    assert rb.in_use() == {"backend": "osmesa", "device": None}
+    monkeypatch.delenv("MUJOCO_GL")
+    assert rb.in_use() == {"backend": "glfw", "device": None}
+    monkeypatch.delitem(sys.modules, "mujoco")
+    assert rb.in_use() is None

@@ -114,6 +114,8 @@ def test_eval_ray_matches_local(cluster, local_reference, tmp_path):
     assert len(recs) == len({r["key"] for r in recs}) == 4
     assert summary["scheduler"]["env_restarts"] == 0
     assert any(r["success"] for r in recs)   # the expert solves some: the results are not trivially equal
+    # each actor says what its MuJoCo renders with, as local env workers do
+    assert sum(summary["scheduler"]["env_render"].values()) == summary["scheduler"]["num_envs"]
 
 
 def test_placement_spread_and_pack(cluster):

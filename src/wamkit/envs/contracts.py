@@ -29,6 +29,7 @@ class EnvWorkerLike(Protocol):
     env_name: str
     spec: EnvSpec | None            # known after start()
     tasks: list[TaskInfo] | None    # known after start()
+    render: dict | None             # after start(): what MuJoCo renders with there (render_backend.in_use)
 
     # ---- lifecycle
     def start(self) -> "EnvWorkerLike":

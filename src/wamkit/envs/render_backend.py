@@ -343,6 +343,28 @@ def apply_render_options(env_cls: type, kwargs: dict) -> None:
         apply_options(*opts)
 
 
+def in_use() -> dict[str, Any] | None:
+    """In an env process once its env is built: what MuJoCo renders with ({backend: egl | osmesa | glfw | ...,
+    device: the EGL device or None}), from the variables mujoco read at import; None where mujoco is not loaded
+    (an env without MuJoCo). The eval's summary counts these over its env workers (summary.scheduler.env_render)."""
+    if "mujoco" not in sys.modules:
+        return None
+    backend = os.environ.get("MUJOCO_GL") or "glfw"   # mujoco's own default without MUJOCO_GL
+    dev = os.environ.get("MUJOCO_EGL_DEVICE_ID") if backend == "egl" else None
+    return {"backend": backend, "device": None if dev in (None, "") else int(dev) if dev.isdigit() else dev}
+
+
+def describe(renders: list[dict[str, Any] | None]) -> dict[str, int]:
+    """{"egl": 15, "egl device 1": 1, "osmesa": 16, ...}: how many env workers rendered with what (None: no MuJoCo,
+    not counted)."""
+    out: dict[str, int] = {}
+    for r in renders:
+        if r:
+            key = r["backend"] + (f" device {r['device']}" if r.get("device") is not None else "")
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
 def worker_kwargs(env_cls: type, kwargs: dict, index: int) -> dict:
     """EnvWorker.start (parent side): the env process's kwargs (env class `env_cls`) with render_backend/render_device
     made concrete (auto measured once here, not in every process; several GPUs: workers spread over the non-model

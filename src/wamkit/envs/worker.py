@@ -94,7 +94,9 @@ def _worker_main(conn, env_name: str, env_kwargs: dict, index: int) -> None:
 
         env = make_env(env_name, **env_kwargs)
         layout, nbytes = _image_layout(env.spec)
-        conn.send(("ready", env.spec, env.tasks(), nbytes))
+        from wamkit.envs.render_backend import in_use
+
+        conn.send(("ready", env.spec, env.tasks(), nbytes, in_use()))
         kind, name = conn.recv()
         assert kind == "shm"
         shm = shared_memory.SharedMemory(name=name)
@@ -172,6 +174,7 @@ class EnvWorker(StartClosingContext):
         self._busy = False
         self.loaded_task: int | None = None   # task of the last successful reset (None: no scene built)
         self.load_s: float | None = None      # seconds the last reset to another task (a scene load) took
+        self.render: dict | None = None       # what MuJoCo renders with in the process (render_backend.in_use)
         self._stale = False  # a cancelled call's reply is still on its way: drain it before the next call
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
@@ -207,7 +210,7 @@ class EnvWorker(StartClosingContext):
         if msg[0] == "err":
             self._teardown(kill=True)
             raise EnvWorkerCrashed(self.index, f"could not build env {self.env_name!r}: {msg[1]}: {msg[2]}\n{msg[3]}")
-        _, spec, tasks, nbytes = msg
+        _, spec, tasks, nbytes, self.render = msg
         self.spec, self.tasks = spec, list(tasks)
         self._layout, _ = _image_layout(spec)
         self._shm = shared_memory.SharedMemory(create=True, size=int(nbytes))

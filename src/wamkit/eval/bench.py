@@ -77,6 +77,7 @@ def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
             "request_ms_mean": sch.get("request_ms_mean", 0.0), "compute_ms_mean": sch.get("compute_ms_mean", 0.0),
             "scene_loads": sch.get("scene_loads", 0), "scene_load_s": sch.get("scene_load_s", 0.0),
             "env_steps": th["env_steps"], "success_rate": s["success_rate"],
+            "env_render": sch.get("env_render", {}),
             **({"auto_shape": sch["auto_shape"]} if sch.get("auto_shape") else {})}
 
 
@@ -440,6 +441,21 @@ def bound_share(report: dict[str, Any]) -> tuple[str, list[float | None]]:
     return "of bound", [x.get("of_bound") for x in report["rows"]]
 
 
+def render_line(rows: list[dict[str, Any]]) -> str:
+    """What the rows' env workers rendered with (summary.scheduler.env_render), one line; "" where no row says
+    (no MuJoCo, or a report written before it was recorded)."""
+    def txt(r: dict[str, int]) -> str:
+        return ", ".join(f"{k} x{v}" for k, v in sorted(r.items()))
+
+    seen = [(x["row"], x.get("env_render") or {}) for x in rows]
+    if not any(r for _, r in seen):
+        return ""
+    kinds = {txt(r) for _, r in seen}
+    if len(kinds) == 1:
+        return f"Env workers rendered with: {kinds.pop()}."
+    return "Env workers rendered with: " + "; ".join(f"{row}: {txt(r) or '-'}" for row, r in seen) + "."
+
+
 def markdown(report: dict[str, Any]) -> str:
     # per-call times only when the rows have them (reports written before they were recorded do not)
     calls = any(x.get("request_ms_mean") for x in report["rows"])
@@ -465,6 +481,9 @@ def markdown(report: dict[str, Any]) -> str:
                      + (f" {x.get('scene_loads', '-')} |" if loads else ""))
     b = report["bound"]
     lines.append("")
+    render = render_line(report["rows"])
+    if render:
+        lines += [render, ""]
     sb = report["rows"][0] if report["rows"] and report["rows"][0]["row"] == "single-batch" else None
     if sb and sb.get("env_steps_per_s_without_loads"):
         lines.append(f"single-batch loaded {sb['scene_loads']} scene(s) in its row ({sb['scene_load_s']:.1f} s of "

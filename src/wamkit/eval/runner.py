@@ -19,6 +19,7 @@ from wamkit.core.config import to_dict
 from wamkit.core.errors import UserError
 from wamkit.core.versions import versions
 from wamkit.envs.base import env_class
+from wamkit.envs.render_backend import describe as describe_render
 from wamkit.eval.config import EvalConfig
 from wamkit.eval.inference import InProcessInference, ServerInference
 from wamkit.eval.journal import Journal
@@ -292,6 +293,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "env_timeouts": sched.env_timeouts, "scene_loads": sched.affinity.loads,
                                 "scene_load_s": round(sched.affinity.load_seconds, 3),
                                 "setup_s": round(clock["setup_s"], 3),
+                                "env_render": describe_render([getattr(w, "render", None) for w in workers]),
                                 "server_protocol": getattr(inference, "protocol", None),
                                 "server_shm_arrays": any(getattr(c, "shm_used", False)
                                                          for c in getattr(inference, "clients", []) or []),

@@ -82,9 +82,11 @@ class _EnvActorImpl:
     def info(self):
         import ray
 
+        from wamkit.envs.render_backend import in_use
+
         ctx = ray.get_runtime_context()
         return {"spec": self.env.spec, "tasks": self.env.tasks(), "node_id": ctx.get_node_id(),
-                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "render": in_use()}
 
     def reset(self, task_id: int, trial: int) -> Observation:
         return self.env.reset(task_id, trial)
@@ -212,6 +214,7 @@ class RayEnvWorker(StartClosingContext):
         self.env_name, self.env_kwargs, self.index, self.pool = env, dict(env_kwargs), index, pool
         self.spec = None
         self.tasks = None
+        self.render: dict | None = None
         self.node_ip: str | None = None
         self.node_id: str | None = None
         self.pid: int | None = None
@@ -268,7 +271,7 @@ class RayEnvWorker(StartClosingContext):
                             self.index, type(e).__name__, delay)
                 time.sleep(delay)
                 delay = min(2 * delay, 2.0)
-        self.spec, self.tasks = info["spec"], list(info["tasks"])
+        self.spec, self.tasks, self.render = info["spec"], list(info["tasks"]), info.get("render")
         self.node_ip, self.node_id, self.pid = info["node_ip"], info["node_id"], info["pid"]
         self._dead = False
         return self
