@@ -356,3 +356,6 @@ def test_in_use_reads_what_mujoco_was_imported_with(monkeypatch):
     assert rb.in_use() == {"backend": "glfw", "device": None}
     monkeypatch.delitem(sys.modules, "mujoco")
     assert rb.in_use() is None
+    # an env that imports mujoco only when it builds its first scene (LIBERO) still says what it will render with
+    monkeypatch.setenv("MUJOCO_GL", "osmesa")
+    assert rb.in_use(env_class("libero")) == {"backend": "osmesa", "device": None}

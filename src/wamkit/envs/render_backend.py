@@ -343,11 +343,13 @@ def apply_render_options(env_cls: type, kwargs: dict) -> None:
         apply_options(*opts)
 
 
-def in_use() -> dict[str, Any] | None:
+def in_use(env_cls: type | None = None) -> dict[str, Any] | None:
     """In an env process once its env is built: what MuJoCo renders with ({backend: egl | osmesa | glfw | ...,
-    device: the EGL device or None}), from the variables mujoco read at import; None where mujoco is not loaded
-    (an env without MuJoCo). The eval's summary counts these over its env workers (summary.scheduler.env_render)."""
-    if "mujoco" not in sys.modules:
+    device: the EGL device or None}), from the variables mujoco reads at import (set before it, see apply: an env
+    such as LIBERO imports mujoco only when its first scene is built, after this is asked). None for an env without
+    MuJoCo rendering (its class has no render options and mujoco is not loaded). The eval's summary counts these
+    over its env workers (summary.scheduler.env_render)."""
+    if "mujoco" not in sys.modules and (env_cls is None or _options(env_cls, {}) is None):
         return None
     backend = os.environ.get("MUJOCO_GL") or "glfw"   # mujoco's own default without MUJOCO_GL
     dev = os.environ.get("MUJOCO_EGL_DEVICE_ID") if backend == "egl" else None

@@ -96,7 +96,7 @@ def _worker_main(conn, env_name: str, env_kwargs: dict, index: int) -> None:
         layout, nbytes = _image_layout(env.spec)
         from wamkit.envs.render_backend import in_use
 
-        conn.send(("ready", env.spec, env.tasks(), nbytes, in_use()))
+        conn.send(("ready", env.spec, env.tasks(), nbytes, in_use(type(env))))
         kind, name = conn.recv()
         assert kind == "shm"
         shm = shared_memory.SharedMemory(name=name)

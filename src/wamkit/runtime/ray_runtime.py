@@ -86,7 +86,7 @@ class _EnvActorImpl:
 
         ctx = ray.get_runtime_context()
         return {"spec": self.env.spec, "tasks": self.env.tasks(), "node_id": ctx.get_node_id(),
-                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "render": in_use()}
+                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "render": in_use(type(self.env))}
 
     def reset(self, task_id: int, trial: int) -> Observation:
         return self.env.reset(task_id, trial)
