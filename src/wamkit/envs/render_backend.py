@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -352,19 +353,15 @@ def in_use(env_cls: type | None = None) -> dict[str, Any] | None:
     if "mujoco" not in sys.modules and (env_cls is None or _options(env_cls, {}) is None):
         return None
     backend = os.environ.get("MUJOCO_GL") or "glfw"   # mujoco's own default without MUJOCO_GL
-    dev = os.environ.get("MUJOCO_EGL_DEVICE_ID") if backend == "egl" else None
-    return {"backend": backend, "device": None if dev in (None, "") else int(dev) if dev.isdigit() else dev}
+    return {"backend": backend,
+            "device": parse_device(os.environ.get("MUJOCO_EGL_DEVICE_ID")) if backend == "egl" else None}
 
 
 def describe(renders: list[dict[str, Any] | None]) -> dict[str, int]:
     """{"egl": 15, "egl device 1": 1, "osmesa": 16, ...}: how many env workers rendered with what (None: no MuJoCo,
     not counted)."""
-    out: dict[str, int] = {}
-    for r in renders:
-        if r:
-            key = r["backend"] + (f" device {r['device']}" if r.get("device") is not None else "")
-            out[key] = out.get(key, 0) + 1
-    return out
+    return dict(Counter(r["backend"] + (f" device {r['device']}" if r.get("device") is not None else "")
+                        for r in renders if r))
 
 
 def worker_kwargs(env_cls: type, kwargs: dict, index: int) -> dict:

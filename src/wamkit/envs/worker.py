@@ -91,11 +91,10 @@ def _worker_main(conn, env_name: str, env_kwargs: dict, index: int) -> None:
     env = None
     try:
         from wamkit.envs.base import make_env
+        from wamkit.envs.render_backend import in_use
 
         env = make_env(env_name, **env_kwargs)
         layout, nbytes = _image_layout(env.spec)
-        from wamkit.envs.render_backend import in_use
-
         conn.send(("ready", env.spec, env.tasks(), nbytes, in_use(type(env))))
         kind, name = conn.recv()
         assert kind == "shm"

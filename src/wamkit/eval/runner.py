@@ -293,7 +293,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "env_timeouts": sched.env_timeouts, "scene_loads": sched.affinity.loads,
                                 "scene_load_s": round(sched.affinity.load_seconds, 3),
                                 "setup_s": round(clock["setup_s"], 3),
-                                "env_render": describe_render([getattr(w, "render", None) for w in workers]),
+                                "env_render": describe_render([w.render for w in workers]),
                                 "server_protocol": getattr(inference, "protocol", None),
                                 "server_shm_arrays": any(getattr(c, "shm_used", False)
                                                          for c in getattr(inference, "clients", []) or []),
