@@ -269,7 +269,7 @@ def test_kv_room_layout_matches_concat():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("layout", ["expanded", "room"])
+@pytest.mark.parametrize("layout", ["expanded", "room", "folded"])
 def test_denoise_matches_step_by_step_velocity(layout):
     """GenerationTower.denoise (invariants hoisted out of the loop, in-place K/V slots) = the plain Euler loop
     over the training-layout velocity, and the policy's sample() is that loop."""
@@ -284,6 +284,47 @@ def test_denoise_matches_step_by_step_velocity(layout):
     out = m.gen.denoise(p.with_room(pol.gen_tokens, heads), x0, inp["state"], 5)
     torch.testing.assert_close(out, x, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pol.sample(inp, [1, 2, 3]), out, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_folded_attention_equals_grouped_query_attention():
+    """model.attend(fold=True) (each kv head's query heads stacked along the query axis, plain SDPA) gives what
+    SDPA with enable_gqa gives and what attention over K/V repeated to every query head gives, with keys masked
+    differently per row; a mask with a query axis cannot be folded and says so."""
+    from wamkit.policies.wam_ref.model import additive_mask, attend
+
+    g = torch.Generator().manual_seed(0)
+    b, h, kvh, n, s, hd = 3, 8, 2, 5, 11, 16
+    q, k, v = (torch.randn(b, hh, length, hd, generator=g) for hh, length in ((h, n), (kvh, s), (kvh, s)))
+    keep = torch.rand(b, s, generator=g) > 0.3
+    keep[:, -n:] = True
+    mask = additive_mask(keep, torch.float32)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1), attn_mask=mask)
+    folded, gqa = attend(q, k, v, mask, fold=True), attend(q, k, v, mask, fold=False)
+    assert folded.shape == (b, h, n, hd)
+    torch.testing.assert_close(folded, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gqa, ref, rtol=1e-5, atol=1e-6)
+    # the query heads really read different kv heads (a wrong grouping would not match ref)
+    wrong = attend(q[:, torch.arange(h).roll(1)], k, v, mask, fold=True)[:, torch.arange(h).roll(-1)]
+    assert not torch.allclose(wrong, ref, atol=1e-3)
+    with pytest.raises(ValueError, match="keys only"):
+        attend(q, k, v, mask.expand(b, 1, n, s), fold=True)
+
+
+@torch.no_grad()
+def test_kv_layout_switch_at_run_time():
+    """Setting kv_layout on a built policy (bench scripts do) reaches every generation block and changes kernels,
+    not actions; an unknown layout is refused there too."""
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=3, state_dim=8)
+    inp, _ = _prefix_inputs(pol)
+    ref = pol.sample(inp, [4, 5, 6])
+    for layout in ("folded", "room", "expanded"):
+        pol.kv_layout = layout
+        assert [blk.fold_gqa for blk in pol.model.gen.blocks] == [layout == "folded"] * len(pol.model.gen.blocks)
+        torch.testing.assert_close(pol.sample(inp, [4, 5, 6]), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="kv_layout"):
+        pol.kv_layout = "cat"
 
 
 def test_position_ids_match_transformers_get_rope_index():

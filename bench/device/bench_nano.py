@@ -12,7 +12,7 @@ Measures, in one process on one GPU:
   graph too), optionally "+compile" (torch.compile of the blocks; modes after the first "+compile" one stay compiled,
   so list those last), "+nofuse" (fused=false: the reference path, one GEMM per projection, transformers' prefix
   forward), "+noprefix" (prefix_graphs=false), "+triton" / "+autotune" (gemm=triton | autotune for the denoising
-  loop's GEMMs; otherwise gemm=cublas) and ":room" (kv_layout=room instead of expanded); graphs modes first
+  loop's GEMMs; otherwise gemm=cublas) and ":room" / ":folded" (kv_layout=room | folded instead of expanded); graphs modes first
   capture every bucket (policy.warmup, timed): wall-clock latency p50/p99 over `reps` calls after warm-up (includes
   CPU preprocessing and the copy back), plus the device time of each phase of one sample() in that mode (CUDA events
   at the phase boundaries: prefix = vision + understanding tower, loop = the denoising loop) and each phase's
@@ -174,9 +174,10 @@ def bench_predict(pol, b: int, reps: int, f: dict) -> dict:
             "prefix_graph_errors": [str(e) for e in pol.engine.prefix_graph_errors.values()], "reps": reps}
 
 
-KERNEL_KINDS = (("gemm", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "matmul", "sm90_", "sm80_", "splitk",
-                           "skinny", "sum_splits")),
-                ("attention", ("flash", "fmha", "attention", "efficient_attention", "sdpa")),
+# first match wins: attention before gemm (cuDNN's attention kernels are named cudnn_..._sdpa_sm90_flash_...)
+KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "efficient_attention", "sdpa")),
+                ("gemm", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "matmul", "sm90_", "sm80_", "splitk",
+                          "skinny", "sum_splits")),
                 ("norm/elementwise", ("elementwise", "vectorized", "reduce", "norm", "triton", "silu", "gelu",
                                       "mul", "add", "rsqrt", "softmax")),
                 ("copy", ("copy", "memcpy", "memset", "cat", "index", "gather", "scatter")))
@@ -231,6 +232,9 @@ def _trace(pol, inputs, seeds):
     kinds: dict[str, float] = {}
     kernels = 0
     for e in events:
+        # the phase ranges (wamkit.prefix / wamkit.denoise) carry device time too: they are not kernels
+        if getattr(e, "is_user_annotation", False) or e.key.startswith("wamkit."):
+            continue
         if on_cuda() and str(getattr(e, "device_type", "")).lower().endswith("cuda"):
             ms = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / 1e3
             kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + ms

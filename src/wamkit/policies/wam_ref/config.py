@@ -21,6 +21,9 @@ from wamkit.core.errors import UserError
 from wamkit.policies.wam_ref.sizes import get_size
 from wamkit.policies.wam_ref.skinny import GEMM_CHOICES
 
+# the prefix K/V layouts while denoising (see engine.py's docstring): what kv_layout accepts
+KV_LAYOUTS = ("expanded", "room", "folded")
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -110,7 +113,8 @@ class WamRefConfig:
     prefix_graphs: bool = True                  # with cuda_graphs: the prefix pass (vision + und) is one too
     fused: bool = True                          # q/k/v and gate/up as one GEMM each (derived weights; off: reference)
     graph_buckets: Sequence[int] | str | None = None  # batch buckets of the graphs; None = 1,2,4,8,16,24,32,...
-    kv_layout: str = "expanded"                 # prefix K/V while denoising: expanded (all query heads) | room (kv)
+    kv_layout: str = "expanded"                 # prefix K/V while denoising: expanded (all query heads) | room (kv
+                                                #   heads, SDPA with GQA) | folded (kv heads, query heads folded)
     compile: bool = False                       # torch.compile of generation blocks + understanding norms/MLPs
     batched_vision_attention: bool = True       # one attention call over all (equal-size) images per vision layer
     gemm: str = "cublas"                        # denoising-loop GEMMs: cublas (F.linear) | triton (skinny.py's split-K
@@ -125,8 +129,8 @@ class WamRefConfig:
         self.cuda_graphs = parse_bool(self.cuda_graphs, "cuda_graphs")
         self.prefix_graphs = parse_bool(self.prefix_graphs, "prefix_graphs")
         self.fused = parse_bool(self.fused, "fused")
-        if self.kv_layout not in ("expanded", "room"):
-            raise UserError(f"kv_layout must be expanded or room, got {self.kv_layout!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise UserError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         self.compile = parse_bool(self.compile, "compile")
         self.gemm = str(self.gemm).lower()
         if self.gemm not in GEMM_CHOICES:

@@ -11,8 +11,10 @@ One understanding-tower pass per observation (the prefix K/V), then the whole Eu
   writing the K/V straight into the denoising graph's input buffers. A capture that fails falls back to the eager
   prefix for that bucket (with a warning; `prefix_graph_errors` holds why).
 - kv_layout: the prefix K/V during denoising, "expanded" (repeated to all query heads once per observation: SDPA
-  then runs without GQA, so a fused masked-attention kernel can take it) or "room" (kv heads only, SDPA with
-  enable_gqa). Either way the action tokens' K/V go into free slots in place.
+  then runs without GQA, so a fused masked-attention kernel can take it), "room" (kv heads only, SDPA with
+  enable_gqa) or "folded" (kv heads only; each kv head's query heads stacked along the query axis, so SDPA runs
+  without GQA over a quarter of expanded's K/V bytes: model.attend). Either way the action tokens' K/V go into
+  free slots in place.
 - compile: torch.compile of each generation block and of the understanding tower's norms and MLPs (fuses the
   elementwise work around the GEMMs); needs a working Inductor backend (Triton on GPUs).
 - gemm: the denoising loop's GEMM kernels: cublas (F.linear), triton (skinny.py's split-K kernel where the loop has
@@ -28,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from wamkit.policies.wam_ref.config import Placement
+from wamkit.policies.wam_ref.config import KV_LAYOUTS, Placement
 from wamkit.policies.wam_ref import skinny
 from wamkit.policies.wam_ref.fused import FusedWeights
 from wamkit.policies.wam_ref.model import Prefix, WamRefModel, head_dim_of, write_heads
@@ -108,7 +110,21 @@ class InferenceEngine:
         """Tokens of the generation tower: the action chunk (+ one state token)."""
         return self.horizon + (1 if self.state_dim > 0 else 0)
 
+    @property
+    def kv_layout(self) -> str:
+        """The prefix K/V layout while denoising: expanded | room | folded (see the module docstring)."""
+        return self._kv_layout
+
+    @kv_layout.setter
+    def kv_layout(self, value: str) -> None:
+        if value not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {value!r}")
+        self._kv_layout = value
+        for blk in self.model.gen.blocks:
+            blk.fold_gqa = value == "folded"
+
     def kv_heads(self) -> int:
+        """Heads of the denoising loop's K/V buffers: every query head's (expanded) or the kv heads'."""
         tc = self.text_config
         return tc.num_attention_heads if self.kv_layout == "expanded" else tc.num_key_value_heads
 

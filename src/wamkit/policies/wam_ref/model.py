@@ -103,6 +103,27 @@ def additive_mask(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device).masked_fill(~key_mask, fill)[:, None, None]
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+           fold: bool = False) -> torch.Tensor:
+    """SDPA of q (B, H, n, hd) over k/v (B, Hkv, S, hd), H a multiple of Hkv (query head j reads kv head
+    j // (H // Hkv), as enable_gqa orders them), with a mask over keys only ((B, 1, 1, S) or None: no causal
+    structure). fold=True computes grouped-query attention as plain attention over the Hkv heads, each group's
+    H // Hkv query heads stacked along the query axis ((B, Hkv, H // Hkv * n, hd)): exact because no query row
+    depends on another or on its position, and every SDPA kernel takes it (no enable_gqa): each group's K/V is
+    read once for all its query heads (a quarter of kv_layout=expanded's bytes at 32 / 8 heads) and a kernel's
+    query tile holds 4x the rows."""
+    b, h, n, hd = q.shape
+    kvh = k.shape[1]
+    if kvh == h:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    if not fold:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+    if attn_mask is not None and attn_mask.shape[-2] != 1:
+        raise ValueError(f"folded attention needs a mask over keys only, got mask shape {tuple(attn_mask.shape)}")
+    a = F.scaled_dot_product_attention(q.reshape(b, kvh, (h // kvh) * n, hd), k, v, attn_mask=attn_mask)
+    return a.view(b, h, n, hd)
+
+
 def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int,
               head_dim: int, eps: float, gemm: str = "cublas"):
     """GenBlock up to attention: AdaLN modulation, q/k/v projections (w_qkv: (wq, wk, wv) or fused [wq; wk; wv]),
@@ -180,6 +201,9 @@ class GenBlock(nn.Module):
         # which kernels run the GEMMs at inference (WamRefPolicy gemm=): cublas (F.linear) | triton (skinny.py's
         # kernel where rows <= skinny.MAX_ROWS) | autotune (the two functions compiled in Inductor's max-autotune)
         self.gemm = "cublas"
+        # inference (kv_layout=folded): grouped-query attention as plain attention with the query heads folded
+        # into the query axis (see attend)
+        self.fold_gqa = False
 
     def forward(self, x, tmod, cos, sin, prefix_k, prefix_v, attn_mask, kv_room: bool = False, fused=None,
                 own_mod: bool = False):
@@ -204,7 +228,7 @@ class GenBlock(nn.Module):
         else:
             k = torch.cat([prefix_k.to(k.dtype), k], dim=2)
             v = torch.cat([prefix_v.to(v.dtype), v], dim=2)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.heads != k.shape[1])
+        a = attend(q, k, v, attn_mask, self.fold_gqa)
         return fout(x, a, g1, sh2, sc2, g2, self.o_proj.weight, w_gu, self.down_proj.weight, self.eps, self.gemm)
 
 

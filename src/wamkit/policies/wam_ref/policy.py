@@ -127,7 +127,7 @@ class WamRefPolicy(WamRefTraining, Policy):
 
     # ------------------------------------------------------------------ inference (InferenceEngine)
     cuda_graphs = _engine_option("cuda_graphs", "replay the denoising loop from CUDA graphs (CUDA devices)")
-    kv_layout = _engine_option("kv_layout", "prefix K/V layout while denoising: expanded | room")
+    kv_layout = _engine_option("kv_layout", "prefix K/V layout while denoising: expanded | room | folded")
     prefix_graphs = _engine_option("prefix_graphs", "with cuda_graphs, replay the prefix pass from CUDA graphs too")
     fused = _engine_option("fused", "fused q/k/v and gate/up GEMMs at inference (off: the reference path)")
     gemm = _engine_option("gemm", "denoising-loop GEMM kernels: cublas | triton | autotune")
