@@ -68,7 +68,26 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def ceilings() -> dict:
+def gpu_clock() -> dict | None:
+    """The GPU's SM clock (MHz), power draw and limit (W) now, from nvidia-smi (None where it cannot be read)."""
+    import subprocess
+
+    try:
+        line = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit",
+                               "--format=csv,noheader,nounits", "-i", "0"], capture_output=True, text=True,
+                              timeout=10).stdout.strip().splitlines()[0]
+        sm, sm_max, draw, limit = (float(x) for x in line.split(","))
+    except Exception:
+        return None
+    return {"sm_mhz": sm, "sm_max_mhz": sm_max, "power_w": draw, "power_limit_w": limit}
+
+
+def ceilings(sustain_s: float = 0.0) -> dict:
+    """bf16 matmul 8192^3 TFLOP/s and device copy TB/s. The matmul figure is a burst (10 calls, ~20 ms: the GPU at
+    its boost clock). sustain_s > 0 also runs the matmul back to back for that long, as a batch-64 call keeps the
+    GPU busy for seconds: past the power limit the SM clock drops (the H200 at 700 W: ~1590 MHz against 1980 in
+    session 7's batch-64 rows), and the median TFLOP/s of its second half, with the clock and power read at its
+    end, is the ceiling a sustained workload can be held to."""
     dev = torch.device("cuda")
     n = 8192
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
@@ -84,6 +103,21 @@ def ceilings() -> dict:
         e1.synchronize()
         ts.append(e0.elapsed_time(e1) / 1e3)
     mm = 2 * n ** 3 / statistics.median(ts) / 1e12
+    out = {"bf16_matmul_tflops": mm, "bf16_matmul_clock": gpu_clock()}
+    if sustain_s > 0:
+        chunks, chunk, t_end = [], 20, time.perf_counter() + sustain_s
+        while time.perf_counter() < t_end:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(chunk):
+                a @ b
+            e1.record()
+            e1.synchronize()
+            chunks.append(e0.elapsed_time(e1) / 1e3 / chunk)
+        out["bf16_matmul_clock_sustained"] = gpu_clock()
+        late = chunks[len(chunks) // 2:]
+        out["bf16_matmul_tflops_sustained"] = 2 * n ** 3 / statistics.median(late) / 1e12
+        out["bf16_matmul_sustained_s"] = sustain_s
     del a, b
     src = torch.randn(2 ** 30, device=dev)  # 4 GiB fp32
     dst = torch.empty_like(src)
@@ -100,7 +134,7 @@ def ceilings() -> dict:
     bw = 2 * src.numel() * 4 / statistics.median(ts) / 1e12
     del src, dst
     torch.cuda.empty_cache()
-    return {"bf16_matmul_tflops": mm, "copy_tb_s": bw}
+    return {**out, "copy_tb_s": bw}
 
 
 def on_cuda() -> bool:
@@ -353,6 +387,8 @@ def main(argv=None) -> int:
                     "reference (max abs diff in the JSON), e.g. 1,8; empty: no check")
     ap.add_argument("--device", default="cuda", help="cuda | cpu (a smoke run: no ceilings, host-clock timings)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--sustain-s", type=float, default=8.0,
+                    help="seconds of back-to-back matmuls for the sustained matmul ceiling (0: the burst one only)")
     ap.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra wam-ref option for the in-process policy (repeatable), e.g. graph_buckets=1,64")
     args = ap.parse_args(argv)
@@ -365,7 +401,7 @@ def main(argv=None) -> int:
     def save():
         out.write_text(json.dumps(res, indent=2))
 
-    res["ceilings"] = ceilings() if on_cuda() else {"bf16_matmul_tflops": float("nan"), "copy_tb_s": float("nan")}
+    res["ceilings"] = ceilings(args.sustain_s) if on_cuda() else {"bf16_matmul_tflops": float("nan"), "copy_tb_s": float("nan")}
     log("ceilings", res["ceilings"])
     save()
     policy_args = dict(size=args.size, device=args.device, dtype=args.dtype, num_inference_steps=args.steps,
@@ -426,9 +462,15 @@ def main(argv=None) -> int:
             r["mode"] = mode
             r["tflops"] = f["total"] * r["obs_s"] / 1e12
             r["mfu"] = r["tflops"] * 1e12 / (res["ceilings"]["bf16_matmul_tflops"] * 1e12)
+            sustained = res["ceilings"].get("bf16_matmul_tflops_sustained")
+            r["of_sustained_ceiling"] = r["tflops"] / sustained if sustained else None
+            r["clock_end"] = gpu_clock() if on_cuda() else None   # the SM clock / power as the reps ended
             res["predict"].append(r)
             log(f"{mode:16s} b={b:3d}: p50 {r['p50_ms']:7.1f} ms p99 {r['p99_ms']:7.1f} ms {r['obs_s']:6.1f} obs/s "
-                f"{r['tflops']:5.0f} TFLOP/s | prep {r['prep_ms']:.1f} prefix {r['prefix_ms']:.1f} "
+                f"{r['tflops']:5.0f} TFLOP/s ({100 * r['mfu']:.0f}% of burst ceiling"
+                + (f", {100 * r['of_sustained_ceiling']:.0f}% of sustained" if r["of_sustained_ceiling"] else "")
+                + (f"; {r['clock_end']['sm_mhz']:.0f} MHz {r['clock_end']['power_w']:.0f} W" if r["clock_end"]
+                   else "") + f") | prep {r['prep_ms']:.1f} prefix {r['prefix_ms']:.1f} "
                 f"({r['prefix_tflops'] or 0:.0f} TFLOP/s; eager vision {r['vision_ms']:.1f}) loop "
                 f"{r['loop_ms']:.1f} ms ({r['loop_tflops'] or 0:.0f} TFLOP/s) | first call {r['first_call_ms']:.0f} ms")
             save()

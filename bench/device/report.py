@@ -13,7 +13,12 @@ from pathlib import Path
 def nano(d: dict) -> list[str]:
     c, m = d["ceilings"], d["model"]
     f = m["flops"]
-    out = [f"Ceilings measured in the same call: bf16 matmul 8192^3 {c['bf16_matmul_tflops']:.0f} TFLOP/s, "
+    sus = c.get("bf16_matmul_tflops_sustained")
+    clk = c.get("bf16_matmul_clock_sustained") or {}
+    sus_txt = (f" (burst); sustained for {c['bf16_matmul_sustained_s']:.0f} s {sus:.0f} TFLOP/s"
+               + (f" at {clk['sm_mhz']:.0f} MHz, {clk['power_w']:.0f} W of {clk['power_limit_w']:.0f} W" if clk else "")
+               if sus else "")
+    out = [f"Ceilings measured in the same call: bf16 matmul 8192^3 {c['bf16_matmul_tflops']:.0f} TFLOP/s{sus_txt}, "
            f"device copy {c['copy_tb_s']:.2f} TB/s (read + write).",
            f"Model: {m['params']['total'] / 1e9:.2f}B parameters (understanding {m['params']['und'] / 1e9:.2f}B, "
            f"generation {m['params']['gen'] / 1e9:.2f}B), prefix {m['prefix_len']} tokens, "
@@ -22,14 +27,17 @@ def nano(d: dict) -> list[str]:
            f"memory floor {m['floor_gen_ms']:.0f} ms (generation weights once per step) / {m['floor_all_ms']:.0f} ms "
            f"(+ understanding weights once); compute roofline {m['roofline_obs_s']:.1f} obs/s; "
            f"built in {d.get('build_s', 0):.0f} s.", "",
-           "| mode | batch | p50 ms | p99 ms | obs/s | TFLOP/s | MFU | x floor | prep ms | prefix ms (vision) | "
-           "loop ms | first call ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| mode | batch | p50 ms | p99 ms | obs/s | TFLOP/s | of burst ceiling | of sustained | SM MHz at end | "
+           "x floor | prep ms | prefix ms (vision) | loop ms | first call ms |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d.get("predict", []):
         if "error" in r:
-            out.append(f"| {r['mode']} | {r['batch']} | failed: {r['error'][:80]} |||||||||")
+            out.append(f"| {r['mode']} | {r['batch']} | failed: {r['error'][:80]} |||||||||||")
             continue
+        of_sus = f"{100 * r['of_sustained_ceiling']:.0f}%" if r.get("of_sustained_ceiling") else "-"
+        mhz = f"{r['clock_end']['sm_mhz']:.0f}" if r.get("clock_end") else "-"
         out.append(f"| {r['mode']} | {r['batch']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['obs_s']:.1f} | "
-                   f"{r['tflops']:.0f} | {100 * r['mfu']:.0f}% | {r['p50_ms'] / m['floor_gen_ms']:.2f} | "
+                   f"{r['tflops']:.0f} | {100 * r['mfu']:.0f}% | {of_sus} | {mhz} | {r['p50_ms'] / m['floor_gen_ms']:.2f} | "
                    f"{r['prep_ms']:.1f} | {r['prefix_ms']:.1f} ({r.get('vision_ms', float('nan')):.1f}) | "
                    f"{r['loop_ms']:.1f} | {r['first_call_ms']:.0f} |")
     for mode, w in d.get("warmup", {}).items():
