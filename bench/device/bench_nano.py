@@ -278,16 +278,17 @@ def _trace(pol, inputs, seeds):
 
 def check(pol, batches: list[int]) -> dict:
     """The fast path against the eager reference on the same observations and seeds: actions' max abs difference.
-    fast = fused + cuda_graphs + prefix_graphs (compile as the policy has it now); fused_eager = fusion alone;
-    reference = fused=false, no graphs, gemm=cublas (transformers' prefix forward, one GEMM per projection)."""
-    saved = (pol.fused, pol.cuda_graphs, pol.prefix_graphs, pol.gemm)
+    fast = fused + cuda_graphs + prefix_graphs (compile, gemm and kv_layout as the policy has them now);
+    fused_eager = fusion alone; reference = fused=false, no graphs, gemm=cublas, kv_layout=expanded (transformers'
+    prefix forward, one GEMM per projection)."""
+    saved = (pol.fused, pol.cuda_graphs, pol.prefix_graphs, pol.gemm, pol.kv_layout)
     out = {}
     try:
         for b in batches:
             obs, seeds = observations(b, seed=500 + b), list(range(1000, 1000 + b))
-            pol.fused, pol.cuda_graphs, pol.gemm = False, False, "cublas"
+            pol.fused, pol.cuda_graphs, pol.gemm, pol.kv_layout = False, False, "cublas", "expanded"
             ref = pol.predict(obs, seeds)
-            pol.fused, pol.gemm = True, saved[3]
+            pol.fused, pol.gemm, pol.kv_layout = True, saved[3], saved[4]
             fused_eager = pol.predict(obs, seeds)
             pol.cuda_graphs, pol.prefix_graphs = True, True
             fast = pol.predict(obs, seeds)
@@ -299,8 +300,8 @@ def check(pol, batches: list[int]) -> dict:
             log(f"check b={b}: fast vs reference max |diff| {out[str(b)]['max_abs_diff']:.3g} (fused eager "
                 f"{out[str(b)]['max_abs_diff_fused_eager']:.3g}; actions up to {out[str(b)]['max_abs_ref']:.3g})")
     finally:
-        pol.fused, pol.cuda_graphs, pol.prefix_graphs, pol.gemm = saved
-    return {"dtype": str(pol.dtype), "gemm": pol.gemm, "batches": out}
+        pol.fused, pol.cuda_graphs, pol.prefix_graphs, pol.gemm, pol.kv_layout = saved
+    return {"dtype": str(pol.dtype), "gemm": pol.gemm, "kv_layout": pol.kv_layout, "batches": out}
 
 
 async def http_load(urls: list[str], concurrency: int, seconds: float, obs: list[Observation]) -> dict:
