@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from wamkit.eval import scheduler as scheduler_mod
-from wamkit.eval.shape_probe import GREEDY, LOCKSTEP, PLAN, ShapeProbe
+from wamkit.eval.shape_probe import GREEDY, HALVES, LOCKSTEP, PLAN, ShapeProbe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import planner_sim as ps  # noqa: E402
@@ -93,13 +93,16 @@ def test_measured_again_when_the_active_envs_fall_well_below_the_last_round():
     assert p.rounds[1].as_dict()["chosen"] == PLAN
 
 
-def test_three_shapes_the_fastest_kept_and_each_measured_once():
-    """The default shapes: the plan, greedy and lockstep (one request of every env, answered as one lump a cycle)."""
+def test_four_shapes_the_fastest_kept_and_each_measured_once():
+    """The default shapes: the plan, greedy, lockstep (one request of every env, answered as one lump a cycle) and
+    halves (two requests of half the envs each, one lump per half-cycle)."""
     p = ShapeProbe()
-    assert p.shapes == (PLAN, GREEDY, LOCKSTEP)
-    spent = drive(p, {PLAN: steady(120.0), GREEDY: steady(140.0), LOCKSTEP: lumps(16, 0.1)}, until=4.0)
-    assert len(p.rounds) == 1 and p.current == LOCKSTEP and set(p.rounds[0].rates) == {PLAN, GREEDY, LOCKSTEP}
+    assert p.shapes == (PLAN, GREEDY, LOCKSTEP, HALVES)
+    spent = drive(p, {PLAN: steady(120.0), GREEDY: steady(140.0), LOCKSTEP: lumps(16, 0.1),
+                      HALVES: lumps(8, 0.06)}, until=5.0)
+    assert len(p.rounds) == 1 and p.current == LOCKSTEP and set(p.rounds[0].rates) == set(p.shapes)
     assert p.rounds[0].rates[LOCKSTEP] == pytest.approx(160.0, rel=0.05)
+    assert p.rounds[0].rates[HALVES] == pytest.approx(8 / 0.06, rel=0.05)
     assert spent[GREEDY] < 1.5     # measured once: a window and its settling, not the rest of the run
 
 
@@ -138,6 +141,30 @@ def test_a_poor_plan_is_replaced_by_sending_at_once_where_the_server_merges(monk
     assert summary["probed"] and summary["rounds"][0]["chosen"] == GREEDY and summary["shape"] == GREEDY
     assert lockstep_row < 0.85 * greedy_row            # the plan really is the poor one here
     assert auto >= 0.97 * greedy_row, (auto, greedy_row)
+
+
+def test_halves_is_kept_where_two_cohorts_overlap_and_never_has_more_than_two_requests_out(planners):
+    """Session 10's H200 MetaWorld costs (a chunk ~22 ms, server compute ~22.5 ms flat in batch size, transport
+    beside it; bench/planner_sim.py gpu-metaworld-16-s10): two half-size requests overlap one half's simulation with
+    the other's inference, which neither lockstep (every env waits for the slowest, then for one call) nor greedy
+    (batches of whoever waits, each paying the flat cost) does; the fixed row of that shape (B=8, P=2) is the grid's
+    best there. auto measures halves, keeps it, and comes within 0.97 of that row (0.94 without the shape), each of
+    its requests at most half the active envs, never more than two out at once, every episode run once."""
+    r = ps.REGIMES["gpu-metaworld-16-s10"]
+    rows = {label: ps.run(r, mode, b, p)["env_steps_per_s"] for label, mode, b, p in ps.grid_rows(r)
+            if mode != "auto"}
+    auto = ps.run(r, "auto")
+    pl = planners[-1]
+    summary = pl.shape_summary()
+    assert summary["probed"] and summary["shape"] == HALVES, summary
+    assert max(rows, key=rows.get) == "B=8, P=2"
+    assert auto["env_steps_per_s"] >= 0.97 * rows["B=8, P=2"], (auto, rows)
+    assert auto["episodes"] == r.episodes
+    chosen_at = summary["rounds"][-1]["at_s"]
+    assert chosen_at < 0.25 * auto["wall_s"]
+    halves = pl.decisions[-len(pl.decisions) // 2:]            # well after the round: the kept shape's requests
+    assert max(k for _, k in halves) <= 2 and max(n for n, _ in halves) <= r.envs // 2
+    assert sum(n for n, _ in halves) / len(halves) > 0.6 * r.envs / 2      # mostly full halves, not stragglers
 
 
 def test_no_probe_where_every_request_is_its_own_model_call(planners):
@@ -196,7 +223,7 @@ def test_a_real_auto_eval_probes_switches_and_gets_the_lockstep_rows_episodes(tm
     monkeypatch.setattr(ShapeProbe, "MIN_WINDOW_S", 0.05)
     s = run_eval(cfg(tmp_path / "auto", "mode=auto"))
     shape = s["scheduler"]["auto_shape"]
-    assert shape["probed"] and set(shape["rounds"][0]["rates_obs_per_s"]) == {PLAN, GREEDY, LOCKSTEP}
+    assert shape["probed"] and set(shape["rounds"][0]["rates_obs_per_s"]) == {PLAN, GREEDY, LOCKSTEP, HALVES}
     assert all(r > 0 for r in shape["rounds"][0]["rates_obs_per_s"].values())
     assert 0 < shape["rounds"][0]["at_s"] < s["throughput"]["wall_s"]     # seconds into the run
     assert s["episodes"] == 6 and episodes(tmp_path / "auto") == episodes(tmp_path / "lockstep")

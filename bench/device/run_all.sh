@@ -107,8 +107,9 @@ if part eval; then
     TASKARG="tasks=$(seq -s, 0 $(( NT - 1 )))"
     echo "=== eval: $EPS episodes, $ENVS envs ($NT tasks x $TRIALS trials, max_steps=$EVAL_STEPS)"
     ROWARG=(); [ -n "$EVAL_ROWS" ] && ROWARG=("rows=$EVAL_ROWS")
-    if [ -z "$EVAL_ROWS" ]; then   # the (B, P) grid with B x P = envs (B = envs, 4, 1 at 16 envs), serial, auto
-      if [ "$ENVS" -ge 16 ]; then ROWARG=("rows=single-batch;serial;B=16, P=1;B=4, P=4;B=1, P=16;auto")
+    if [ -z "$EVAL_ROWS" ]; then   # the (B, P) grid with B x P = envs (B = envs, envs/2, 4, 1 from 16 envs), serial, auto
+      if [ "$ENVS" -ge 16 ]; then
+        ROWARG=("rows=single-batch;serial;B=$ENVS, P=1;B=$(( ENVS / 2 )), P=2;B=4, P=$(( ENVS / 4 ));B=1, P=$ENVS;auto")
       else ROWARG=("rows=single-batch;serial;B=$ENVS, P=1;B=$(( ENVS / 2 )), P=2;B=2, P=$(( ENVS / 2 ));B=1, P=$ENVS;auto"); fi
     fi
     # ngpu=N > 1: the same rows with one server, then with N servers (one per GPU, least-loaded dispatch)

@@ -84,8 +84,9 @@ class EvalConfig:
     max_request_size: int = 0               # auto: cap on observations per request (0 = the server's max batch
                                             # size; was `max_batch`)
     auto_probe: bool = True                 # auto, with a batching server: run the cost model's plan, "send
-                                            # whatever waits at once" and lockstep for a few env cycles each, keep
-                                            # the fastest, measure again in the run's tail (scheduler.auto_shape)
+                                            # whatever waits at once", lockstep and halves for a few env cycles
+                                            # each, keep the fastest, measure again in the run's tail
+                                            # (scheduler.auto_shape)
     group_by_task: bool | None = None       # order auto's requests by task (None: for SGLang, whose requests the
                                             # client splits per prompt and sends at once)
     run_to_max_steps: bool = False          # the reference's semantics: keep stepping after success

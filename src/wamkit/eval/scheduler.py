@@ -37,7 +37,7 @@ from wamkit.core.types import ChunkResult, Observation
 from wamkit.eval.affinity import TaskAffinity
 from wamkit.eval.inference import Inference
 from wamkit.eval.plan import Episode, step_seed
-from wamkit.eval.shape_probe import GREEDY, LOCKSTEP, PLAN, ShapeProbe
+from wamkit.eval.shape_probe import GREEDY, HALVES, LOCKSTEP, PLAN, ShapeProbe
 from wamkit.eval.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -409,7 +409,10 @@ class RequestPlanner:
     def shape(self) -> str:
         """plan: the cost model's (batch, depth) and straggler rule; greedy: whatever waits goes at once, as one
         request, with as many in flight as there are envs (a batching server merges them); lockstep: one request of
-        every env's observation once no env could still join (B = envs, P = 1)."""
+        every env's observation once no env could still join (B = envs, P = 1); halves: requests of half the
+        active envs, at most two out at once, each sent once half the envs wait (whichever envs they are) or no env
+        could still join (B = envs / 2, P = 2 without fixed cohorts: one half simulates while the other's call
+        runs)."""
         return self.probe.current if self.probe is not None else PLAN
 
     # -- measurements -> plan
@@ -509,6 +512,11 @@ class RequestPlanner:
             while self.pending and self._joinable() <= 0:
                 self._dispatch(self.cap)
             return
+        if self.shape == HALVES:
+            half = math.ceil(max(1, self.s.active_envs) / 2)
+            while self.pending and self.in_flight < 2 and (len(self.pending) >= half or self._joinable() <= 0):
+                self._dispatch(half)
+            return
         n, k = self.plan()
         while self.pending and self.in_flight < k:
             if len(self.pending) >= n or self._joinable() <= 0 or self._timed_out():
@@ -556,7 +564,7 @@ class RequestPlanner:
 
     def _fire(self) -> None:
         self._timer = None
-        if self.shape in (GREEDY, LOCKSTEP):
+        if self.shape in (GREEDY, LOCKSTEP, HALVES):
             self.poke()
             return
         if self.pending and self.in_flight < self.plan()[1]:

@@ -1,5 +1,5 @@
-"""auto's measured choice of request shape: the cost model's plan, every waiting observation sent at once, or
-every env's observation in one request.
+"""auto's measured choice of request shape: the cost model's plan, every waiting observation sent at once, every
+env's observation in one request, or two requests of half the envs each.
 
 The RequestPlanner's cost model (scheduler.py) picks a batch size and a number of requests in flight from measured
 chunk and call times. It cannot see everything that decides the rate on a real machine: a server that merges
@@ -7,9 +7,13 @@ concurrent requests into one batch (`wamkit serve`, SGLang), envs whose tasks si
 waits for its slowest member), a server process slowed by the simulators around it. On the H200 (docs/benchmarks.md
 2) the model's plan lost 14-17% to the row that sends every observation as soon as it is ready and lets the server
 batch, while on other regimes the model's plan is the better one, and on one H200 the lockstep row (every env in one
-request, the reference's B = envs, P = 1) beat both by 8%. So auto measures: for a few env cycles each it runs the
-three shapes, counts the observations answered per second, keeps the fastest, and measures again when the number of
-active envs falls well below what it was (the tail of a run) or after a while.
+request, the reference's B = envs, P = 1) beat both by 8%. Where a call costs about as much as a chunk and little
+more for more observations (session 10's H200 MetaWorld: ~22 ms each), two half-size requests overlap one half's
+simulation with the other half's inference: the fixed row of that shape (B = envs / 2, P = 2) is the best of the
+grid on that regime's model (bench/planner_sim.py gpu-metaworld-16-s10), and the cost model, which counts every
+call's transport as accelerator time, ranks it no better than lockstep. So auto measures: for a few env cycles
+each it runs the four shapes, counts the observations answered per second, keeps the fastest, and measures again
+when the number of active envs falls well below what it was (the tail of a run) or after a while.
 
 Pure bookkeeping: every method takes the time it is told (`now`, monotonic seconds), so the same code runs on the
 real clock and on the planner model's virtual one (bench/planner_sim.py)."""
@@ -19,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
-PLAN, GREEDY, LOCKSTEP = "plan", "greedy", "lockstep"
-SHAPES = (PLAN, GREEDY, LOCKSTEP)
+PLAN, GREEDY, LOCKSTEP, HALVES = "plan", "greedy", "lockstep", "halves"
+SHAPES = (PLAN, GREEDY, LOCKSTEP, HALVES)
 
 Cost = Union[float, None, Callable[[], Optional[float]]]   # a figure, or a function that computes it when asked
 
