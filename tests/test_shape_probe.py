@@ -68,10 +68,11 @@ def test_answers_in_lumps_are_counted_whole_at_both_ends():
 
 
 def test_no_round_before_the_rest_of_the_run_is_known_or_where_it_cannot_pay_back():
+    """A round costs the settle + window cycles of every shape but the one in use (measured first, unsettled)."""
     p = ShapeProbe((PLAN, GREEDY))
     drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=2.0, remaining=None)
     assert p.rounds == [] and p.current == PLAN
-    cost = 2 * (ShapeProbe.SETTLE_CYCLES + ShapeProbe.WINDOW_CYCLES) * 0.05
+    cost = 1 * (ShapeProbe.SETTLE_CYCLES + ShapeProbe.WINDOW_CYCLES) * 0.05
     p = ShapeProbe((PLAN, GREEDY))
     drive(p, {PLAN: steady(100.0), GREEDY: steady(150.0)}, until=2.0, remaining=cost / ShapeProbe.MAX_SHARE * 0.9)
     assert p.rounds == [] and p.current == PLAN

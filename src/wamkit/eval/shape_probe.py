@@ -99,10 +99,11 @@ class ShapeProbe:
                 self._start_round(now, cycle, active)
 
     def _affordable(self, cycle_s: float, remaining_s: float | None) -> bool:
-        """A short run (or its last stretch) cannot pay back a round: each shape's settle + window cycles."""
+        """A short run (or its last stretch) cannot pay back a round: the settle + window cycles of every shape but
+        the one in use (a round measures that one first, unsettled: the run would spend that window on it anyway)."""
         if remaining_s is None:
             return False
-        cost = len(self.shapes) * (self.SETTLE_CYCLES + self.WINDOW_CYCLES) * cycle_s
+        cost = (len(self.shapes) - 1) * (self.SETTLE_CYCLES + self.WINDOW_CYCLES) * cycle_s
         return cost <= self.MAX_SHARE * remaining_s
 
     # -- a round
