@@ -168,6 +168,18 @@ def test_halves_is_kept_where_two_cohorts_overlap_and_never_has_more_than_two_re
     assert sum(n for n, _ in halves) / len(halves) > 0.6 * r.envs / 2      # mostly full halves, not stragglers
 
 
+def test_halves_under_a_request_cap_keeps_every_env_served(monkeypatch, planners):
+    """Where half the envs exceed the server's cap on a request (16 envs, cap 4), halves sends requests of the cap
+    with as many out as it takes to cover every env (4), so no env waits for a slot that never comes; every episode
+    runs once."""
+    r = ps.with_(ps.REGIMES["gpu-metaworld-16-s10"], max_batch=4, episodes=48)
+    monkeypatch.setattr(scheduler_mod, "ShapeProbe", lambda: ShapeProbe((HALVES,)))
+    out = ps.run(r, "auto")
+    pl = planners[-1]
+    assert pl.shape == HALVES and out["episodes"] == r.episodes
+    assert max(n for n, _ in pl.decisions) == 4 and max(k for _, k in pl.decisions) == 4
+
+
 def test_no_probe_where_every_request_is_its_own_model_call(planners):
     r = ps.with_(HETERO, server_wait_s=None)
     ps.run(r, "auto")

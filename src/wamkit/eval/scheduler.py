@@ -410,9 +410,9 @@ class RequestPlanner:
         """plan: the cost model's (batch, depth) and straggler rule; greedy: whatever waits goes at once, as one
         request, with as many in flight as there are envs (a batching server merges them); lockstep: one request of
         every env's observation once no env could still join (B = envs, P = 1); halves: requests of half the
-        active envs, at most two out at once, each sent once half the envs wait (whichever envs they are) or no env
-        could still join (B = envs / 2, P = 2 without fixed cohorts: one half simulates while the other's call
-        runs)."""
+        active envs (at most the cap), at most two out at once (more where half exceeds the cap), each sent once
+        half the envs wait (whichever envs they are) or no env could still join (B = envs / 2, P = 2 without fixed
+        cohorts: one half simulates while the other's call runs)."""
         return self.probe.current if self.probe is not None else PLAN
 
     # -- measurements -> plan
@@ -513,8 +513,10 @@ class RequestPlanner:
                 self._dispatch(self.cap)
             return
         if self.shape == HALVES:
-            half = math.ceil(max(1, self.s.active_envs) / 2)
-            while self.pending and self.in_flight < 2 and (len(self.pending) >= half or self._joinable() <= 0):
+            active = max(1, self.s.active_envs)
+            half = min(self.cap, math.ceil(active / 2))
+            depth = math.ceil(active / half)   # 2, or more where half the envs exceed a request's cap
+            while self.pending and self.in_flight < depth and (len(self.pending) >= half or self._joinable() <= 0):
                 self._dispatch(half)
             return
         n, k = self.plan()
