@@ -355,6 +355,23 @@ class Scheduler:
             await asyncio.gather(*(step(i, chunks[i]) for i in active))
 
 
+def send_by_shape(p: "RequestPlanner") -> None:
+    """Dispatch what the planner's current shape, one of the measured shapes other than the plan, sends now (the
+    shapes: RequestPlanner.shape)."""
+    if p.shape == GREEDY:
+        while p.pending and p.in_flight < max(1, p.s.active_envs):
+            p._dispatch(p.cap)
+    elif p.shape == LOCKSTEP:
+        while p.pending and p._joinable() <= 0:
+            p._dispatch(p.cap)
+    elif p.shape == HALVES:
+        active = max(1, p.s.active_envs)
+        half = min(p.cap, math.ceil(active / 2))
+        depth = math.ceil(active / half)
+        while p.pending and p.in_flight < depth and (len(p.pending) >= half or p._joinable() <= 0):
+            p._dispatch(half)
+
+
 class RequestPlanner:
     """Collects observations from envs as they finish their chunks and sends them in batches.
 
@@ -504,20 +521,8 @@ class RequestPlanner:
         return (len(self.s.queue) + active) * statistics.fmean(walls) / active
 
     def poke(self) -> None:
-        if self.shape == GREEDY:
-            while self.pending and self.in_flight < max(1, self.s.active_envs):
-                self._dispatch(self.cap)
-            return
-        if self.shape == LOCKSTEP:
-            while self.pending and self._joinable() <= 0:
-                self._dispatch(self.cap)
-            return
-        if self.shape == HALVES:
-            active = max(1, self.s.active_envs)
-            half = min(self.cap, math.ceil(active / 2))
-            depth = math.ceil(active / half)   # 2, or more where half the envs exceed a request's cap
-            while self.pending and self.in_flight < depth and (len(self.pending) >= half or self._joinable() <= 0):
-                self._dispatch(half)
+        if self.shape != PLAN:
+            send_by_shape(self)
             return
         n, k = self.plan()
         while self.pending and self.in_flight < k:
@@ -566,7 +571,7 @@ class RequestPlanner:
 
     def _fire(self) -> None:
         self._timer = None
-        if self.shape in (GREEDY, LOCKSTEP, HALVES):
+        if self.shape != PLAN:
             self.poke()
             return
         if self.pending and self.in_flight < self.plan()[1]:
