@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from wamkit.policies import make_policy  # noqa: E402
-from wamkit.policies.wam_ref.model import additive_mask, attend  # noqa: E402
+from wamkit.policies.wam_ref.model import additive_mask, attend, kv_room_buffer  # noqa: E402
 from wamkit.policies.wam_ref.skinny import graph_us  # noqa: E402
 
 BACKENDS = ("auto", "cudnn", "efficient", "flash", "math")
@@ -72,8 +72,8 @@ def inputs(sh: dict, b: int, layout: str, pad: int, dtype, device, seed: int = 0
     v = padded(torch.randn(b, kvh, s + n, hd, generator=g)).to(device, dtype)
     keep = torch.ones(b, s + pad + n, dtype=torch.bool)
     keep[:, int(s * 0.8):s + pad] = False
-    if layout == "expanded":
-        k, v = k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1)
+    if layout == "expanded":   # the kv heads repeated to every query head, in the loop's own layout
+        k, v = kv_room_buffer(k, 0, h), kv_room_buffer(v, 0, h)
     return q, k, v, additive_mask(keep.to(device), dtype)
 
 

@@ -82,6 +82,17 @@ def gpu_clock() -> dict | None:
     return {"sm_mhz": sm, "sm_max_mhz": sm_max, "power_w": draw, "power_limit_w": limit}
 
 
+def _event_s(fn, calls: int = 1) -> float:
+    """Device seconds per call of `calls` back-to-back fn() calls, between two CUDA events."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(calls):
+        fn()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) / 1e3 / calls
+
+
 def ceilings(sustain_s: float = 0.0) -> dict:
     """bf16 matmul 8192^3 TFLOP/s and device copy TB/s. The matmul figure is a burst (10 calls, ~20 ms: the GPU at
     its boost clock). sustain_s > 0 also runs the matmul back to back for that long, as a batch-64 call keeps the
@@ -94,44 +105,21 @@ def ceilings(sustain_s: float = 0.0) -> dict:
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    ts = []
-    for _ in range(10):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        a @ b
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3)
-    mm = 2 * n ** 3 / statistics.median(ts) / 1e12
+    mm = 2 * n ** 3 / statistics.median(_event_s(lambda: a @ b) for _ in range(10)) / 1e12
     out = {"bf16_matmul_tflops": mm, "bf16_matmul_clock": gpu_clock()}
     if sustain_s > 0:
-        chunks, chunk, t_end = [], 20, time.perf_counter() + sustain_s
+        chunks, t_end = [], time.perf_counter() + sustain_s
         while time.perf_counter() < t_end:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(chunk):
-                a @ b
-            e1.record()
-            e1.synchronize()
-            chunks.append(e0.elapsed_time(e1) / 1e3 / chunk)
+            chunks.append(_event_s(lambda: a @ b, calls=20))
         out["bf16_matmul_clock_sustained"] = gpu_clock()
-        late = chunks[len(chunks) // 2:]
-        out["bf16_matmul_tflops_sustained"] = 2 * n ** 3 / statistics.median(late) / 1e12
+        out["bf16_matmul_tflops_sustained"] = 2 * n ** 3 / statistics.median(chunks[len(chunks) // 2:]) / 1e12
         out["bf16_matmul_sustained_s"] = sustain_s
     del a, b
     src = torch.randn(2 ** 30, device=dev)  # 4 GiB fp32
     dst = torch.empty_like(src)
     for _ in range(2):
         dst.copy_(src)
-    ts = []
-    for _ in range(10):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        dst.copy_(src)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3)
-    bw = 2 * src.numel() * 4 / statistics.median(ts) / 1e12
+    bw = 2 * src.numel() * 4 / statistics.median(_event_s(lambda: dst.copy_(src)) for _ in range(10)) / 1e12
     del src, dst
     torch.cuda.empty_cache()
     return {**out, "copy_tb_s": bw}
