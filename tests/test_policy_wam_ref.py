@@ -313,6 +313,29 @@ def test_folded_attention_equals_grouped_query_attention():
 
 
 @torch.no_grad()
+def test_folded_attention_takes_a_transposed_sdpa_output(monkeypatch):
+    """SDPA's memory-efficient backend (chosen on GPUs without cuDNN attention, e.g. sm80) returns its output
+    strided as (B, S, H, hd) transposed; folded attention must regroup it by value, not by a view of its strides
+    (the H100 run of bench_attention.py refused that backend with a view error)."""
+    from wamkit.policies.wam_ref import model as wam_model
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def transposed_sdpa(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)   # same values, efficient-backend strides
+
+    g = torch.Generator().manual_seed(1)
+    b, h, kvh, n, s, hd = 2, 8, 2, 4, 9, 16
+    q, k, v = (torch.randn(b, hh, length, hd, generator=g) for hh, length in ((h, n), (kvh, s), (kvh, s)))
+    mask = wam_model.additive_mask(torch.rand(b, s, generator=g) > 0.2, torch.float32)
+    want = wam_model.attend(q, k, v, mask, fold=True)
+    monkeypatch.setattr(wam_model.F, "scaled_dot_product_attention", transposed_sdpa)
+    got = wam_model.attend(q, k, v, mask, fold=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@torch.no_grad()
 def test_kv_layout_switch_at_run_time():
     """Setting kv_layout on a built policy (bench scripts do) reaches every generation block and changes kernels,
     not actions; an unknown layout is refused there too."""

@@ -117,13 +117,22 @@ if part eval; then
     for R in $REPS; do
       TAG="${ENVS}x${EPS}"; [ "$R" -gt 1 ] && TAG="${TAG}_${R}servers"
       GPUS=$(seq -s, 0 $(( R - 1 )))
+      # a fresh directory per run: a warm machine keeps /tmp between calls, and bench eval refuses an out= that
+      # already holds results (resume=true continues one)
+      EW=$(mktemp -d "/tmp/eval_$TAG.XXXX")
       timeout -k 10 $EVAL_T python3 -m wamkit.cli.main bench eval bench/device/eval_metaworld.yaml num_envs="$ENVS" \
-        "$TASKARG" trials="$TRIALS" max_steps="$EVAL_STEPS" out="/tmp/eval_$TAG" server.replicas="$R" server.gpus="$GPUS" \
+        "$TASKARG" trials="$TRIALS" max_steps="$EVAL_STEPS" out="$EW" server.replicas="$R" server.gpus="$GPUS" \
         "${ROWARG[@]}" $EVAL_ARGS
       rc=$?
-      cp "/tmp/eval_$TAG/bench_eval.json" "$OUT/eval_$TAG.json" 2>/dev/null \
-        || cp "/tmp/eval_$TAG/bench_eval.partial.json" "$OUT/eval_${TAG}_partial.json" 2>/dev/null
-      [ $rc -ne 0 ] && tail -n 30 /tmp/eval_$TAG/*/server*.log 2>/dev/null | tail -n 60
+      cp "$EW/bench_eval.json" "$OUT/eval_$TAG.json" 2>/dev/null \
+        || cp "$EW/bench_eval.partial.json" "$OUT/eval_${TAG}_partial.json" 2>/dev/null
+      # each row's summary, report and timeline plot (tens of KB each) come back too
+      for d in "$EW"/*/; do
+        [ -f "$d/summary.json" ] || continue
+        mkdir -p "$OUT/eval_${TAG}_rows/$(basename "$d")"
+        cp "$d"/summary.json "$d"/report.md "$d"/timeline.png "$OUT/eval_${TAG}_rows/$(basename "$d")/" 2>/dev/null
+      done
+      [ $rc -ne 0 ] && tail -n 30 "$EW"/*/server*.log 2>/dev/null | tail -n 60
       stamp "eval $TAG" $rc
     done
   done

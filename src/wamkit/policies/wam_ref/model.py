@@ -121,7 +121,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.T
     if attn_mask is not None and attn_mask.shape[-2] != 1:
         raise ValueError(f"folded attention needs a mask over keys only, got mask shape {tuple(attn_mask.shape)}")
     a = F.scaled_dot_product_attention(q.reshape(b, kvh, (h // kvh) * n, hd), k, v, attn_mask=attn_mask)
-    return a.view(b, h, n, hd)
+    # reshape, not view: the memory-efficient backend returns its output strided as (B, S, H, hd) transposed, which
+    # cannot be viewed as (B, H, n, hd) (cuDNN's and math's are contiguous: there reshape is a view)
+    return a.reshape(b, h, n, hd)
 
 
 def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int,
