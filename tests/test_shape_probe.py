@@ -47,6 +47,43 @@ def test_the_faster_shape_is_kept_and_its_rate_is_measured():
     assert rates[PLAN] == pytest.approx(100.0, rel=0.05) and rates[GREEDY] == pytest.approx(150.0, rel=0.05)
 
 
+def drifting(before: float, after: float, at: float):
+    """`before` observations per second until `at` seconds, `after` from then on (a shape whose first window
+    happened to run fast: the noise one window per shape cannot average out)."""
+    def count(t: float) -> int:
+        return int(before * min(t, at) + after * max(0.0, t - at))
+    return lambda t0, t1: count(t1) - count(t0)
+
+
+def test_a_close_call_is_settled_by_a_duel_over_more_windows():
+    """greedy's round window runs at 106/s, halves' at 102/s (within CLOSE): one window each would keep greedy,
+    whose rate from then on is 98/s. The duel alternates the two for DUEL_LEGS more windows and keeps halves,
+    which is faster over all their windows; neither duel leg is cut short by the early stop."""
+    p = ShapeProbe((GREEDY, HALVES))
+    spent = drive(p, {GREEDY: drifting(106.0, 98.0, 1.0), HALVES: steady(102.0)}, until=3.5)
+    assert len(p.rounds) == 1, p.summary()
+    r = p.rounds[0]
+    assert r.rates[GREEDY] > r.rates[HALVES] > (1 - ShapeProbe.CLOSE) * r.rates[GREEDY]   # the round alone: greedy
+    assert set(r.duel) == {GREEDY, HALVES} and r.chosen == HALVES and p.current == HALVES
+    assert r.duel[GREEDY] == pytest.approx((106.0 + 2 * 98.0) / 3, rel=0.03)   # its three windows pooled
+    assert r.duel[HALVES] == pytest.approx(102.0, rel=0.03)
+    window = max(ShapeProbe.MIN_WINDOW_S, ShapeProbe.WINDOW_CYCLES * 0.05)
+    assert spent[GREEDY] >= 3 * window and "duel_obs_per_s" in p.summary()[0]
+
+
+def test_no_duel_where_the_shapes_are_clearly_apart_or_the_run_cannot_pay_for_it():
+    p = ShapeProbe((GREEDY, HALVES))
+    drive(p, {GREEDY: steady(100.0), HALVES: steady(110.0)}, until=3.5)      # 10% apart: the round decides
+    assert p.rounds[0].duel == {} and p.current == HALVES and "duel_obs_per_s" not in p.summary()[0]
+    # 2% apart, but the rest of the run pays for the round (1 window) and not for the duel (DUEL_LEGS windows)
+    one = (ShapeProbe.SETTLE_CYCLES + ShapeProbe.WINDOW_CYCLES) * 0.05
+    rest = 2 * one / ShapeProbe.MAX_SHARE
+    assert one <= ShapeProbe.MAX_SHARE * rest < ShapeProbe.DUEL_LEGS * one
+    p = ShapeProbe((GREEDY, HALVES))
+    drive(p, {GREEDY: steady(100.0), HALVES: steady(102.0)}, until=3.5, remaining=rest)
+    assert len(p.rounds) == 1 and p.rounds[0].duel == {} and p.current == HALVES
+
+
 def test_the_plan_is_kept_where_it_is_faster_and_a_clearly_slower_shape_stops_early():
     p = ShapeProbe((PLAN, GREEDY))
     spent = drive(p, {PLAN: steady(150.0), GREEDY: steady(60.0)}, until=3.0)

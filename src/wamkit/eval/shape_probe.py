@@ -13,7 +13,11 @@ simulation with the other half's inference: the fixed row of that shape (B = env
 grid on that regime's model (bench/planner_sim.py gpu-metaworld-16-s10), and the cost model, which counts every
 call's transport as accelerator time, ranks it no better than lockstep. So auto measures: for a few env cycles
 each it runs the four shapes, counts the observations answered per second, keeps the fastest, and measures again
-when the number of active envs falls well below what it was (the tail of a run) or after a while.
+when the number of active envs falls well below what it was (the tail of a run) or after a while. Where the two
+fastest come within CLOSE of each other, one window each cannot tell them apart (on the H100 in session 13 greedy
+beat halves by 1.4% in the probe, while the fixed rows of those shapes differed by 5.5% the other way), so a *duel*
+follows: the two alternate for DUEL_LEGS more windows, and the one with the higher rate over all its windows is kept.
+It costs little: the shapes are within CLOSE of each other.
 
 Pure bookkeeping: every method takes the time it is told (`now`, monotonic seconds), so the same code runs on the
 real clock and on the planner model's virtual one (bench/planner_sim.py)."""
@@ -42,10 +46,14 @@ class ProbeRound:
     active: int
     rates: dict[str, float] = field(default_factory=dict)
     chosen: str = PLAN
+    duel: dict[str, float] = field(default_factory=dict)   # a close call: the two fastest over all their windows
 
     def as_dict(self) -> dict:
-        return {"at_s": round(self.at_s, 3), "active": self.active,
-                "rates_obs_per_s": {k: round(v, 2) for k, v in self.rates.items()}, "chosen": self.chosen}
+        d = {"at_s": round(self.at_s, 3), "active": self.active,
+             "rates_obs_per_s": {k: round(v, 2) for k, v in self.rates.items()}, "chosen": self.chosen}
+        if self.duel:
+            d["duel_obs_per_s"] = {k: round(v, 2) for k, v in self.duel.items()}
+        return d
 
 
 class ShapeProbe:
@@ -64,6 +72,8 @@ class ShapeProbe:
     REPROBE_ACTIVE = 0.75     # measure again once active envs fall below this share of those at the last round
     REPROBE_S = 120.0         # ... or this long after it
     MAX_SHARE = 0.15          # a round starts only if it costs at most this share of the run's predicted rest
+    CLOSE = 0.05              # the two fastest this close: a duel decides (if it costs at most MAX_SHARE too)
+    DUEL_LEGS = 4             # ... of this many more windows, the two shapes alternating
 
     def __init__(self, shapes: tuple[str, ...] = SHAPES):
         self.shapes = tuple(shapes)
@@ -72,6 +82,9 @@ class ShapeProbe:
         self._answered = 0
         self._order: list[str] = []        # shapes still to measure in this round (current first)
         self._rates: dict[str, float] = {}
+        self._pooled: dict[str, list[float]] = {}   # shape -> [observations, seconds] over this round's windows
+        self._dueling = False
+        self._duelists: tuple[str, ...] = ()
         self._active0 = 0
         self._open_at: float | None = None   # the window opens (settled) ...
         self._close_at: float | None = None  # ... and closes
@@ -92,7 +105,7 @@ class ShapeProbe:
         second on the event loop that also moves the requests)."""
         self._answered += n
         if self.probing:
-            self._measure(now, n, cycle_s, active)
+            self._measure(now, n, cycle_s, active, remaining_s)
         elif self._due(now, active):
             cycle = _value(cycle_s)
             if self._affordable(cycle, _value(remaining_s)):
@@ -101,10 +114,12 @@ class ShapeProbe:
     def _affordable(self, cycle_s: float, remaining_s: float | None) -> bool:
         """A short run (or its last stretch) cannot pay back a round: the settle + window cycles of every shape but
         the one in use (a round measures that one first, unsettled: the run would spend that window on it anyway)."""
+        return self._windows_affordable(len(self.shapes) - 1, cycle_s, remaining_s)
+
+    def _windows_affordable(self, windows: int, cycle_s: float, remaining_s: float | None) -> bool:
         if remaining_s is None:
             return False
-        cost = (len(self.shapes) - 1) * (self.SETTLE_CYCLES + self.WINDOW_CYCLES) * cycle_s
-        return cost <= self.MAX_SHARE * remaining_s
+        return windows * (self.SETTLE_CYCLES + self.WINDOW_CYCLES) * cycle_s <= self.MAX_SHARE * remaining_s
 
     # -- a round
     def _due(self, now: float, active: int) -> bool:
@@ -117,17 +132,18 @@ class ShapeProbe:
 
     def _start_round(self, now: float, cycle_s: float, active: int) -> None:
         self._order = [self.current] + [s for s in self.shapes if s != self.current]
-        self._rates = {}
+        self._rates, self._pooled, self._dueling = {}, {}, False
         self._active0 = active
         self._begin(now, cycle_s, switched=False)   # the shape in use when the round starts has settled
 
     def _begin(self, now: float, cycle_s: float, switched: bool = True) -> None:
+        switched = switched and self._order[0] != self.current
         self.current = self._order[0]
         self._open_at = now + (self.SETTLE_CYCLES * cycle_s if switched else 0.0)
         self._close_at = self._open_at + max(self.MIN_WINDOW_S, self.WINDOW_CYCLES * cycle_s)
         self._t0, self._count = None, 0
 
-    def _measure(self, now: float, n: int, cycle_s: Cost, active: int) -> None:
+    def _measure(self, now: float, n: int, cycle_s: Cost, active: int, remaining_s: Cost = None) -> None:
         if now < self._open_at:
             return
         if self._t0 is None:          # the first answer after the window opened: the clock starts here
@@ -136,19 +152,48 @@ class ShapeProbe:
         self._count += n
         rate = self._count / max(now - self._t0, 1e-9)
         if now < self._close_at:
-            # clearly the slower shape: stop paying for it (a quarter of the window is several cycles of answers)
+            # clearly the slower shape: stop paying for it (a quarter of the window is several cycles of answers;
+            # not in a duel, whose shapes are close by construction)
             quarter = self._open_at + 0.25 * (self._close_at - self._open_at)
-            if not (self._rates and now >= quarter and rate < self.EARLY_STOP * max(self._rates.values())):
+            if self._dueling or not (self._rates and now >= quarter
+                                     and rate < self.EARLY_STOP * max(self._rates.values())):
                 return
-        self._rates[self.current] = rate
+        if not self._dueling:
+            self._rates[self.current] = rate
+        pool = self._pooled.setdefault(self.current, [0.0, 0.0])
+        pool[0] += self._count
+        pool[1] += now - self._t0
         self._order.pop(0)
+        if not self._order and not self._dueling:
+            self._maybe_duel(cycle_s, remaining_s)
         if self._order:
             self._begin(now, _value(cycle_s))
             return
-        best = max(self._rates, key=lambda s: self._rates[s])
-        self.rounds.append(ProbeRound(now, self._active0, dict(self._rates), best))
+        duel = {}
+        if self._dueling:
+            duel = {s: c / max(t, 1e-9) for s, (c, t) in self._pooled.items() if s in self._duelists}
+            best = max(duel, key=lambda s: duel[s])
+        else:
+            best = max(self._rates, key=lambda s: self._rates[s])
+        self.rounds.append(ProbeRound(now, self._active0, dict(self._rates), best, duel))
         self.current = best
+        self._dueling = False
         self._chosen_at, self._chosen_active = now, active
+
+    def _maybe_duel(self, cycle_s: Cost, remaining_s: Cost) -> None:
+        """The round has measured every shape: if the two fastest are within CLOSE, alternate them for DUEL_LEGS
+        more windows (starting with the one in use if it is one of them: no switch, no settling)."""
+        ranked = sorted(self._rates, key=lambda s: self._rates[s], reverse=True)
+        if len(ranked) < 2 or self._rates[ranked[1]] < (1.0 - self.CLOSE) * self._rates[ranked[0]]:
+            return
+        if not self._windows_affordable(self.DUEL_LEGS, _value(cycle_s), _value(remaining_s)):
+            return
+        pair = ranked[:2]
+        first = self.current if self.current in pair else pair[0]
+        second = pair[1] if first == pair[0] else pair[0]
+        self._duelists = (first, second)
+        self._order = [first if i % 2 == 0 else second for i in range(self.DUEL_LEGS)]
+        self._dueling = True
 
     def summary(self) -> list[dict]:
         return [r.as_dict() for r in self.rounds]
