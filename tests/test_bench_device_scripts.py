@@ -51,3 +51,26 @@ def test_bench_nano_kernel_kinds():
     assert nano.kernel_kind("_skinny_kernel") == "gemm"
     assert nano.kernel_kind("triton_red_fused__fused_rms_norm_add_mul_0") == "norm/elementwise"
     assert nano.kernel_kind("Memset (Unknown)") == "copy"
+
+
+def test_bench_nano_kernel_time_split_by_phase():
+    """Each kernel's device time goes to the phase range holding its midpoint, by kind; kernels outside every
+    range are kept apart (not dropped), and the phase ranges themselves are not kernels."""
+    nano = _load("bench_nano")
+    spans = [("prefix", 0.0, 1000.0), ("denoise", 1000.0, 5000.0)]
+    kernels = [("nvjet_sm90_tst_256x128", 10.0, 510.0), ("triton_red_fused__fused_rms_norm_0", 600.0, 700.0),
+               ("nvjet_sm90_tst_192x128", 990.0, 1210.0),          # straddles: midpoint 1100 is in denoise
+               ("cudnn_generated_fort_native_sdpa_sm90_flash", 2000.0, 2040.0), ("Memset (Unknown)", 6000.0, 6002.0)]
+    got = nano.kinds_by_phase(spans, kernels)
+    assert got == {"prefix": {"gemm": 0.5, "norm/elementwise": 0.1},
+                   "denoise": {"attention": 0.04, "gemm": 0.22}, "outside": {"copy": 0.002}}
+
+    class Ev:   # torch.profiler's raw events: host-side ones and the phase annotations are not kernels
+        def __init__(self, name, device, t0, t1, annotation=False):
+            self.name, self.device_type, self.is_user_annotation = name, device, annotation
+            self.time_range = type("TR", (), {"start": t0, "end": t1})()
+
+    raw = [Ev("wamkit.prefix", "DeviceType.CUDA", 0.0, 1000.0, True), Ev("aten::mm", "DeviceType.CPU", 5.0, 9.0),
+           Ev("nvjet_sm90_tst_256x128", "DeviceType.CUDA", 10.0, 510.0)]
+    assert nano._device_spans(raw) == ([("prefix", 0.0, 1000.0)], [("nvjet_sm90_tst_256x128", 10.0, 510.0)])
+

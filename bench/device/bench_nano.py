@@ -221,12 +221,13 @@ def profile(pol, b: int, rows: int = 25) -> dict:
     pol.sample(inputs, seeds)        # capture / compile outside the profile
     ph = phases(pol, inputs, seeds)
     sync()
-    events, kinds, kernels = _trace(pol, inputs, seeds)
+    events, kinds, kernels, raw = _trace(pol, inputs, seeds)
+    by_phase = kinds_by_phase(*_device_spans(raw)) if on_cuda() else {}
     out = {"batch": b, "mode": {"cuda_graphs": pol.cuda_graphs, "prefix_graphs": pol.prefix_graphs,
                                 "fused": pol.fused, "compile": pol.compile, "kv_layout": pol.kv_layout,
                                 "gemm": pol.gemm},
            "phases_ms": ph, "kernel_ms_by_kind": kinds, "kernel_ms_total": round(sum(kinds.values()), 3),
-           "kernel_launches": kernels,
+           "kernel_launches": kernels, "kernel_ms_by_phase": by_phase,
            # device time of the phases not covered by kernels: launch gaps, host work between graph replays
            "idle_ms": round(sum(ph.values()) - sum(kinds.values()), 3) if on_cuda() else None,
            "table": events.table(sort_by="cuda_time_total" if on_cuda() else "cpu_time_total", row_limit=rows,
@@ -235,15 +236,45 @@ def profile(pol, b: int, rows: int = 25) -> dict:
         pol.cuda_graphs = False
         try:
             pol.sample(inputs, seeds)
-            ev, out["kernel_ms_by_kind_eager"], out["kernel_launches_eager"] = _trace(pol, inputs, seeds)
+            ev, out["kernel_ms_by_kind_eager"], out["kernel_launches_eager"], raw = _trace(pol, inputs, seeds)
+            out["kernel_ms_by_phase_eager"] = kinds_by_phase(*_device_spans(raw))
             out["table_eager"] = ev.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
         finally:
             pol.cuda_graphs = True
     return out
 
 
+def kinds_by_phase(spans, kernels) -> dict[str, dict[str, float]]:
+    """Device kernel ms by phase and kind. spans: (phase, start_us, end_us) of the phase ranges on the device
+    timeline (wamkit.prefix, wamkit.denoise); kernels: (name, start_us, end_us). A kernel goes to the phase whose
+    range holds its midpoint ("outside" where none does)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, t0, t1 in kernels:
+        mid = 0.5 * (t0 + t1)
+        phase = next((ph for ph, a, b in spans if a <= mid <= b), "outside")
+        kinds = out.setdefault(phase, {})
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + (t1 - t0) / 1e3
+    return {ph: {k: round(v, 3) for k, v in sorted(kinds.items())} for ph, kinds in sorted(out.items())}
+
+
+def _device_spans(raw_events):
+    """(phase spans, kernels) from torch.profiler's raw events: the device-side events only."""
+    spans, kernels = [], []
+    for e in raw_events:
+        if not str(getattr(e, "device_type", "")).lower().endswith("cuda"):
+            continue
+        tr = e.time_range
+        if getattr(e, "is_user_annotation", False) or e.name.startswith("wamkit."):
+            if e.name.startswith("wamkit."):
+                spans.append((e.name[len("wamkit."):], tr.start, tr.end))
+        else:
+            kernels.append((e.name, tr.start, tr.end))
+    return spans, kernels
+
+
 def _trace(pol, inputs, seeds):
-    """torch.profiler over one sample(): (key averages, device kernel ms by kind, kernel launches)."""
+    """torch.profiler over one sample(): (key averages, device kernel ms by kind, kernel launches, the raw events:
+    the split by phase reads their device timeline)."""
     from torch.profiler import ProfilerActivity, profile as prof
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda() else [])
@@ -261,7 +292,7 @@ def _trace(pol, inputs, seeds):
             ms = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / 1e3
             kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + ms
             kernels += e.count
-    return events, {k: round(v, 3) for k, v in sorted(kinds.items())}, kernels
+    return events, {k: round(v, 3) for k, v in sorted(kinds.items())}, kernels, p.events()
 
 
 def check(pol, batches: list[int]) -> dict:
@@ -475,7 +506,8 @@ def main(argv=None) -> int:
         try:
             pr = res["profile"][str(b)] = profile(pol, b)
             log(f"--- profile sample() b={b} {pr['mode']}: phases {pr['phases_ms']} kernels by kind "
-                f"{pr['kernel_ms_by_kind']} ({pr['kernel_launches']} launches)\n" + pr["table"])
+                f"{pr['kernel_ms_by_kind']} ({pr['kernel_launches']} launches); by phase "
+                f"{pr['kernel_ms_by_phase']}\n" + pr["table"])
         except Exception as e:
             log(f"profile b={b} FAILED: {type(e).__name__}: {e}")
         save()
