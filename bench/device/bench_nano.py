@@ -12,9 +12,9 @@ Measures, in one process on one GPU:
   graph too), optionally "+compile" (torch.compile of the blocks; modes after the first "+compile" one stay compiled,
   so list those last), "+nofuse" (fused=false: the reference path, one GEMM per projection, transformers' prefix
   forward), "+noprefix" (prefix_graphs=false), "+triton" / "+autotune" (gemm=triton | autotune for the denoising
-  loop's GEMMs; otherwise gemm=cublas) and ":room" / ":folded" (kv_layout=room | folded instead of expanded); graphs modes first
-  capture every bucket (policy.warmup, timed): wall-clock latency p50/p99 over `reps` calls after warm-up (includes
-  CPU preprocessing and the copy back), plus the device time of each phase of one sample() in that mode (CUDA events
+  loop's GEMMs; otherwise gemm=cublas) and ":room" / ":folded" (kv_layout=room | folded; no suffix: expanded,
+  whatever the policy's default); graphs modes first capture every bucket (policy.warmup, timed): wall-clock
+  latency p50/p99 over `reps` calls after warm-up (includes CPU preprocessing and the copy back), plus the device time of each phase of one sample() in that mode (CUDA events
   at the phase boundaries: prefix = vision + understanding tower, loop = the denoising loop) and each phase's
   TFLOP/s (its FLOPs from policy.flops_per_observation over its time), and an eager vision-tower timing;
 - --profile: torch.profiler of one sample() at those batch sizes in the last mode's configuration (graph replays

@@ -113,8 +113,9 @@ class WamRefConfig:
     prefix_graphs: bool = True                  # with cuda_graphs: the prefix pass (vision + und) is one too
     fused: bool = True                          # q/k/v and gate/up as one GEMM each (derived weights; off: reference)
     graph_buckets: Sequence[int] | str | None = None  # batch buckets of the graphs; None = 1,2,4,8,16,24,32,...
-    kv_layout: str = "expanded"                 # prefix K/V while denoising: expanded (all query heads) | room (kv
-                                                #   heads, SDPA with GQA) | folded (kv heads, query heads folded)
+    kv_layout: str = "folded"                   # prefix K/V while denoising: folded (kv heads, query heads folded:
+                                                #   +9.6% at nano batch 64) | expanded (all query heads) | room (kv
+                                                #   heads, SDPA with GQA)
     compile: bool = False                       # torch.compile of generation blocks + understanding norms/MLPs
     batched_vision_attention: bool = True       # one attention call over all (equal-size) images per vision layer
     gemm: str = "cublas"                        # denoising-loop GEMMs: cublas (F.linear) | triton (skinny.py's split-K
