@@ -101,10 +101,14 @@ fi
 
 if part eval; then
   for sc in ${EVALSCALES//,/ }; do
-    # EVAL_NTASKS (default 4, at most 6: MetaWorld's default task list) x 50 init states cap the plan's episodes;
-    # 6 tasks let 16-env rows of 500-step episodes last ~30 s on the H200
+    # EVAL_NTASKS (default 4, at most 10) x 50 init states cap the plan's episodes: 6 tasks (MetaWorld's default
+    # list in wamkit) let 16-env rows of 500-step episodes last ~30 s on the GPU; 32-env rows need ~8 (300 episodes
+    # ran 23-24 s in session 13). Beyond 6, four more V3 tasks join the list (env_args.tasks).
     NT=${EVAL_NTASKS:-4}; ENVS=${sc%x*}; EPS=${sc#*x}; TRIALS=$(( EPS / NT ))
+    [ "$NT" -gt 10 ] && { echo "EVAL_NTASKS=$NT: at most 10"; exit 2; }
     TASKARG="tasks=$(seq -s, 0 $(( NT - 1 )))"
+    EXTRA_TASKS=()
+    [ "$NT" -gt 6 ] && EXTRA_TASKS=("env_args.tasks=reach-v3,push-v3,pick-place-v3,drawer-open-v3,button-press-topdown-v3,door-open-v3,window-open-v3,drawer-close-v3,button-press-v3,reach-wall-v3")
     echo "=== eval: $EPS episodes, $ENVS envs ($NT tasks x $TRIALS trials, max_steps=$EVAL_STEPS)"
     ROWARG=(); [ -n "$EVAL_ROWS" ] && ROWARG=("rows=$EVAL_ROWS")
     if [ -z "$EVAL_ROWS" ]; then   # the (B, P) grid with B x P = envs (B = envs, envs/2, 4, 1 from 16 envs), serial, auto
@@ -122,7 +126,7 @@ if part eval; then
       EW=$(mktemp -d "/tmp/eval_$TAG.XXXX")
       timeout -k 10 $EVAL_T python3 -m wamkit.cli.main bench eval bench/device/eval_metaworld.yaml num_envs="$ENVS" \
         "$TASKARG" trials="$TRIALS" max_steps="$EVAL_STEPS" out="$EW" server.replicas="$R" server.gpus="$GPUS" \
-        "${ROWARG[@]}" $EVAL_ARGS
+        "${ROWARG[@]}" "${EXTRA_TASKS[@]}" $EVAL_ARGS
       rc=$?
       cp "$EW/bench_eval.json" "$OUT/eval_$TAG.json" 2>/dev/null \
         || cp "$EW/bench_eval.partial.json" "$OUT/eval_${TAG}_partial.json" 2>/dev/null
