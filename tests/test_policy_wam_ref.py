@@ -387,6 +387,12 @@ def test_compile_gives_the_same_actions(one_thread):
     for n in (1, 3):
         obs, seeds = _obs(n, seed=n, state_dim=8), list(range(n))
         np.testing.assert_allclose(comp.predict(obs, seeds), ref.predict(obs, seeds), rtol=1e-4, atol=1e-5)
+    # what compile covers in the understanding tower: every vision layer whole (not its MLP again inside it), and
+    # the prefix pass's rotary embedding, which the calls above went through
+    vis = comp.model.und.visual
+    assert vis.blocks and all(getattr(b, "_compiled_call_impl", None) is not None for b in vis.blocks)
+    assert all(getattr(b.mlp, "_compiled_call_impl", None) is None for b in vis.blocks)
+    assert comp.engine.prefix_pass._rope is not None and ref.engine.prefix_pass._rope is None
 
 
 def test_batched_vision_attention_matches_per_image_calls():

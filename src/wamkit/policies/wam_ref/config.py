@@ -116,7 +116,8 @@ class WamRefConfig:
     kv_layout: str = "folded"                   # prefix K/V while denoising: folded (kv heads, query heads folded:
                                                 #   +9.6% at nano batch 64) | expanded (all query heads) | room (kv
                                                 #   heads, SDPA with GQA)
-    compile: bool = False                       # torch.compile of generation blocks + understanding norms/MLPs
+    compile: bool = False                       # torch.compile of generation blocks, understanding norms/MLPs,
+                                                #   vision layers and the prefix's rotary embedding
     batched_vision_attention: bool = True       # one attention call over all (equal-size) images per vision layer
     gemm: str = "cublas"                        # denoising-loop GEMMs: cublas (F.linear) | triton (skinny.py's split-K
                                                 #   kernel for <= 64 rows, tuned on first use) | autotune (Inductor

@@ -15,8 +15,9 @@ One understanding-tower pass per observation (the prefix K/V), then the whole Eu
   enable_gqa) or "folded" (kv heads only; each kv head's query heads stacked along the query axis, so SDPA runs
   without GQA over a quarter of expanded's K/V bytes: model.attend). Either way the action tokens' K/V go into
   free slots in place.
-- compile: torch.compile of each generation block and of the understanding tower's norms and MLPs (fuses the
-  elementwise work around the GEMMs); needs a working Inductor backend (Triton on GPUs).
+- compile: torch.compile of each generation block, the understanding tower's norms and MLPs, its vision layers and
+  the prefix's rotary embedding (fuses the elementwise work around the GEMMs); needs a working Inductor backend
+  (Triton on GPUs).
 - gemm: the denoising loop's GEMM kernels: cublas (F.linear), triton (skinny.py's split-K kernel where the loop has
   <= 64 rows; its tile / split per shape tuned on the real weights on first use of a row count, `gemm_tuning`),
   autotune (the generation blocks' functions compiled in Inductor's max-autotune mode: Triton templates vs cuBLAS).
@@ -269,8 +270,8 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ compile
     def enable_compile(self) -> None:
-        """torch.compile (Inductor) of the generation blocks and of the understanding tower's RMSNorms and MLPs, in
-        place (`nn.Module.compile`). Dynamo's automatic dynamic shapes: the second batch size seen recompiles with
+        """torch.compile (Inductor) of the generation blocks, of the understanding tower's RMSNorms and text MLPs,
+        its vision layers and the prefix pass's text MLP and rotary embedding, in place (`nn.Module.compile`). Dynamo's automatic dynamic shapes: the second batch size seen recompiles with
         a symbolic batch dimension."""
         import torch._dynamo
 
@@ -284,7 +285,12 @@ class InferenceEngine:
             blk.compiled = True   # its two pure functions, compiled once for all blocks (see GenBlock)
         for name, mod in self.model.und.named_modules():
             kind = type(mod).__name__
-            if kind.endswith("RMSNorm") or kind.endswith("TextMLP") or kind.endswith("VisionMLP"):
+            if kind.endswith("VisionBlock"):
+                # the whole vision layer (its LayerNorms, rotary embedding, the transposes around attention, the
+                # residual adds and the MLP: eager kernels over every image token otherwise); its modules are not
+                # compiled on their own as well
+                mod.compile()
+            elif (kind.endswith("RMSNorm") or kind.endswith("TextMLP")) and ".visual." not in f".{name}.":
                 mod.compile()
 
 

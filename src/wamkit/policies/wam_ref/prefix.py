@@ -34,8 +34,9 @@ class PrefixPass:
         self.model = model
         self.image_slots = list(image_slots)
         self._geometry: dict[tuple, dict] = {}
-        self.compiled = False   # compile=true: the fused MLP runs torch.compile'd (InferenceEngine.enable_compile)
-        self._mlp = None
+        self.compiled = False   # compile=true: the fused MLP and the rotary embedding run torch.compile'd
+        self._mlp = None        #   (InferenceEngine.enable_compile)
+        self._rope = None
 
     # ------------------------------------------------------------------ vision geometry (host work, once per count)
     def geometry(self, n_images: int, grid: tuple[int, int, int], device: torch.device) -> dict:
@@ -75,11 +76,15 @@ class PrefixPass:
         attn_mask = causal[None, None] & valid[:, None, None, :]
         keys, values = [], []
         mlp_fn = _text_mlp
+        rope = _rope_of(lm.layers[0].self_attn) if len(lm.layers) else None
         if self.compiled:
             mlp_fn = self._mlp = self._mlp or torch.compile(_text_mlp)
+            # transformers' rotate-half rotary embedding is five eager kernels on q and five on k per layer
+            # (a cat among them): one fused kernel each once compiled (a pure function: one compile for all layers)
+            rope = self._rope = self._rope or torch.compile(rope)
         for i, layer in enumerate(lm.layers):
             fw = fused.text[i] if fused is not None else None
-            a, k, v = _text_attention(layer.self_attn, layer.input_layernorm(h), cos, sin, attn_mask, fw)
+            a, k, v = _text_attention(layer.self_attn, layer.input_layernorm(h), cos, sin, attn_mask, fw, rope)
             h = h + a
             x = layer.post_attention_layernorm(h)
             if fw is None or getattr(layer.mlp.config, "hidden_act", "silu") != "silu":
@@ -95,10 +100,16 @@ class PrefixPass:
         return Prefix(keys=keys, values=values, key_mask=valid, next_pos=next_pos)
 
 
-def _text_attention(attn, x, cos, sin, mask, fw: TextLayerWeights | None):
+def _rope_of(attn):
+    """transformers' apply_rotary_pos_emb of the module that defines this attention class."""
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+
+def _text_attention(attn, x, cos, sin, mask, fw: TextLayerWeights | None, rope=None):
     """transformers' Qwen3-VL text attention (q/k norms, mRoPE, SDPA over the masked prefix), returning its
-    post-rotary K and V (what the cache would hold); one [q; k; v] GEMM when fw is given."""
-    rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    post-rotary K and V (what the cache would hold); one [q; k; v] GEMM when fw is given. rope: the module's
+    apply_rotary_pos_emb (default) or a compiled copy of it."""
+    rope = rope or _rope_of(attn)
     b, s, _ = x.shape
     hd = attn.head_dim
     if fw is None:
