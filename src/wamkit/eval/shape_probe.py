@@ -158,17 +158,26 @@ class ShapeProbe:
             if self._dueling or not (self._rates and now >= quarter
                                      and rate < self.EARLY_STOP * max(self._rates.values())):
                 return
+        self._close_window(now, rate)
+        if not self._order and not self._dueling:
+            self._maybe_duel(cycle_s, remaining_s)
+        if self._order:
+            self._begin(now, _value(cycle_s))
+        else:
+            self._decide(now, active)
+
+    def _close_window(self, now: float, rate: float) -> None:
+        """The current shape's window ends: its rate (a round's one window per shape) and its observations and
+        seconds pooled over every window of the round (what a duel compares)."""
         if not self._dueling:
             self._rates[self.current] = rate
         pool = self._pooled.setdefault(self.current, [0.0, 0.0])
         pool[0] += self._count
         pool[1] += now - self._t0
         self._order.pop(0)
-        if not self._order and not self._dueling:
-            self._maybe_duel(cycle_s, remaining_s)
-        if self._order:
-            self._begin(now, _value(cycle_s))
-            return
+
+    def _decide(self, now: float, active: int) -> None:
+        """Every window of the round is done: keep the fastest (after a duel: of the two, over all their windows)."""
         duel = {}
         if self._dueling:
             duel = {s: c / max(t, 1e-9) for s, (c, t) in self._pooled.items() if s in self._duelists}
