@@ -408,6 +408,12 @@ REGIMES = {
     "gpu-metaworld-16-s10": Regime("gpu-metaworld-16-s10", 16, 16, 0.022, 0.0225, 0.0001, net_s=0.0015,
                                    net_b=0.00018, jitter=0.1, chunks=31, episodes=192, server_wait_s=0.0,
                                    task_cost=(0.85, 1.05, 1.15, 0.95, 1.0, 0.9)),
+    # session 13's H100 MetaWorld table (16 envs, 6 tasks, 500-step episodes): the loop bound's chunk 26.9 ms, server
+    # compute 21.8-24.3 ms at every request size, transport as in s10. The machine ranked B=8, P=2 (4333) > B=16,
+    # P=1 (4318) > B=1, P=16 (4107). Real time scale
+    "gpu-metaworld-16-s13": Regime("gpu-metaworld-16-s13", 16, 16, 0.0269, 0.022, 0.0001, net_s=0.0015,
+                                   net_b=0.00018, jitter=0.1, chunks=31, episodes=288, server_wait_s=0.0,
+                                   task_cost=(0.85, 1.05, 1.15, 0.95, 1.0, 0.9)),
     "gpu-metaworld-shared-16": Regime("gpu-metaworld-shared-16", 16, 16, 0.040, 0.0125, 0.0004, share_gain=0.5),
     # simulation-heavy: calls are cheap
     "sim-bound-8": Regime("sim-bound-8", 8, 8, 0.060, 0.004, 0.0002, episodes=48),
