@@ -270,9 +270,9 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ compile
     def enable_compile(self) -> None:
-        """torch.compile (Inductor) of the generation blocks, of the understanding tower's RMSNorms and text MLPs,
-        its vision layers and the prefix pass's text MLP and rotary embedding, in place (`nn.Module.compile`). Dynamo's automatic dynamic shapes: the second batch size seen recompiles with
-        a symbolic batch dimension."""
+        """torch.compile (Inductor) of the generation blocks, the prefix pass's text MLP and rotary embedding, and
+        the understanding tower's modules (_compile_understanding), in place. Dynamo's automatic dynamic shapes: the
+        second batch size seen recompiles with a symbolic batch dimension."""
         import torch._dynamo
 
         self.compile = True
@@ -280,18 +280,22 @@ class InferenceEngine:
                   "accumulated_cache_size_limit"):
             if hasattr(torch._dynamo.config, k):
                 setattr(torch._dynamo.config, k, max(getattr(torch._dynamo.config, k), 256))
-        self.prefix_pass.compiled = True   # its fused text MLP
+        self.prefix_pass.compiled = True
         for blk in self.model.gen.blocks:
             blk.compiled = True   # its two pure functions, compiled once for all blocks (see GenBlock)
-        for name, mod in self.model.und.named_modules():
-            kind = type(mod).__name__
-            if kind.endswith("VisionBlock"):
-                # the whole vision layer (its LayerNorms, rotary embedding, the transposes around attention, the
-                # residual adds and the MLP: eager kernels over every image token otherwise); its modules are not
-                # compiled on their own as well
-                mod.compile()
-            elif (kind.endswith("RMSNorm") or kind.endswith("TextMLP")) and ".visual." not in f".{name}.":
-                mod.compile()
+        _compile_understanding(self.model.und)
+
+
+def _compile_understanding(und) -> None:
+    """`nn.Module.compile` of the understanding tower's text RMSNorms and MLPs and of each vision layer whole (its
+    LayerNorms, rotary embedding, the transposes around attention, the residual adds and the MLP: eager kernels over
+    every image token otherwise; its modules are not compiled on their own as well)."""
+    for name, mod in und.named_modules():
+        kind = type(mod).__name__
+        if kind.endswith("VisionBlock"):
+            mod.compile()
+        elif (kind.endswith("RMSNorm") or kind.endswith("TextMLP")) and ".visual." not in f".{name}.":
+            mod.compile()
 
 
 def _elapsed_ms(marks: list) -> list[float]:
