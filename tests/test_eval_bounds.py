@@ -84,3 +84,24 @@ def test_the_report_says_what_the_env_workers_rendered_with():
     mixed = [{"row": "B=1, P=16", "env_render": {"egl": 15, "egl device 1": 1}}, {"row": "auto"}]
     assert render_line(mixed) == "Env workers rendered with: B=1, P=16: egl x15, egl device 1 x1; auto: -."
     assert render_line([{"row": "auto"}]) == ""   # reports from before it was recorded, or no MuJoCo
+
+
+def test_the_report_says_what_auto_measured_and_kept():
+    """Each auto row's probe rounds (rates, a duel after a close call, the shape chosen) and the shape kept in every
+    round of the bench, in the report and on the console; rows that did not probe say nothing."""
+    from wamkit.eval.bench import markdown, probe_lines
+
+    auto = {"row": "auto", "auto_shapes": ["halves", "greedy"], "auto_shape": {"shape": "halves", "probed": True,
+            "rounds": [{"at_s": 2.535, "active": 16, "rates_obs_per_s": {"greedy": 312.43, "halves": 308.04},
+                        "duel_obs_per_s": {"greedy": 301.2, "halves": 309.9}, "chosen": "halves"}]}}
+    fixed = {"row": "B=8, P=2"}
+    unprobed = {"row": "auto-plan", "auto_shape": {"shape": "plan", "probed": False, "rounds": []}}
+    lines = probe_lines([fixed, auto, unprobed])
+    assert lines == ["auto kept halves, greedy (probe rounds of the median run: at 2.5 s with 16 envs: greedy "
+                     "312.4, halves 308.0 obs/s; duel greedy 301.2, halves 309.9 -> halves)."]
+    assert probe_lines([fixed, unprobed]) == []
+    row = dict(auto, episodes=4, episodes_per_hour=1.0, env_steps_per_s=1.0, inference_obs_per_s=1.0,
+               mean_batch=1.0, ratio_steps=None, ratio_episodes=None)
+    report = {"rows": [row], "rounds": 1, "bound": {"bound_env_steps_per_s": None}}
+    assert lines[0] in markdown(report)
+

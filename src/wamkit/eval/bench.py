@@ -398,6 +398,8 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     (out / "bench_eval.json").write_text(json.dumps(report, indent=2))
     (out / "bench_eval.md").write_text(markdown(report))
     console.print(table(report))
+    for line in probe_lines(results):
+        console.print(line)
     return report
 
 
@@ -456,6 +458,26 @@ def render_line(rows: list[dict[str, Any]]) -> str:
     return "Env workers rendered with: " + "; ".join(f"{row}: {txt(r) or '-'}" for row, r in seen) + "."
 
 
+def probe_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """What auto measured and kept (summary.scheduler.auto_shape), one line per auto row: each probe round's rates
+    and, after a close call, its duel; the shape kept in every round of the bench. [] where no row probed."""
+    out = []
+    for x in rows:
+        a = x.get("auto_shape") or {}
+        if not a.get("rounds"):
+            continue
+        parts = []
+        for r in a["rounds"]:
+            rates = ", ".join(f"{k} {v:.1f}" for k, v in r.get("rates_obs_per_s", {}).items())
+            duel = r.get("duel_obs_per_s")
+            duel_txt = ("; duel " + ", ".join(f"{k} {v:.1f}" for k, v in duel.items())) if duel else ""
+            parts.append(f"at {r['at_s']:.1f} s with {r['active']} envs: {rates} obs/s{duel_txt} -> {r['chosen']}")
+        kept = x.get("auto_shapes") or [a.get("shape")]
+        out.append(f"{x['row']} kept {', '.join(str(k) for k in kept)} (probe rounds of the median run: "
+                   + "; ".join(parts) + ").")
+    return out
+
+
 def markdown(report: dict[str, Any]) -> str:
     # per-call times only when the rows have them (reports written before they were recorded do not)
     calls = any(x.get("request_ms_mean") for x in report["rows"])
@@ -484,6 +506,9 @@ def markdown(report: dict[str, Any]) -> str:
     render = render_line(report["rows"])
     if render:
         lines += [render, ""]
+    probes = probe_lines(report["rows"])
+    if probes:
+        lines += probes + [""]
     sb = report["rows"][0] if report["rows"] and report["rows"][0]["row"] == "single-batch" else None
     if sb and sb.get("env_steps_per_s_without_loads"):
         lines.append(f"single-batch loaded {sb['scene_loads']} scene(s) in its row ({sb['scene_load_s']:.1f} s of "
