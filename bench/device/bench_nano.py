@@ -14,8 +14,8 @@ Measures, in one process on one GPU:
   forward), "+noprefix" (prefix_graphs=false), "+triton" / "+autotune" (gemm=triton | autotune for the denoising
   loop's GEMMs; otherwise gemm=cublas) and ":room" / ":folded" (kv_layout=room | folded; no suffix: expanded,
   whatever the policy's default); graphs modes first capture every bucket (policy.warmup, timed): wall-clock
-  latency p50/p99 over `reps` calls after warm-up (includes CPU preprocessing and the copy back), plus the device time of each phase of one sample() in that mode (CUDA events
-  at the phase boundaries: prefix = vision + understanding tower, loop = the denoising loop) and each phase's
+  latency p50/p99 over `reps` calls after warm-up (includes CPU preprocessing and the copy back), plus the device
+  time of each phase of one sample() in that mode (CUDA events at the phase boundaries: prefix = vision + understanding tower, loop = the denoising loop) and each phase's
   TFLOP/s (its FLOPs from policy.flops_per_observation over its time), and an eager vision-tower timing;
 - --profile: torch.profiler of one sample() at those batch sizes in the last mode's configuration (graph replays
   included: their kernels are traced), as top kernels plus where each millisecond goes (phases; kernel time by
@@ -221,8 +221,7 @@ def profile(pol, b: int, rows: int = 25) -> dict:
     pol.sample(inputs, seeds)        # capture / compile outside the profile
     ph = phases(pol, inputs, seeds)
     sync()
-    events, kinds, kernels, raw = _trace(pol, inputs, seeds)
-    by_phase = kinds_by_phase(*_device_spans(raw)) if on_cuda() else {}
+    events, kinds, kernels, by_phase = _trace(pol, inputs, seeds)
     out = {"batch": b, "mode": {"cuda_graphs": pol.cuda_graphs, "prefix_graphs": pol.prefix_graphs,
                                 "fused": pol.fused, "compile": pol.compile, "kv_layout": pol.kv_layout,
                                 "gemm": pol.gemm},
@@ -236,8 +235,8 @@ def profile(pol, b: int, rows: int = 25) -> dict:
         pol.cuda_graphs = False
         try:
             pol.sample(inputs, seeds)
-            ev, out["kernel_ms_by_kind_eager"], out["kernel_launches_eager"], raw = _trace(pol, inputs, seeds)
-            out["kernel_ms_by_phase_eager"] = kinds_by_phase(*_device_spans(raw))
+            ev, out["kernel_ms_by_kind_eager"], out["kernel_launches_eager"], out["kernel_ms_by_phase_eager"] = \
+                _trace(pol, inputs, seeds)
             out["table_eager"] = ev.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
         finally:
             pol.cuda_graphs = True
@@ -252,8 +251,8 @@ def kinds_by_phase(spans, kernels) -> dict[str, dict[str, float]]:
     for name, t0, t1 in kernels:
         mid = 0.5 * (t0 + t1)
         phase = next((ph for ph, a, b in spans if a <= mid <= b), "outside")
-        kinds = out.setdefault(phase, {})
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + (t1 - t0) / 1e3
+        kinds, kind = out.setdefault(phase, {}), kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + (t1 - t0) / 1e3
     return {ph: {k: round(v, 3) for k, v in sorted(kinds.items())} for ph, kinds in sorted(out.items())}
 
 
@@ -264,17 +263,16 @@ def _device_spans(raw_events):
         if not str(getattr(e, "device_type", "")).lower().endswith("cuda"):
             continue
         tr = e.time_range
-        if getattr(e, "is_user_annotation", False) or e.name.startswith("wamkit."):
-            if e.name.startswith("wamkit."):
-                spans.append((e.name[len("wamkit."):], tr.start, tr.end))
-        else:
+        if e.name.startswith("wamkit."):
+            spans.append((e.name[len("wamkit."):], tr.start, tr.end))
+        elif not getattr(e, "is_user_annotation", False):
             kernels.append((e.name, tr.start, tr.end))
     return spans, kernels
 
 
 def _trace(pol, inputs, seeds):
-    """torch.profiler over one sample(): (key averages, device kernel ms by kind, kernel launches, the raw events:
-    the split by phase reads their device timeline)."""
+    """torch.profiler over one sample(): (key averages, device kernel ms by kind, kernel launches, device kernel ms
+    by phase and kind: {} off CUDA)."""
     from torch.profiler import ProfilerActivity, profile as prof
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda() else [])
@@ -292,7 +290,8 @@ def _trace(pol, inputs, seeds):
             ms = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / 1e3
             kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + ms
             kernels += e.count
-    return events, {k: round(v, 3) for k, v in sorted(kinds.items())}, kernels, p.events()
+    by_phase = kinds_by_phase(*_device_spans(p.events())) if on_cuda() else {}
+    return events, {k: round(v, 3) for k, v in sorted(kinds.items())}, kernels, by_phase
 
 
 def check(pol, batches: list[int]) -> dict:

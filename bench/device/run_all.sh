@@ -108,7 +108,10 @@ if part eval; then
     [ "$NT" -gt 10 ] && { echo "EVAL_NTASKS=$NT: at most 10"; exit 2; }
     TASKARG="tasks=$(seq -s, 0 $(( NT - 1 )))"
     EXTRA_TASKS=()
-    [ "$NT" -gt 6 ] && EXTRA_TASKS=("env_args.tasks=reach-v3,push-v3,pick-place-v3,drawer-open-v3,button-press-topdown-v3,door-open-v3,window-open-v3,drawer-close-v3,button-press-v3,reach-wall-v3")
+    if [ "$NT" -gt 6 ]; then   # wamkit's default list (envs/metaworld.py DEFAULT_TASKS), then four more
+      EXTRA_TASKS=("env_args.tasks=$(python3 -c 'from wamkit.envs.metaworld import DEFAULT_TASKS as D
+print(",".join(D + ("window-open-v3", "drawer-close-v3", "button-press-v3", "reach-wall-v3")))')")
+    fi
     echo "=== eval: $EPS episodes, $ENVS envs ($NT tasks x $TRIALS trials, max_steps=$EVAL_STEPS)"
     ROWARG=(); [ -n "$EVAL_ROWS" ] && ROWARG=("rows=$EVAL_ROWS")
     if [ -z "$EVAL_ROWS" ]; then   # the (B, P) grid with B x P = envs (B = envs, envs/2, 4, 1 from 16 envs), serial, auto

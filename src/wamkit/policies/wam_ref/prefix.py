@@ -76,7 +76,7 @@ class PrefixPass:
         attn_mask = causal[None, None] & valid[:, None, None, :]
         keys, values = [], []
         mlp_fn = _text_mlp
-        rope = _rope_of(lm.layers[0].self_attn) if len(lm.layers) else None
+        rope = sys.modules[type(lm.layers[0].self_attn).__module__].apply_rotary_pos_emb   # transformers'
         if self.compiled:
             mlp_fn = self._mlp = self._mlp or torch.compile(_text_mlp)
             # transformers' rotate-half rotary embedding is five eager kernels on q and five on k per layer
@@ -100,16 +100,10 @@ class PrefixPass:
         return Prefix(keys=keys, values=values, key_mask=valid, next_pos=next_pos)
 
 
-def _rope_of(attn):
-    """transformers' apply_rotary_pos_emb of the module that defines this attention class."""
-    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
-
-
-def _text_attention(attn, x, cos, sin, mask, fw: TextLayerWeights | None, rope=None):
+def _text_attention(attn, x, cos, sin, mask, fw: TextLayerWeights | None, rope):
     """transformers' Qwen3-VL text attention (q/k norms, mRoPE, SDPA over the masked prefix), returning its
-    post-rotary K and V (what the cache would hold); one [q; k; v] GEMM when fw is given. rope: the module's
-    apply_rotary_pos_emb (default) or a compiled copy of it."""
-    rope = rope or _rope_of(attn)
+    post-rotary K and V (what the cache would hold); one [q; k; v] GEMM when fw is given. rope: transformers'
+    apply_rotary_pos_emb of that module, or a compiled copy of it."""
     b, s, _ = x.shape
     hd = attn.head_dim
     if fw is None:
