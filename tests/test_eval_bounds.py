@@ -105,3 +105,28 @@ def test_the_report_says_what_auto_measured_and_kept():
     report = {"rows": [row], "rounds": 1, "bound": {"bound_env_steps_per_s": None}}
     assert lines[0] in markdown(report)
 
+
+
+def test_the_report_says_where_an_envs_cycle_goes():
+    """timeline.env_cycle: per env lane, sim spans' mean and the mean gap from a sim's end to that lane's next span
+    only when it is a sim (a reset after a sim ends the episode: no request between); cycle_lines puts it beside
+    the request and the server's compute."""
+    from wamkit.eval.bench import cycle_lines, markdown
+    from wamkit.eval.timeline import Timeline
+
+    tl = Timeline(0.0)
+    # env 0: sim 10 ms, wait 30, sim 20, then a reset (no wait counted); env 1: sim 30, wait 50, sim 10
+    for lane, kind, t0, t1 in [("env/0", "sim", 0.00, 0.01), ("env/0", "sim", 0.04, 0.06),
+                               ("env/0", "reset", 0.10, 0.20), ("env/1", "sim", 0.00, 0.03),
+                               ("env/1", "sim", 0.08, 0.09), ("request", "request", 0.01, 0.03)]:
+        tl.add(lane, kind, t0, t1)
+    c = tl.utilization()
+    assert c["sim_ms_mean"] == pytest.approx(17.5) and c["env_wait_ms_mean"] == pytest.approx(40.0)   # (30+50)/2
+    row = {"row": "B=8, P=2", "sim_ms_mean": 18.7, "env_wait_ms_mean": 40.4, "request_ms_mean": 29.1,
+           "compute_ms_mean": 23.6}
+    lines = cycle_lines([row, {"row": "old report"}])
+    assert lines == ["B=8, P=2: an env's cycle 59.1 ms = chunk 18.7 + waiting 40.4 for the next one (request 29.1, "
+                     "server 23.6; outside the request 11.3: cohort, batch, dispatch)."]
+    row.update(episodes=4, episodes_per_hour=1.0, env_steps_per_s=1.0, inference_obs_per_s=1.0, mean_batch=1.0,
+               ratio_steps=None, ratio_episodes=None)
+    assert lines[0] in markdown({"rows": [row], "rounds": 1, "bound": {"bound_env_steps_per_s": None}})

@@ -75,6 +75,7 @@ def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
             "inference_obs_per_s": th["inference_obs_per_s"], "mean_batch": sch.get("mean_batch", 0.0),
             "env_busy": sch.get("env_busy", 0.0), "inference_busy": sch.get("inference_busy", 0.0),
             "request_ms_mean": sch.get("request_ms_mean", 0.0), "compute_ms_mean": sch.get("compute_ms_mean", 0.0),
+            "sim_ms_mean": sch.get("sim_ms_mean", 0.0), "env_wait_ms_mean": sch.get("env_wait_ms_mean", 0.0),
             "scene_loads": sch.get("scene_loads", 0), "scene_load_s": sch.get("scene_load_s", 0.0),
             "env_steps": th["env_steps"], "success_rate": s["success_rate"],
             "env_render": sch.get("env_render", {}),
@@ -398,7 +399,7 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     (out / "bench_eval.json").write_text(json.dumps(report, indent=2))
     (out / "bench_eval.md").write_text(markdown(report))
     console.print(table(report))
-    for line in probe_lines(results):
+    for line in probe_lines(results) + cycle_lines(results):
         console.print(line)
     return report
 
@@ -458,6 +459,22 @@ def render_line(rows: list[dict[str, Any]]) -> str:
     return "Env workers rendered with: " + "; ".join(f"{row}: {txt(r) or '-'}" for row, r in seen) + "."
 
 
+def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Where an env's time goes in each row (timeline.env_cycle): its mean chunk, the mean wait for its next one,
+    and how much of that wait is the request's round trip and the server's compute. [] for rows without it."""
+    out = []
+    for x in rows:
+        sim, wait = x.get("sim_ms_mean"), x.get("env_wait_ms_mean")
+        if not sim or wait is None:
+            continue
+        req, comp = x.get("request_ms_mean") or 0.0, x.get("compute_ms_mean") or 0.0
+        txt = (f"{x['row']}: an env's cycle {sim + wait:.1f} ms = chunk {sim:.1f} + waiting {wait:.1f} for the next "
+               f"one (request {req:.1f}")
+        txt += f", server {comp:.1f}" if comp else ""
+        out.append(txt + f"; outside the request {wait - req:.1f}: cohort, batch, dispatch).")
+    return out
+
+
 def probe_lines(rows: list[dict[str, Any]]) -> list[str]:
     """What auto measured and kept (summary.scheduler.auto_shape), one line per auto row: each probe round's rates
     and, after a close call, its duel; the shape kept in every round of the bench. [] where no row probed."""
@@ -509,6 +526,9 @@ def markdown(report: dict[str, Any]) -> str:
     probes = probe_lines(report["rows"])
     if probes:
         lines += probes + [""]
+    cycles = cycle_lines(report["rows"])
+    if cycles:
+        lines += ["Where an env's time goes (means over every env and chunk):", ""] + [f"- {c}" for c in cycles] + [""]
     sb = report["rows"][0] if report["rows"] and report["rows"][0]["row"] == "single-batch" else None
     if sb and sb.get("env_steps_per_s_without_loads"):
         lines.append(f"single-batch loaded {sb['scene_loads']} scene(s) in its row ({sb['scene_load_s']:.1f} s of "

@@ -304,6 +304,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "env_busy": util["env_busy"], "inference_busy": util["inference_busy"],
                                 "request_ms_mean": util.get("request_ms_mean", 0.0),
                                 "compute_ms_mean": util.get("compute_ms_mean", 0.0),
+                                "sim_ms_mean": util.get("sim_ms_mean", 0.0),
+                                "env_wait_ms_mean": util.get("env_wait_ms_mean", 0.0),
                                 "auto_shape": sched.batcher.shape_summary() if sched.batcher else None}})
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         write_report(out)   # timeline.png, report.md, report.html

@@ -68,7 +68,29 @@ class Timeline:
             # per call: the client's round trip and the server's own compute (when the server reports it)
             "request_ms_mean": _mean_ms([s for s in self.spans if s.kind == "request"]),
             "compute_ms_mean": _mean_ms([s for s in self.spans if s.kind == "compute"]),
+            **self.env_cycle(),
         }
+
+    def env_cycle(self) -> dict[str, float]:
+        """An env's cycle inside an episode, mean over every env lane: a chunk simulated ("sim" span: the scheduler's
+        call to the env worker, IPC included) and the wait before its next chunk (from a sim span's end to the start
+        of the same lane's next sim span: the actions' request, any wait for the rest of a cohort or batch, the event
+        loop's dispatch; a reset in between ends the episode and is no such wait). wait - request_ms_mean is then
+        about what the envs lose outside the server's round trip (the request mean also counts an episode's first
+        request, after its reset)."""
+        sims: list[float] = []
+        waits: list[float] = []
+        lanes: dict[str, list[Span]] = {}
+        for s in self.spans:
+            if s.lane.startswith("env/"):
+                lanes.setdefault(s.lane, []).append(s)
+        for spans in lanes.values():
+            spans.sort(key=lambda s: s.t0)
+            for a, b in zip(spans, spans[1:]):
+                if a.kind == "sim" and b.kind == "sim":
+                    waits.append(max(b.t0 - a.t1, 0.0))
+            sims += [s.t1 - s.t0 for s in spans if s.kind == "sim"]
+        return {"sim_ms_mean": _mean_of(sims), "env_wait_ms_mean": _mean_of(waits)}
 
     def draw(self, path: str | Path, max_seconds: float | None = None) -> Path:
         import matplotlib
@@ -111,4 +133,9 @@ class Timeline:
 
 
 def _mean_ms(spans) -> float:
-    return 1000.0 * sum(s.t1 - s.t0 for s in spans) / len(spans) if spans else 0.0
+    return _mean_of([s.t1 - s.t0 for s in spans])
+
+
+def _mean_of(seconds: list[float]) -> float:
+    """Mean in milliseconds (0 for none)."""
+    return 1000.0 * sum(seconds) / len(seconds) if seconds else 0.0
