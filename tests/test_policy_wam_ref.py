@@ -486,3 +486,23 @@ def test_a_collated_training_batch_gives_the_inputs_of_per_observation_lists():
     assert set(got) == set(ref)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0, msg=k)
+
+
+def test_a_replica_predicts_the_same_actions_at_the_same_time(one_thread):
+    """replica() (the server's concurrent_batches): the same model and fused weights, its own engine (graphs,
+    buffers); the original and the replica predicting in two threads at once give what each gives alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, compile=False)
+    twin = pol.replica()
+    assert twin.engine is not pol.engine and twin.model is pol.model
+    assert twin.engine.weights is pol.engine.weights and twin.engine._graphs is not pol.engine._graphs
+    a_obs, b_obs = _obs(3, seed=5, state_dim=8), _obs(2, seed=6, state_dim=8)
+    alone_a, alone_b = pol.predict(a_obs, [1, 2, 3]), twin.predict(b_obs, [4, 5])
+    with ThreadPoolExecutor(2) as ex:
+        for _ in range(3):
+            fa = ex.submit(pol.predict, a_obs, [1, 2, 3])
+            fb = ex.submit(twin.predict, b_obs, [4, 5])
+            np.testing.assert_allclose(fa.result(), alone_a, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(fb.result(), alone_b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(pol.predict(b_obs, [4, 5]), alone_b, rtol=1e-5, atol=1e-6)

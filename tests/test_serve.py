@@ -268,3 +268,38 @@ def test_explicit_restart_and_stop_are_idempotent():
 def test_cli_rejects_unknown_keys():
     from wamkit.cli.main import main
     assert main(["serve", "polcy=random"]) == 2
+
+
+def test_concurrent_batches_overlap_and_answer_as_one_lane_does():
+    """`wamkit serve concurrent_batches=2` with wam-ref (a replica with its own engine on the second lane): six
+    clients at once, batches of one. Two batches compute at the same time (their server-side intervals overlap),
+    each answer equals the local policy's, and metadata says 2. A policy without replica() is refused at start."""
+    from wamkit.serve.workers import ServerStartError
+
+    args = {"size": "tiny", "num_inference_steps": 2, "device": "cpu"}
+    n = 6
+    obs = make_obs(n, side=64, state=False)
+    seeds = [11 * i + 3 for i in range(n)]
+    with WamkitServerWorker("wam-ref", args, max_batch_size=1, max_wait_ms=1,
+                            extra_args={"concurrent_batches": 2, "torch_threads": 1}) as w:
+        w.wait_healthy(300)
+
+        async def go():
+            clients = [ActionClient(w.url) for _ in range(n)]
+            try:
+                outs = await asyncio.gather(*(c.predict([obs[i]], [seeds[i]]) for i, c in enumerate(clients)))
+                return outs, [c.last_timings[0]["server"] for c in clients]
+            finally:
+                for c in clients:
+                    await c.aclose()
+        outs, timings = asyncio.run(go())
+        meta = httpx.get(w.url + "/v1/actions/metadata").json()
+    spans = sorted((t["t_start"], t["t_end"]) for t in timings)
+    assert any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:])), spans   # some two batches overlapped
+    assert meta["server"]["concurrent_batches"] == 2
+    local = make_policy("wam-ref", **args)
+    for i in range(n):
+        np.testing.assert_allclose(outs[i], local.predict([obs[i]], [seeds[i]]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ServerStartError, match="cannot compute two batches at once"):
+        with WamkitServerWorker("zero", {}, extra_args={"concurrent_batches": 2}) as w:
+            w.wait_healthy(60)

@@ -235,3 +235,76 @@ def test_tune_malloc_applies_on_glibc_and_is_harmless_twice():
     assert tune_malloc() is expected and tune_malloc() is expected
     big = [bytes(3 * 1024 * 1024) for _ in range(4)]   # allocations still work (heap, not mmap)
     assert sum(map(len, big)) == 12 * 1024 * 1024
+
+
+def test_two_lanes_compute_two_batches_at_once_and_one_lane_does_not():
+    """concurrent_batches: with two lanes, batch B starts on lane 2 while batch A still computes on lane 1 (A is held
+    until B has started: with one lane that would deadlock, so the one-lane case only checks that B waits); every
+    request gets its own rows back, and close() waits for both lanes."""
+    async def two_lanes():
+        p1, p2 = GatedPredict(), GatedPredict()
+        b = DynamicBatcher([p1, p2], max_batch_size=4, max_wait_ms=1, max_queue=64)
+        await b.start()
+        ta = asyncio.create_task(_submit(b, [1, 2, 3, 4]))
+        await _wait_started(p1)
+        tb = asyncio.create_task(_submit(b, [5, 6]))
+        await _wait_started(p2)                       # B runs on lane 2 while A has not ended
+        p2.release.release()
+        bb, _ = await tb
+        assert not ta.done()
+        p1.release.release()
+        aa, _ = await ta
+        await b.close()
+        return p1.batches, p2.batches, aa, bb
+
+    l1, l2, aa, bb = asyncio.run(asyncio.wait_for(two_lanes(), 60))
+    assert l1 == [[1, 2, 3, 4]] and l2 == [[5, 6]]
+    assert aa[:, 0, 0].tolist() == [1, 2, 3, 4] and bb[:, 0, 0].tolist() == [5, 6]
+
+    async def one_lane():
+        p, b, ta, tb = await _a_running_b_queued()
+        for _ in range(20):                           # B stays queued while A computes
+            await asyncio.sleep(0.005)
+        assert len(p.batches) == 1 and b.queued == 2
+        p.release.release()
+        await _wait_started(p)
+        p.release.release()
+        await ta, await tb
+        await b.close()
+        return p.batches
+
+    assert asyncio.run(asyncio.wait_for(one_lane(), 60)) == [[1, 2, 3, 4], [5, 6]]
+
+
+def test_close_runs_the_queue_on_every_lane_and_waits_for_them():
+    """close() while both lanes compute and more is queued: the queued group still runs (on the first free lane),
+    every request is answered, and close() returns only after the last batch."""
+    async def main():
+        p1, p2 = GatedPredict(), GatedPredict()
+        b = DynamicBatcher([p1, p2], max_batch_size=2, max_wait_ms=1, max_queue=64)
+        await b.start()
+        ts = [asyncio.create_task(_submit(b, [2 * i + 1, 2 * i + 2])) for i in range(3)]
+        await _wait_started(p1)
+        await _wait_started(p2)
+        while b.queued < 2:
+            await asyncio.sleep(0.001)
+        closing = asyncio.create_task(b.close())
+        await asyncio.sleep(0.01)
+        assert not closing.done()
+        p1.release.release()
+        p2.release.release()
+        while len(p1.batches) + len(p2.batches) < 3:
+            await asyncio.sleep(0.001)
+        (p1 if len(p1.batches) == 2 else p2).release.release()
+        await closing
+        return [(await t)[0][:, 0, 0].tolist() for t in ts], sorted(p1.batches + p2.batches)
+
+    got, batches = asyncio.run(asyncio.wait_for(main(), 60))
+    assert got == [[1, 2], [3, 4], [5, 6]] and batches == [[1, 2], [3, 4], [5, 6]]
+
+
+def test_concurrent_batches_config_checks():
+    with pytest.raises(ConfigError, match="concurrent_batches"):
+        ServeConfig(concurrent_batches=0).validate()
+    with pytest.raises(ConfigError, match="policy_process"):
+        ServeConfig(concurrent_batches=2, policy_process=True).validate()

@@ -131,6 +131,15 @@ class Policy(abc.ABC):
         """Largest batch predict() should get at once (servers and schedulers respect it)."""
         return 64
 
+    def replica(self) -> "Policy":
+        """A second handle on this policy whose predict may run at the same time as this one's, from another thread
+        (the server's concurrent_batches > 1): the same weights, its own per-call state. Default: refused, since a
+        policy is not assumed to be safe to call from two threads at once."""
+        from wamkit.core.errors import UserError
+
+        raise UserError(f"policy {self.spec.name!r} cannot compute two batches at once (concurrent_batches > 1 "
+                        f"needs a policy with replica(), e.g. wam-ref, random, fixed-cost)")
+
     def remote_codec(self) -> RemoteCodec | None:
         """How to reach this policy's model on another server (see RemoteCodec); None: predict() is all there is."""
         return None

@@ -84,6 +84,11 @@ class RandomPolicy(Policy):
             out[i] = np.random.default_rng(int(s)).uniform(-self.scale, self.scale, (h, d))
         return out
 
+    def replica(self) -> "RandomPolicy":
+        """predict keeps no state: this handle itself may run in several threads at once (fixed-cost's concurrent
+        batches then each take their full cost, overlapping: a device that runs them side by side for free)."""
+        return self
+
     def max_batch_size(self) -> int:
         return 1024
 

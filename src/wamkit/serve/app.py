@@ -81,8 +81,11 @@ class ActionServer:
         self.token = cfg.resolved_token()
         self.model = cfg.model_name or self.spec.name
         self.metrics = ServerMetrics()
-        self.batcher = DynamicBatcher(policy.predict, self.max_batch_size, cfg.max_wait_ms, cfg.max_queue, self.metrics,
-                                      max_wait_fraction=cfg.max_wait_fraction, idle_dispatch=cfg.idle_dispatch)
+        # concurrent_batches > 1: one replica per extra lane (Policy.replica; a policy without it is refused here)
+        self.replicas = [policy] + [policy.replica() for _ in range(cfg.concurrent_batches - 1)]
+        self.batcher = DynamicBatcher([p.predict for p in self.replicas], self.max_batch_size, cfg.max_wait_ms,
+                                      cfg.max_queue, self.metrics, max_wait_fraction=cfg.max_wait_fraction,
+                                      idle_dispatch=cfg.idle_dispatch)
         self.decode_pool = ThreadPoolExecutor(max_workers=cfg.decode_threads, thread_name_prefix="wamkit-decode")
         self._log_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -217,6 +220,7 @@ class ActionServer:
                              "shm_arrays": self.shm is not None},
             "server": {"name": "wamkit", "max_wait_ms": self.cfg.max_wait_ms,
                        "max_wait_fraction": self.cfg.max_wait_fraction, "max_queue": self.cfg.max_queue,
+                       "concurrent_batches": len(self.replicas),
                        "max_body_bytes": self.max_body, "auth": self.token is not None,
                        "instance_id": self.instance_id, "max_image_pixels": self.limits.max_image_pixels,
                        "max_decoded_bytes": self.limits.max_decoded_bytes, "max_depth": self.limits.max_depth},
@@ -285,7 +289,10 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
     srv = ActionServer(cfg, policy)
     if cfg.warmup:  # before uvicorn listens: /health answers only once the one-off work is done
         t0 = time.perf_counter()
-        done = policy.warmup(srv.max_batch_size)
+        done: dict[str, float] = {}
+        for i, rep in enumerate(srv.replicas):   # each replica captures its own graphs (one after the other)
+            for k, v in rep.warmup(srv.max_batch_size).items():
+                done[k if i == 0 else f"replica {i} {k}"] = v
         if done:
             log.warning("warm-up done in %.1f s (%s)", time.perf_counter() - t0,
                         ", ".join(f"{k}: {v:.1f} s" for k, v in done.items()))

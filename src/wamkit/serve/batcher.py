@@ -27,6 +27,10 @@
 - One batch computes at a time (predict in one worker thread) while the next one forms: the event loop keeps
   accepting and decoding requests, so observations that arrive during a batch queue for the next one. The refill
   window starts once the finished batch's requests have had their turn on the event loop (responses written).
+- Lanes (several predict callables: the server's concurrent_batches, one policy replica each): up to that many
+  batches compute at once, one per lane and worker thread; a group that is ready leaves as soon as a lane is free,
+  so an observation arriving while one batch computes need not wait for it (a GPU that one small batch leaves
+  mostly idle runs two side by side). Refill is meant for one lane (it counts from the last batch to end).
 - The queue is bounded (max_queue observations): submit raises QueueFull (the server answers 503 + Retry-After).
 - close() stops accepting, runs everything already queued, then stops the worker thread.
 """
@@ -46,6 +50,7 @@ import numpy as np
 from wamkit.core.types import Observation
 
 
+Predict = Callable[[Sequence[Observation], Sequence[int]], np.ndarray]
 REFILL_PAUSE_BATCHES = 8   # after a refill window passed without the clients coming back, batches without refill
 
 
@@ -81,12 +86,17 @@ class _Item:
 
 
 class DynamicBatcher:
-    def __init__(self, predict: Callable[[Sequence[Observation], Sequence[int]], np.ndarray], max_batch_size: int,
+    def __init__(self, predict: Predict | Sequence[Predict], max_batch_size: int,
                  max_wait_ms: float, max_queue: int, metrics: Any = None, max_wait_fraction: float = 0.0,
                  idle_dispatch: bool = False):
+        """predict: one callable, or one per lane (module doc), each (observations, seeds) -> (N, H, D) actions."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
-        self.predict = predict
+        self.lanes: list[Predict] = list(predict) if isinstance(predict, (list, tuple)) else [predict]
+        if not self.lanes:
+            raise ValueError("the batcher needs at least one predict callable")
+        self._free_lanes = list(range(len(self.lanes)))
+        self._running: set[asyncio.Task] = set()
         self.max_batch_size = int(max_batch_size)
         self.max_wait_s = max(0.0, float(max_wait_ms)) / 1000.0
         self.max_wait_fraction = max(0.0, float(max_wait_fraction))
@@ -109,7 +119,7 @@ class DynamicBatcher:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._wake = asyncio.Event()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wamkit-predict")
+        self._pool = ThreadPoolExecutor(max_workers=len(self.lanes), thread_name_prefix="wamkit-predict")
         self._task = asyncio.create_task(self._loop(), name="wamkit-batcher")
 
     def begin_close(self) -> None:
@@ -218,8 +228,10 @@ class DynamicBatcher:
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self._groups:
-                if self._closing:
+            if not self._groups or not self._free_lanes:   # nothing queued, or every lane computing
+                if self._closing and not self._groups:
+                    if self._running:
+                        await asyncio.gather(*self._running)
                     return
                 self._wake.clear()
                 await self._wake.wait()
@@ -237,9 +249,15 @@ class DynamicBatcher:
             if not dq:
                 del self._groups[key]
             self._queued -= len(batch)
-            await self._run(loop, batch)
+            lane = self._free_lanes.pop(0)
+            if len(self.lanes) == 1:   # one batch at a time: the next one forms while this one computes
+                await self._run(loop, batch, lane)
+                continue
+            task = asyncio.create_task(self._run(loop, batch, lane))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
 
-    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Item], lane: int = 0) -> None:
         obs = [it.obs for it in batch]
         seeds = [it.seed for it in batch]
         t0 = time.time()
@@ -247,7 +265,7 @@ class DynamicBatcher:
         err: BaseException | None = None
         out = None
         try:
-            out = await loop.run_in_executor(self._pool, self.predict, obs, seeds)
+            out = await loop.run_in_executor(self._pool, self.lanes[lane], obs, seeds)
             out = np.asarray(out, dtype=np.float32)
             if out.ndim != 3 or out.shape[0] != len(batch):
                 raise RuntimeError(f"policy returned shape {list(out.shape)} for a batch of {len(batch)}")
@@ -259,30 +277,37 @@ class DynamicBatcher:
         self._recent_batch_s.append(dt)
         if self.metrics is not None:
             self.metrics.batch(len(batch), dt * 1000.0)
-        seen: set[int] = set()
-        for j, it in enumerate(batch):
-            r = it.req
-            if id(r) not in seen:
-                seen.add(id(r))
-                r.batch_sizes.append(len(batch))
-            if r.future.done():
-                continue
-            if err is not None:
-                r.future.set_exception(err)
-                continue
-            if r.actions is None:
-                r.actions = np.empty((r.n,) + out.shape[1:], np.float32)
-            elif r.actions.shape[1:] != out.shape[1:]:
-                r.future.set_exception(RuntimeError("policy returned differently shaped chunks for one request"))
-                continue
-            r.actions[it.index] = out[j]
-            if r.t_start is None:
-                r.t_start = t0
-            r.t_end = t1
-            r.remaining -= 1
-            if r.remaining == 0:
-                r.future.set_result(r.actions)
+        _deliver(batch, out, err, t0, t1)
+        self._free_lanes.append(lane)
+        self._wake.set()                     # a lane is free (the loop waits for one when all compute)
         await asyncio.sleep(0)               # the answered requests write their responses first ...
         self._free_since = time.perf_counter()   # ... then the next batch's clock starts
         self._out += len(batch)
         self._refill_paused = max(0, self._refill_paused - 1)
+
+
+def _deliver(batch: list[_Item], out: np.ndarray | None, err: BaseException | None, t0: float, t1: float) -> None:
+    """A computed batch's rows (or its error) into their requests; a request is answered once all its rows are."""
+    seen: set[int] = set()
+    for j, it in enumerate(batch):
+        r = it.req
+        if id(r) not in seen:
+            seen.add(id(r))
+            r.batch_sizes.append(len(batch))
+        if r.future.done():
+            continue
+        if err is not None:
+            r.future.set_exception(err)
+            continue
+        if r.actions is None:
+            r.actions = np.empty((r.n,) + out.shape[1:], np.float32)
+        elif r.actions.shape[1:] != out.shape[1:]:
+            r.future.set_exception(RuntimeError("policy returned differently shaped chunks for one request"))
+            continue
+        r.actions[it.index] = out[j]
+        if r.t_start is None:
+            r.t_start = t0
+        r.t_end = t1
+        r.remaining -= 1
+        if r.remaining == 0:
+            r.future.set_result(r.actions)

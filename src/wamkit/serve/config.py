@@ -42,6 +42,9 @@ class ServeConfig:
     idle_dispatch: bool = False             # when no batch computes and no other request is being received, run
                                             # a partial batch at once instead of waiting max_wait_ms (continuous
                                             # batching; a lone/lockstep client saves max_wait_ms a request)
+    concurrent_batches: int = 1             # batches computing at once, each on its own policy replica (wam-ref:
+                                            # its own CUDA graphs and stream, the weights shared): a GPU that one
+                                            # small batch leaves mostly idle overlaps them (docs/serving.md)
     policy_process: bool = False            # run the policy in a child process: its host work (CUDA launches) and
                                             # the event loop (HTTP, decoding, batching) then never share one GIL
     decode_threads: int = 2                 # threads decoding request bodies over 256 KB off the event loop (PNG
@@ -84,6 +87,11 @@ class ServeConfig:
             raise ConfigError(f"max_wait_fraction: must be in 0..1, got {self.max_wait_fraction}")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue: must be >= 1, got {self.max_queue}")
+        if self.concurrent_batches < 1:
+            raise ConfigError(f"concurrent_batches: must be >= 1, got {self.concurrent_batches}")
+        if self.concurrent_batches > 1 and self.policy_process:
+            raise ConfigError("concurrent_batches > 1 runs the policy's replicas in threads of this process: it "
+                              "cannot be combined with policy_process=true")
         if self.decode_threads < 1:
             raise ConfigError(f"decode_threads: must be >= 1, got {self.decode_threads}")
         if self.torch_threads < 0:

@@ -286,6 +286,24 @@ class InferenceEngine:
         _compile_understanding(self.model.und)
 
 
+def twin_engine(eng: InferenceEngine) -> InferenceEngine:
+    """A second engine over the same model and fused weights, with its own CUDA graphs, memory pools and static
+    buffers, so the two can compute at the same time (on two streams, from two threads: the server's
+    concurrent_batches). Its compile setting is eng's (the model's compiled modules are shared; the prefix pass's
+    compiled functions too, once eng has made them)."""
+    twin = InferenceEngine(eng.model, eng.text_config, horizon=eng.horizon, model_action_dim=eng.model_action_dim,
+                           state_dim=eng.state_dim, placement=eng.placement, cuda_graphs=eng.cuda_graphs,
+                           kv_layout=eng.kv_layout, compile=eng.compile, buckets=eng.buckets,
+                           image_slots=eng.prefix_pass.image_slots, fused=eng.fused,
+                           prefix_graphs=eng.prefix_graphs, gemm=eng.gemm)
+    twin.weights = eng.weights   # one set of fused copies, not two
+    twin.emulate_graphs = eng.emulate_graphs
+    twin.prefix_pass.compiled = eng.prefix_pass.compiled
+    twin.prefix_pass._mlp, twin.prefix_pass._rope = eng.prefix_pass._mlp, eng.prefix_pass._rope
+    twin.gemm_tuning = eng.gemm_tuning
+    return twin
+
+
 def _compile_understanding(und) -> None:
     """`nn.Module.compile` of the understanding tower's text RMSNorms and MLPs and of each vision layer whole (its
     LayerNorms, rotary embedding, the transposes around attention, the residual adds and the MLP: eager kernels over

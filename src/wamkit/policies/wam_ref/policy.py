@@ -19,6 +19,7 @@ server, the evaluator and the trainer talk to.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ from wamkit.policies.wam_ref.build import (batch_vision_attention, build_model, 
                                           understanding_tower)
 from wamkit.policies.wam_ref.config import (Placement, WamRefConfig, as_action_pipeline, dtype_name,
                                            model_action_dim, to_dtype)
-from wamkit.policies.wam_ref.engine import InferenceEngine
+from wamkit.policies.wam_ref.engine import InferenceEngine, twin_engine
 from wamkit.policies.wam_ref.inputs import InputProcessor
 from wamkit.policies.wam_ref.training import WamRefTraining
 from wamkit.policies.wam_ref.sizes import get_size
@@ -91,6 +92,7 @@ class WamRefPolicy(WamRefTraining, Policy):
             fused=cfg.fused, prefix_graphs=cfg.prefix_graphs, gemm=cfg.gemm)
         if cfg.compile:
             self.engine.enable_compile()
+        self._stream = None   # a CUDA stream of its own once replicas exist (replica())
         self.spec = PolicySpec(
             name="wam-ref",
             input=InputSpec(cameras=self.cameras, image_size=self.image_size, state_dim=self.state_dim, text=True),
@@ -172,11 +174,30 @@ class WamRefPolicy(WamRefTraining, Policy):
     def max_batch_size(self) -> int:
         return self._max_batch_size
 
+    def replica(self) -> "WamRefPolicy":
+        """A handle that may predict at the same time as this one, from another thread: the same model and weights,
+        its own inference engine (CUDA graphs, static buffers: engine.twin_engine). On a CUDA device each handle then
+        runs on a CUDA stream of its own (this one's included), so two batches overlap on the GPU."""
+        if self.device.type == "meta":
+            raise UserError("this wam-ref was built on the meta device: call materialize(device) first")
+        twin = copy.copy(self)
+        twin.engine = twin_engine(self.engine)
+        if self.device.type == "cuda":
+            self._stream = self._stream or torch.cuda.Stream(self.device)
+            twin._stream = torch.cuda.Stream(self.device)
+        return twin
+
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
         if len(observations) != len(seeds):
             raise UserError(f"predict got {len(observations)} observations and {len(seeds)} seeds")
         if self.device.type == "meta":
             raise UserError("this wam-ref was built on the meta device: call materialize(device) first")
+        if self._stream is not None:   # a replica's (or its original's) own stream: see replica()
+            with torch.cuda.stream(self._stream):
+                return self._predict(observations, seeds)
+        return self._predict(observations, seeds)
+
+    def _predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
         out = np.zeros((len(observations), self.horizon, self.env_action_dim), np.float32)
         for s in range(0, len(observations), self._max_batch_size):
             obs = observations[s:s + self._max_batch_size]
