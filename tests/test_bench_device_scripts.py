@@ -42,6 +42,24 @@ def test_bench_attention_rows_agree_across_layouts_and_padding(tmp_path):
                    - ratio * by[(3, layout, 0, "auto")]["kv_mb_per_call"]) < 1e-9
 
 
+def test_bench_lanes_drives_every_lane_and_reports_each_combination(tmp_path):
+    """bench_lanes.py on the CPU (tiny): one row per (batch, lanes); with 2 lanes both the policy and its replica
+    ran calls, the observation rate is calls x batch over the row's wall time, one lane is its own baseline."""
+    out = tmp_path / "lanes.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "device" / "bench_lanes.py"), "--out", str(out), "--device", "cpu",
+           "--size", "tiny", "--batches", "1,2", "--lanes", "1,2", "--seconds", "0.3", "--steps", "2"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["lanes"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    for r in rows:
+        assert len(r["calls_per_lane"]) == r["lanes"] and all(c >= 1 for c in r["calls_per_lane"])
+        assert r["calls"] == sum(r["calls_per_lane"])
+        assert abs(r["obs_per_s"] - r["batch"] * r["calls"] / r["wall_s"]) < 0.05 * r["obs_per_s"] + 0.01
+        if r["lanes"] == 1:
+            assert r["speedup"] == 1.0
+
+
 def test_bench_nano_kernel_kinds():
     nano = _load("bench_nano")
     assert nano.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x64x128") \

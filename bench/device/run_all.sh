@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU measurement of issue 9 in one call on the device machine (see bench/results/gpu.md).
 #
-#   bash bench/device/run_all.sh [scale=smoke|full] [parts=nano,eval,sft,contention,attn] [ngpu=1]
+#   bash bench/device/run_all.sh [scale=smoke|full] [parts=nano,eval,sft,contention,attn,lanes] [ngpu=1]
 #        [evalscales=8x32,16x64] [sft_variants="activation_checkpointing=true;activation_checkpointing=false compile=true"]
-#        [nano_args=...] [attn_args=...]
+#        [nano_args=...] [attn_args=...] [lanes_args=...]
 #        [gl=egl|osmesa|auto] [eval_args="env_args.render_quality=fast ..."] [cont_args=...]
 #
 # Installs the carried GL loaders (.gl) and wheels (.whl), then runs each part under its own time limit and keeps
@@ -11,11 +11,11 @@
 # ngpu=N: SFT under torchrun nproc=N (global batch N x 64), N action servers (one per GPU) for the HTTP rows, and
 # the evaluation rows once with one server and once with N (server.replicas=N server.gpus=0..N-1).
 set -u
-SCALE=smoke; PARTS=nano,eval,sft; CONT_ARGS=""; GL=egl; EVAL_ARGS=""; SFT_TRAIN=all; NGPU=1; EVALSCALES=""; NANO_ARGS=""; SFT_VARIANTS=""; ATTN_ARGS=""
+SCALE=smoke; PARTS=nano,eval,sft; CONT_ARGS=""; GL=egl; EVAL_ARGS=""; SFT_TRAIN=all; NGPU=1; EVALSCALES=""; NANO_ARGS=""; SFT_VARIANTS=""; ATTN_ARGS=""; LANES_ARGS=""
 for a in "$@"; do
   case "$a" in
     scale=*) SCALE=${a#*=};; parts=*) PARTS=${a#*=};; ngpu=*) NGPU=${a#*=};; evalscales=*) EVALSCALES=${a#*=};;
-    nano_args=*) NANO_ARGS=${a#*=};; attn_args=*) ATTN_ARGS=${a#*=};; cont_args=*) CONT_ARGS=${a#*=};; gl=*) GL=${a#*=};; eval_args=*) EVAL_ARGS=${a#*=};; sft_trainable=*) SFT_TRAIN=${a#*=};; sft_variants=*) SFT_VARIANTS=${a#*=};;
+    nano_args=*) NANO_ARGS=${a#*=};; attn_args=*) ATTN_ARGS=${a#*=};; lanes_args=*) LANES_ARGS=${a#*=};; cont_args=*) CONT_ARGS=${a#*=};; gl=*) GL=${a#*=};; eval_args=*) EVAL_ARGS=${a#*=};; sft_trainable=*) SFT_TRAIN=${a#*=};; sft_variants=*) SFT_VARIANTS=${a#*=};;
     *) echo "unknown argument $a"; exit 2;;
   esac
 done
@@ -71,6 +71,12 @@ if part attn; then   # the denoising loop's attention alone: K/V layouts x key p
   echo "=== attn: bench/device/bench_attention.py $ATTN_ARGS"
   timeout -k 10 ${ATTN_T:-120} python3 bench/device/bench_attention.py --out "$OUT/attention.json" $ATTN_ARGS
   stamp attn $?
+fi
+
+if part lanes; then   # wam-ref predict from 1..N lanes at once (the server's concurrent_batches), no HTTP
+  echo "=== lanes: bench/device/bench_lanes.py $LANES_ARGS"
+  timeout -k 10 ${LANES_T:-150} python3 bench/device/bench_lanes.py --out "$OUT/lanes.json" $LANES_ARGS
+  stamp lanes $?
 fi
 
 if part contention; then   # the action server beside controlled CPU / simulation load (bench_contention.py)
