@@ -308,3 +308,42 @@ def test_concurrent_batches_config_checks():
         ServeConfig(concurrent_batches=0).validate()
     with pytest.raises(ConfigError, match="policy_process"):
         ServeConfig(concurrent_batches=2, policy_process=True).validate()
+
+
+def test_a_lane_that_fails_fails_its_batch_only():
+    """Two lanes, the second one's predict raises (for seeds 3 and 5): its batch's request gets the error, the other
+    lane's batch is answered, and the failed lane takes batches again afterwards (it is free again)."""
+    class Failing(GatedPredict):
+        def __call__(self, obs, seeds):
+            out = super().__call__(obs, seeds)
+            if 3 in seeds or 5 in seeds:
+                raise RuntimeError("lane 2 broke")
+            return out
+
+    async def main():
+        p1, p2 = GatedPredict(), Failing()
+        b = DynamicBatcher([p1, p2], max_batch_size=2, max_wait_ms=1, max_queue=64)
+        await b.start()
+        ta = asyncio.create_task(_submit(b, [1, 2]))
+        await _wait_started(p1)
+        tb = asyncio.create_task(_submit(b, [3, 4]))
+        await _wait_started(p2)
+        p2.release.release()
+        with pytest.raises(RuntimeError, match="lane 2 broke"):
+            await tb
+        tc = asyncio.create_task(_submit(b, [5, 6]))   # lane 1 still busy: goes to lane 2 again
+        await _wait_started(p2)
+        p2.release.release()
+        with pytest.raises(RuntimeError):
+            await tc
+        p1.release.release()
+        aa, _ = await ta
+        p1.release.release()                          # either lane may take the next batch (the first one freed):
+        p2.release.release()                          # let both run it
+        dd, _ = await _submit(b, [7, 8])
+        await b.close()
+        return aa, dd, p2.batches
+
+    aa, dd, failed = asyncio.run(asyncio.wait_for(main(), 60))
+    assert aa[:, 0, 0].tolist() == [1, 2] and dd[:, 0, 0].tolist() == [7, 8]
+    assert failed[:2] == [[3, 4], [5, 6]]
