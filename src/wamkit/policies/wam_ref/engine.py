@@ -13,8 +13,8 @@ One understanding-tower pass per observation (the prefix K/V), then the whole Eu
 - kv_layout: the prefix K/V during denoising, "expanded" (repeated to all query heads once per observation: SDPA
   then runs without GQA, so a fused masked-attention kernel can take it), "room" (kv heads only, SDPA with
   enable_gqa) or "folded" (kv heads only; each kv head's query heads stacked along the query axis, so SDPA runs
-  without GQA over a quarter of expanded's K/V bytes: model.attend). Either way the action tokens' K/V go into
-  free slots in place.
+  without GQA over a quarter of expanded's K/V bytes: model.attend; the prefix pass's text attention is then
+  folded too, prefix.PrefixPass._fold_mask). Either way the action tokens' K/V go into free slots in place.
 - compile: torch.compile of each generation block, the understanding tower's norms and MLPs, its vision layers and
   the prefix's rotary embedding (fuses the elementwise work around the GEMMs); needs a working Inductor backend
   (Triton on GPUs).

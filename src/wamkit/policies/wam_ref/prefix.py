@@ -74,6 +74,7 @@ class PrefixPass:
         s = ids.shape[1]
         causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
         attn_mask = causal[None, None] & valid[:, None, None, :]
+        fold_mask = self._fold_mask(attn_mask, lm.layers[0].self_attn)
         keys, values = [], []
         mlp_fn = _text_mlp
         rope = sys.modules[type(lm.layers[0].self_attn).__module__].apply_rotary_pos_emb   # transformers'
@@ -84,7 +85,8 @@ class PrefixPass:
             rope = self._rope = self._rope or torch.compile(rope)
         for i, layer in enumerate(lm.layers):
             fw = fused.text[i] if fused is not None else None
-            a, k, v = _text_attention(layer.self_attn, layer.input_layernorm(h), cos, sin, attn_mask, fw, rope)
+            a, k, v = _text_attention(layer.self_attn, layer.input_layernorm(h), cos, sin, attn_mask, fw, rope,
+                                      fold_mask)
             h = h + a
             x = layer.post_attention_layernorm(h)
             if fw is None or getattr(layer.mlp.config, "hidden_act", "silu") != "silu":
@@ -99,11 +101,25 @@ class PrefixPass:
         next_pos = pos.masked_fill(~valid[None], -1).amax(dim=(0, 2)) + 1
         return Prefix(keys=keys, values=values, key_mask=valid, next_pos=next_pos)
 
+    def _fold_mask(self, attn_mask: torch.Tensor, attn) -> torch.Tensor | None:
+        """With kv_layout=folded (the generation blocks' fold_gqa, which the engine sets) and grouped-query
+        attention, the text layers' attention runs folded as the loop's does (model.attend): each kv head's query
+        heads stacked along the query axis, over the kv heads' K/V, with no K/V repeated to every query head. The
+        causal mask then holds one copy per stacked head: (B, 1, rep x S, S), built once for all layers. None:
+        the expanded path."""
+        heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
+        if heads == kv_heads or not getattr(self.model.gen.blocks[0], "fold_gqa", False):
+            return None
+        b, _, s, _ = attn_mask.shape
+        rep = heads // kv_heads
+        return attn_mask[:, :, None].expand(b, 1, rep, s, s).reshape(b, 1, rep * s, s)
 
-def _text_attention(attn, x, cos, sin, mask, fw: TextLayerWeights | None, rope):
+
+def _text_attention(attn, x, cos, sin, mask, fw: TextLayerWeights | None, rope, fold_mask=None):
     """transformers' Qwen3-VL text attention (q/k norms, mRoPE, SDPA over the masked prefix), returning its
     post-rotary K and V (what the cache would hold); one [q; k; v] GEMM when fw is given. rope: transformers'
-    apply_rotary_pos_emb of that module, or a compiled copy of it."""
+    apply_rotary_pos_emb of that module, or a compiled copy of it. fold_mask (PrefixPass._fold_mask): the folded
+    grouped-query attention over that mask instead of K/V repeated to every query head (the same scores)."""
     b, s, _ = x.shape
     hd = attn.head_dim
     if fw is None:
@@ -116,6 +132,11 @@ def _text_attention(attn, x, cos, sin, mask, fw: TextLayerWeights | None, rope):
     v = v.view(b, s, -1, hd).transpose(1, 2)
     q, k = rope(q, k, cos, sin)
     rep = q.shape[1] // k.shape[1]
+    if fold_mask is not None and rep > 1:
+        kvh = k.shape[1]
+        o = F.scaled_dot_product_attention(q.reshape(b, kvh, rep * s, hd), k, v, attn_mask=fold_mask,
+                                           scale=attn.scaling)
+        return attn.o_proj(o.reshape(b, kvh * rep, s, hd).transpose(1, 2).reshape(b, s, -1)), k, v
     # K/V repeated to the query heads, as transformers' SDPA path does with a mask (the fused masked kernels take
     # no GQA); the cache keeps the kv heads
     ka, va = (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
