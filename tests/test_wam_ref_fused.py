@@ -372,3 +372,34 @@ def test_static_training_prefix_is_one_graph_with_no_host_reads():
     finally:
         torch._dynamo.reset()
     assert (ex.graph_count, ex.graph_break_count) == (1, 0), [r.reason.splitlines()[0] for r in ex.break_reasons]
+
+
+@torch.no_grad()
+def test_prefix_fold_gives_the_prefix_of_the_expanded_attention():
+    """prefix_fold=true (the text layers' grouped-query attention folded, the causal mask tiled per stacked head)
+    gives the same K/V and actions as the expanded path, and really takes the folded path (its tiled mask is
+    built, rep x S query rows)."""
+    from wamkit.policies.wam_ref import prefix as prefix_mod
+
+    plain = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8)
+    folded = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, prefix_fold=True)
+    folded.model.load_state_dict(plain.model.state_dict())
+    obs = [Observation({c: np.random.default_rng(i).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+                        for c in plain.cameras}, np.zeros(8, np.float32), f"task {i}") for i in range(3)]
+    masks = []
+    real = prefix_mod.PrefixPass._fold_mask
+
+    def spy(self, attn_mask, attn):
+        m = real(self, attn_mask, attn)
+        masks.append(None if m is None else tuple(m.shape))
+        return m
+
+    prefix_mod.PrefixPass._fold_mask = spy
+    try:
+        a, b = plain.predict(obs, [1, 2, 3]), folded.predict(obs, [1, 2, 3])
+    finally:
+        prefix_mod.PrefixPass._fold_mask = real
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    tc = plain.engine.text_config
+    rep, s = tc.num_attention_heads // tc.num_key_value_heads, plain.prefix_len
+    assert rep > 1 and masks == [None, (3, 1, rep * s, s)]

@@ -116,6 +116,9 @@ class WamRefConfig:
     kv_layout: str = "folded"                   # prefix K/V while denoising: folded (kv heads, query heads folded:
                                                 #   +9.6% at nano batch 64) | expanded (all query heads) | room (kv
                                                 #   heads, SDPA with GQA)
+    prefix_fold: bool = False                   # the prefix pass's text attention folded as kv_layout=folded folds
+                                                #   the loop's (no K/V repeated per query head; not yet measured on
+                                                #   a GPU, so off by default)
     compile: bool = False                       # torch.compile of generation blocks, understanding norms/MLPs,
                                                 #   vision layers and the prefix's rotary embedding
     batched_vision_attention: bool = True       # one attention call over all (equal-size) images per vision layer
@@ -134,6 +137,7 @@ class WamRefConfig:
         if self.kv_layout not in KV_LAYOUTS:
             raise UserError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         self.compile = parse_bool(self.compile, "compile")
+        self.prefix_fold = parse_bool(self.prefix_fold, "prefix_fold")
         self.gemm = str(self.gemm).lower()
         if self.gemm not in GEMM_CHOICES:
             raise UserError(f"gemm must be one of {', '.join(GEMM_CHOICES)}, got {self.gemm!r}")

@@ -13,8 +13,9 @@ One understanding-tower pass per observation (the prefix K/V), then the whole Eu
 - kv_layout: the prefix K/V during denoising, "expanded" (repeated to all query heads once per observation: SDPA
   then runs without GQA, so a fused masked-attention kernel can take it), "room" (kv heads only, SDPA with
   enable_gqa) or "folded" (kv heads only; each kv head's query heads stacked along the query axis, so SDPA runs
-  without GQA over a quarter of expanded's K/V bytes: model.attend; the prefix pass's text attention is then
-  folded too, prefix.PrefixPass._fold_mask). Either way the action tokens' K/V go into free slots in place.
+  without GQA over a quarter of expanded's K/V bytes: model.attend). Either way the action tokens' K/V go into
+  free slots in place. prefix_fold (the policy's) folds the prefix pass's text attention the same way
+  (prefix.PrefixPass._fold_mask).
 - compile: torch.compile of each generation block, the understanding tower's norms and MLPs, its vision layers and
   the prefix's rotary embedding (fuses the elementwise work around the GEMMs); needs a working Inductor backend
   (Triton on GPUs).
@@ -298,7 +299,7 @@ def twin_engine(eng: InferenceEngine) -> InferenceEngine:
                            prefix_graphs=eng.prefix_graphs, gemm=eng.gemm)
     twin.weights = eng.weights   # one set of fused copies, not two
     twin.emulate_graphs = eng.emulate_graphs
-    twin.prefix_pass.compiled = eng.prefix_pass.compiled
+    twin.prefix_pass.compiled, twin.prefix_pass.fold = eng.prefix_pass.compiled, eng.prefix_pass.fold
     twin.prefix_pass._mlp, twin.prefix_pass._rope = eng.prefix_pass._mlp, eng.prefix_pass._rope
     twin.gemm_tuning = eng.gemm_tuning
     return twin

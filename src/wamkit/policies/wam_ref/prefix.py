@@ -37,6 +37,7 @@ class PrefixPass:
         self.compiled = False   # compile=true: the fused MLP and the rotary embedding run torch.compile'd
         self._mlp = None        #   (InferenceEngine.enable_compile)
         self._rope = None
+        self.fold = False       # prefix_fold: grouped-query text attention folded (_fold_mask)
 
     # ------------------------------------------------------------------ vision geometry (host work, once per count)
     def geometry(self, n_images: int, grid: tuple[int, int, int], device: torch.device) -> dict:
@@ -102,13 +103,12 @@ class PrefixPass:
         return Prefix(keys=keys, values=values, key_mask=valid, next_pos=next_pos)
 
     def _fold_mask(self, attn_mask: torch.Tensor, attn) -> torch.Tensor | None:
-        """With kv_layout=folded (the generation blocks' fold_gqa, which the engine sets) and grouped-query
-        attention, the text layers' attention runs folded as the loop's does (model.attend): each kv head's query
-        heads stacked along the query axis, over the kv heads' K/V, with no K/V repeated to every query head. The
-        causal mask then holds one copy per stacked head: (B, 1, rep x S, S), built once for all layers. None:
-        the expanded path."""
+        """With fold (wam-ref's prefix_fold) and grouped-query attention, the text layers' attention runs folded as
+        the loop's does with kv_layout=folded (model.attend): each kv head's query heads stacked along the query
+        axis, over the kv heads' K/V, with no K/V repeated to every query head. The causal mask then holds one copy
+        per stacked head: (B, 1, rep x S, S), built once for all layers. None: the expanded path."""
         heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
-        if heads == kv_heads or not getattr(self.model.gen.blocks[0], "fold_gqa", False):
+        if heads == kv_heads or not self.fold:
             return None
         b, _, s, _ = attn_mask.shape
         rep = heads // kv_heads
