@@ -139,15 +139,11 @@ print(",".join(D + ("window-open-v3", "drawer-close-v3", "button-press-v3", "rea
       rc=$?
       cp "$EW/bench_eval.json" "$OUT/eval_$TAG.json" 2>/dev/null \
         || cp "$EW/bench_eval.partial.json" "$OUT/eval_${TAG}_partial.json" 2>/dev/null
-      # each row's summary, report and timeline plot (tens of KB each) come back too, and its spans gzipped
-      # (rounds > 1 nest them: ROW/roundK/)
-      find "$EW" -mindepth 2 -maxdepth 3 -name summary.json | while read -r f; do
-        d=$(dirname "$f"); rel=${d#"$EW"/}; dst="$OUT/eval_${TAG}_rows/$rel"
-        mkdir -p "$dst"
-        cp "$d"/summary.json "$d"/report.md "$d"/timeline.png "$dst/" 2>/dev/null
-        # the spans themselves (a few MB, ~10x smaller gzipped): cycles and gaps can be re-read on the CPU later
-        [ -f "$d/timeline.json" ] && gzip -c "$d/timeline.json" > "$dst/timeline.json.gz"
-      done
+      # each row's summary, report, timeline plot and spans (timeline.json) in one archive: the device tool brings
+      # back at most 8 files, 2 folders down (rounds > 1 nest the rows: ROW/roundK/)
+      ROWS=$(cd "$EW" && find . -mindepth 2 -maxdepth 3 \( -name summary.json -o -name report.md -o -name timeline.png \
+        -o -name timeline.json \) | sort)
+      [ -n "$ROWS" ] && (cd "$EW" && tar czf "$OUT/eval_${TAG}_rows.tar.gz" $ROWS)
       [ $rc -ne 0 ] && tail -n 30 "$EW"/*/server*.log 2>/dev/null | tail -n 60
       stamp "eval $TAG" $rc
     done
