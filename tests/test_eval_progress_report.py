@@ -35,6 +35,8 @@ def test_report_md_links_the_timeline_and_states_utilization(tmp_path):
     assert "](timeline.png)" in md and (tmp_path / "timeline.png").stat().st_size > 0
     u = tl.utilization()
     assert f"env busy {u['env_busy']:.0%}" in md and f"inference busy {u['inference_busy']:.0%}" in md
+    # one sim span per env and no second chunk: the cycle is chunk only (2000 ms mean), no wait measured
+    assert "an env's cycle 2000.0 ms = chunk 2000.0 + waiting 0.0 for actions (request 1000.0)" in md
     assert "| 0 | reach | 2 | 1 | 50.0% |" in md
 
 

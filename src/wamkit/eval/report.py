@@ -40,8 +40,8 @@ def utilization(out: str | Path, summary: dict) -> dict | None:
     """env_busy / inference_busy / mean_batch of a run: the summary's, else measured from OUT/timeline.json."""
     sch = summary.get("scheduler", {})
     if "env_busy" in sch:
-        return {"env_busy": sch["env_busy"], "inference_busy": sch["inference_busy"],
-                "mean_batch": sch.get("mean_batch", 0.0)}
+        return {k: sch[k] for k in ("env_busy", "inference_busy", "mean_batch", "sim_ms_mean", "env_wait_ms_mean",
+                                    "request_ms_mean") if k in sch}
     tl = Path(out) / "timeline.json"
     if tl.exists():
         from wamkit.eval.timeline import Timeline
@@ -51,8 +51,14 @@ def utilization(out: str | Path, summary: dict) -> dict | None:
 
 
 def utilization_line(u: dict) -> str:
-    return (f"env busy {u['env_busy']:.0%} of env time, inference busy {u['inference_busy']:.0%} of wall time, "
+    """The run's utilization, and where an env's cycle went (timeline.env_cycle) when the run recorded it."""
+    line = (f"env busy {u['env_busy']:.0%} of env time, inference busy {u['inference_busy']:.0%} of wall time, "
             f"mean batch {u.get('mean_batch', 0.0):.1f}")
+    if u.get("sim_ms_mean"):
+        line += (f"; an env's cycle {u['sim_ms_mean'] + u.get('env_wait_ms_mean', 0.0):.1f} ms = chunk "
+                 f"{u['sim_ms_mean']:.1f} + waiting {u.get('env_wait_ms_mean', 0.0):.1f} for actions (request "
+                 f"{u.get('request_ms_mean', 0.0):.1f})")
+    return line
 
 
 def draw_timeline(out: str | Path) -> Path | None:
