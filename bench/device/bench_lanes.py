@@ -29,22 +29,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from wamkit.core.types import Observation  # noqa: E402
 from wamkit.policies import make_policy  # noqa: E402
-
-
-def observations(pol, n: int, seed: int) -> list[Observation]:
-    g = np.random.default_rng(seed)
-    side = pol.image_size
-    return [Observation({c: g.integers(0, 256, (side, side, 3), dtype=np.uint8) for c in pol.cameras},
-                        g.standard_normal(pol.state_dim).astype(np.float32) if pol.state_dim else None, "reach")
-            for _ in range(n)]
 
 
 def drive(lanes: list, batch: int, seconds: float) -> dict:
     """Every lane in its own thread, predicting `batch` observations back to back until `seconds` have passed."""
     calls: list[list[float]] = [[] for _ in lanes]
-    obs = [observations(p, batch, seed=i) for i, p in enumerate(lanes)]
+    obs = [p.synthetic_observations(batch, np.random.default_rng(i)) for i, p in enumerate(lanes)]
     start = threading.Barrier(len(lanes) + 1)
     stop_at = [0.0]
 

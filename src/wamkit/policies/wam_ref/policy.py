@@ -161,16 +161,21 @@ class WamRefPolicy(WamRefTraining, Policy):
         top = min(int(max_batch_size or self._max_batch_size), self._max_batch_size)
         sizes = [b for b in self.graph_buckets if b <= top] if self.engine.graphed() else [1]
         g = np.random.default_rng(0)
-        side = self.image_size
         out = {}
         for b in sizes:
-            obs = [Observation({c: g.integers(0, 256, (side, side, 3), dtype=np.uint8) for c in self.cameras},
-                               np.zeros(self.state_dim, np.float32) if self.state_dim > 0 else None, "warm up")
-                   for _ in range(b)]
+            obs = self.synthetic_observations(b, g)
             t0 = time.perf_counter()
             self.predict(obs, list(range(b)))
             out[str(b)] = time.perf_counter() - t0
         return out
+
+    def synthetic_observations(self, n: int, rng: np.random.Generator) -> list[Observation]:
+        """n observations of this policy's shape (random images of every camera, zero state) for warm-ups and
+        benchmarks."""
+        side = self.image_size
+        return [Observation({c: rng.integers(0, 256, (side, side, 3), dtype=np.uint8) for c in self.cameras},
+                            np.zeros(self.state_dim, np.float32) if self.state_dim > 0 else None, "warm up")
+                for _ in range(n)]
 
     def max_batch_size(self) -> int:
         return self._max_batch_size
