@@ -92,3 +92,20 @@ def test_bench_nano_kernel_time_split_by_phase():
            Ev("nvjet_sm90_tst_256x128", "DeviceType.CUDA", 10.0, 510.0)]
     assert nano._device_spans(raw) == ([("prefix", 0.0, 1000.0)], [("nvjet_sm90_tst_256x128", 10.0, 510.0)])
 
+
+
+def test_bench_lanes_runs_the_eval_rows_policy():
+    """bench_lanes.py's lanes are the eval server's policy (eval_metaworld.yaml's policy_args, CUDA graphs on), not a
+    copy of it: session 15's copy lacked cuda_graphs and timed eager calls the eval never makes."""
+    import argparse
+
+    import yaml
+
+    lanes = _load("bench_lanes")
+    a = argparse.Namespace(size="small", device="cuda", dtype="bfloat16", steps=10, compile=True)
+    kw = lanes.lane_policy_args(a, [1, 8, 16])
+    eval_args = yaml.safe_load((ROOT / "bench" / "device" / "eval_metaworld.yaml").read_text())["policy_args"]
+    assert kw["cuda_graphs"] is True and eval_args["cuda_graphs"] is True
+    assert {k: kw[k] for k in eval_args if k not in ("size", "device", "dtype", "num_inference_steps")} == \
+        {k: v for k, v in eval_args.items() if k not in ("size", "device", "dtype", "num_inference_steps")}
+    assert kw["graph_buckets"] == "1,8,16" and kw["max_batch_size"] == 16 and kw["compile"] is True

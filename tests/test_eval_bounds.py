@@ -21,6 +21,23 @@ def test_loop_bound_from_the_simulation_alone_rate():
     assert lp32["bound_env_steps_per_s"] == pytest.approx(2 * lp["bound_env_steps_per_s"])
 
 
+def test_a_rows_faster_chunk_makes_the_loop_bound():
+    """The simulation-alone run has every env simulating at once; in a row most envs wait for actions and the rest
+    simulate faster (H100, session 15: 14 ms chunks in the rows, 25 ms from the simulation-alone rate). A bound on
+    25 ms would sit below what those rows could reach: the fastest chunk seen is the one the bound takes."""
+    est = loop_bound(16, 16, 6400.0, 16, 0.035)                        # 40 ms from the simulation-alone rate
+    lp = loop_bound(16, 16, 6400.0, 16, 0.035, row_chunks_s=[0.030, 0.0, 0.025])
+    assert lp["chunk_from"] == "rows" and lp["chunk_s"] == pytest.approx(0.025)
+    assert lp["sim_alone_chunk_s"] == pytest.approx(0.040)
+    assert lp["bound_env_steps_per_s"] == pytest.approx(16 * 16 / 0.060)
+    assert lp["bound_env_steps_per_s"] > est["bound_env_steps_per_s"]
+    slower = loop_bound(16, 16, 6400.0, 16, 0.035, row_chunks_s=[0.050])   # rows slower: the estimate stands
+    assert slower["chunk_from"] == "simulation alone" and slower["chunk_s"] == pytest.approx(0.040)
+    # the honest bound then falls to the contended stage bound where that is lower
+    assert honest_bound(9000.0, {"bound_env_steps_per_s": 4000.0}, lp) == 4000.0
+    assert honest_bound(9000.0, {"bound_env_steps_per_s": 4000.0}, est) == pytest.approx(16 * 16 / 0.075)
+
+
 def test_honest_bound_is_the_tightest_and_rows_are_measured_against_it():
     loop = loop_bound(16, 16, 6400.0, 16, 0.035)          # 3413.3
     contended = {"bound_env_steps_per_s": 4436.0}

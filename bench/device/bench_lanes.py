@@ -62,6 +62,19 @@ def drive(lanes: list, batch: int, seconds: float) -> dict:
             "calls_per_lane": [len(c) for c in calls]}
 
 
+def lane_policy_args(a: argparse.Namespace, batches: list[int]) -> dict:
+    """The eval rows' policy (bench/device/eval_metaworld.yaml's policy_args: CUDA graphs on, one camera, ...) with
+    this run's size, device, steps, buckets and compile. Session 15 built its own list without cuda_graphs, so its
+    lanes ran eager (90 ms a call at batch 1 against the eval server's 14 ms) and measured nothing the eval uses."""
+    import yaml
+
+    kw = dict(yaml.safe_load((Path(__file__).parent / "eval_metaworld.yaml").read_text())["policy_args"])
+    kw.update(size=a.size, device=a.device, dtype=a.dtype if a.device != "cpu" else "float32",
+              num_inference_steps=a.steps, max_batch_size=max(batches),
+              graph_buckets=",".join(str(b) for b in batches), compile=a.compile)
+    return kw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -76,9 +89,7 @@ def main() -> None:
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     lane_counts = sorted({int(n) for n in a.lanes.split(",")})
-    kw = dict(size=a.size, device=a.device, dtype=a.dtype if a.device != "cpu" else "float32", cameras=["image"],
-              state_dim=39, action_dim=4, num_inference_steps=a.steps, max_batch_size=max(batches),
-              graph_buckets=",".join(str(b) for b in batches), compile=a.compile)
+    kw = lane_policy_args(a, batches)
     t0 = time.perf_counter()
     pol = make_policy("wam-ref", **kw)
     lanes = [pol] + [pol.replica() for _ in range(max(lane_counts) - 1)]

@@ -12,8 +12,9 @@ Measures, in one process on one GPU:
   graph too), optionally "+compile" (torch.compile of the blocks; modes after the first "+compile" one stay compiled,
   so list those last), "+nofuse" (fused=false: the reference path, one GEMM per projection, transformers' prefix
   forward), "+noprefix" (prefix_graphs=false), "+triton" / "+autotune" (gemm=triton | autotune for the denoising
-  loop's GEMMs; otherwise gemm=cublas) and ":room" / ":folded" (kv_layout=room | folded; no suffix: expanded,
-  whatever the policy's default); graphs modes first capture every bucket (policy.warmup, timed): wall-clock
+  loop's GEMMs; otherwise gemm=cublas) and ":expanded" / ":room" / ":folded" (kv_layout; no suffix: the
+  policy's own, `--policy-arg kv_layout=...` or its default, folded; each row records the layout it ran);
+  graphs modes first capture every bucket (policy.warmup, timed): wall-clock
   latency p50/p99 over `reps` calls after warm-up (includes CPU preprocessing and the copy back), plus the device
   time of each phase of one sample() in that mode (CUDA events at the phase boundaries: prefix = vision + understanding tower, loop = the denoising loop) and each phase's
   TFLOP/s (its FLOPs from policy.flops_per_observation over its time), and an eager vision-tower timing;
@@ -177,10 +178,13 @@ def bench_predict(pol, b: int, reps: int, f: dict) -> dict:
         pol.predict(obs, seeds)
         lat.append((time.perf_counter() - t0) * 1e3)
     # device-time split of one sample() in this mode: prefix pass vs denoising loop (CUDA events at the boundary)
-    t0 = time.perf_counter()
-    inputs = pol.prepare_inputs([o.images for o in obs], [o.task for o in obs])
-    sync()
-    prep_ms = (time.perf_counter() - t0) * 1e3
+    preps = []   # host preprocessing (+ its uploads), which predict runs before the GPU work: median of 5
+    for _ in range(5):
+        t0 = time.perf_counter()
+        inputs = pol.prepare_inputs([o.images for o in obs], [o.task for o in obs])
+        sync()
+        preps.append((time.perf_counter() - t0) * 1e3)
+    prep_ms = statistics.median(preps)
     ph = phases(pol, inputs, seeds)
     m = pol.model
     with torch.no_grad():
@@ -191,8 +195,11 @@ def bench_predict(pol, b: int, reps: int, f: dict) -> dict:
     q = np.percentile(lat, [50, 99])
     return {"batch": b, "p50_ms": float(q[0]), "p99_ms": float(q[1]), "mean_ms": float(np.mean(lat)),
             "obs_s": b / (float(q[0]) / 1e3), "first_call_ms": first_ms, "prep_ms": prep_ms,
-            "prefix_ms": ph["prefix"], "vision_ms": vision_ms, "loop_ms": ph["denoise"],
-            "sample_ms": ph["prefix"] + ph["denoise"], **phase_tflops(f, b, ph["prefix"], ph["denoise"]),
+            "prep_ms_max": max(preps), "prefix_ms": ph["prefix"], "vision_ms": vision_ms, "loop_ms": ph["denoise"],
+            "sample_ms": ph["prefix"] + ph["denoise"],
+            # the GPU's own rate (one sample()'s phases) and what the wall clock adds on top (host work, syncs)
+            "device_tflops": b * f["total"] / (ph["prefix"] + ph["denoise"]) / 1e9,
+            "host_ms": float(q[0]) - (ph["prefix"] + ph["denoise"]), **phase_tflops(f, b, ph["prefix"], ph["denoise"]),
             "prefix_graph_errors": [str(e) for e in pol.engine.prefix_graph_errors.values()], "reps": reps}
 
 
@@ -448,10 +455,11 @@ def main(argv=None) -> int:
     res["predict"] = []
     batches = [int(x) for x in args.batches.split(",") if x]
     res["warmup"] = {}
+    built_layout = pol.kv_layout   # what a mode without a ":layout" suffix runs (until session 15: expanded)
     for mode in [x for x in args.modes.split(",") if x]:
         base, _, layout = mode.partition(":")
         pol.cuda_graphs = base.startswith("graphs")
-        pol.kv_layout = layout or "expanded"
+        pol.kv_layout = layout or built_layout
         pol.fused = "+nofuse" not in base
         pol.prefix_graphs = "+noprefix" not in base
         pol.gemm = "triton" if "+triton" in base else "autotune" if "+autotune" in base else "cublas"
@@ -478,18 +486,21 @@ def main(argv=None) -> int:
                 res["predict"].append({"mode": mode, "batch": b, "error": f"{type(e).__name__}: {e}"})
                 save()
                 continue
-            r["mode"] = mode
+            r["mode"], r["kv_layout"] = mode, pol.kv_layout
             r["tflops"] = f["total"] * r["obs_s"] / 1e12
             r["mfu"] = r["tflops"] * 1e12 / (res["ceilings"]["bf16_matmul_tflops"] * 1e12)
             sustained = res["ceilings"].get("bf16_matmul_tflops_sustained")
             r["of_sustained_ceiling"] = r["tflops"] / sustained if sustained else None
+            r["device_of_sustained_ceiling"] = r["device_tflops"] / sustained if sustained else None
             r["clock_end"] = gpu_clock() if on_cuda() else None   # the SM clock / power as the reps ended
             res["predict"].append(r)
-            log(f"{mode:16s} b={b:3d}: p50 {r['p50_ms']:7.1f} ms p99 {r['p99_ms']:7.1f} ms {r['obs_s']:6.1f} obs/s "
+            log(f"{mode:16s} [{pol.kv_layout}] b={b:3d}: p50 {r['p50_ms']:7.1f} ms p99 {r['p99_ms']:7.1f} ms "
+                f"{r['obs_s']:6.1f} obs/s "
                 f"{r['tflops']:5.0f} TFLOP/s ({100 * r['mfu']:.0f}% of burst ceiling"
                 + (f", {100 * r['of_sustained_ceiling']:.0f}% of sustained" if r["of_sustained_ceiling"] else "")
                 + (f"; {r['clock_end']['sm_mhz']:.0f} MHz {r['clock_end']['power_w']:.0f} W" if r["clock_end"]
-                   else "") + f") | prep {r['prep_ms']:.1f} prefix {r['prefix_ms']:.1f} "
+                   else "") + f"; GPU alone {r['device_tflops']:.0f} TFLOP/s, wall adds {r['host_ms']:.1f} ms) | "
+                f"prep {r['prep_ms']:.1f} (max {r['prep_ms_max']:.1f}) prefix {r['prefix_ms']:.1f} "
                 f"({r['prefix_tflops'] or 0:.0f} TFLOP/s; eager vision {r['vision_ms']:.1f}) loop "
                 f"{r['loop_ms']:.1f} ms ({r['loop_tflops'] or 0:.0f} TFLOP/s) | first call {r['first_call_ms']:.0f} ms")
             save()
