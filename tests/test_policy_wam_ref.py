@@ -434,7 +434,8 @@ def test_pixel_values_match_per_image_preprocessing():
 
     pol = make_policy("wam-ref", size="tiny")
     rng = np.random.default_rng(3)
-    for shapes in ([(96, 96)] * 3, [(64, 64), (80, 48)]):   # one batch / mixed sizes (resized one by one)
+    # one batch resized / one batch already at image_size (patches laid out from the uint8 images) / mixed sizes
+    for shapes in ([(96, 96)] * 3, [(64, 64)] * 3, [(64, 64), (80, 48)]):
         imgs = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in shapes]
         ref = []
         for a in imgs:
@@ -444,6 +445,14 @@ def test_pixel_values_match_per_image_preprocessing():
                                   antialias=True)[0].clamp_(0.0, 1.0)
             ref.append(patchify((x - 0.5) / 0.5, 8, 2, 2))
         torch.testing.assert_close(pol.inputs.pixel_values(imgs), torch.cat(ref), rtol=0, atol=0)
+    # in bf16 too: the at-size path casts before the temporal repeat, the recipe after it
+    bf = make_policy("wam-ref", size="tiny", dtype="bfloat16")
+    imgs = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(2)]
+    ref = torch.cat([patchify((torch.from_numpy(a).permute(2, 0, 1).float() / 255.0 - 0.5) / 0.5, 8, 2, 2)
+                     for a in imgs]).to(torch.bfloat16)
+    got = bf.inputs.pixel_values(imgs)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
     # patch order: patch 1 of image 0 is the merge window's second patch (row 0, column 1), channel 0 first
     img = torch.arange(3 * 16 * 16, dtype=torch.float32).reshape(3, 16, 16)
     p = patchify(img, 4, 2, 2)
