@@ -109,3 +109,14 @@ def test_bench_lanes_runs_the_eval_rows_policy():
     assert {k: kw[k] for k in eval_args if k not in ("size", "device", "dtype", "num_inference_steps")} == \
         {k: v for k, v in eval_args.items() if k not in ("size", "device", "dtype", "num_inference_steps")}
     assert kw["graph_buckets"] == "1,8,16" and kw["max_batch_size"] == 16 and kw["compile"] is True
+
+
+def test_run_all_refuses_an_unknown_part(tmp_path):
+    """A part run_all does not know ran nothing and said nothing (session 15 spent a device call on parts=gemm
+    before gemm was a part): it now stops at once, naming the part and the ones it knows, before any setup."""
+    p = subprocess.run(["bash", str(ROOT / "bench" / "device" / "run_all.sh"), "parts=nano,gemmm"],
+                       capture_output=True, text=True, timeout=30, cwd=ROOT, env={"PATH": "/usr/bin:/bin",
+                                                                                  "OUT": str(tmp_path)})
+    assert p.returncode == 2
+    assert "unknown part 'gemmm'" in p.stdout and "lanes,gemm" in p.stdout
+    assert not (tmp_path / "run_all.log").exists()   # stopped before setup wrote anything

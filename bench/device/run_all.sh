@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU measurement of issue 9 in one call on the device machine (see bench/results/gpu.md).
 #
-#   bash bench/device/run_all.sh [scale=smoke|full] [parts=nano,eval,sft,contention,attn,lanes] [ngpu=1]
+#   bash bench/device/run_all.sh [scale=smoke|full] [parts=nano,eval,sft,contention,attn,lanes,gemm] [ngpu=1]
 #        [evalscales=8x32,16x64] [sft_variants="activation_checkpointing=true;activation_checkpointing=false compile=true"]
-#        [nano_args=...] [attn_args=...] [lanes_args=...]
+#        [nano_args=...] [attn_args=...] [lanes_args=...] [gemm_args=...]
 #        [gl=egl|osmesa|auto] [eval_args="env_args.render_quality=fast ..."] [cont_args=...]
 #
 # Installs the carried GL loaders (.gl) and wheels (.whl), then runs each part under its own time limit and keeps
@@ -11,13 +11,18 @@
 # ngpu=N: SFT under torchrun nproc=N (global batch N x 64), N action servers (one per GPU) for the HTTP rows, and
 # the evaluation rows once with one server and once with N (server.replicas=N server.gpus=0..N-1).
 set -u
-SCALE=smoke; PARTS=nano,eval,sft; CONT_ARGS=""; GL=egl; EVAL_ARGS=""; SFT_TRAIN=all; NGPU=1; EVALSCALES=""; NANO_ARGS=""; SFT_VARIANTS=""; ATTN_ARGS=""; LANES_ARGS=""
+SCALE=smoke; PARTS=nano,eval,sft; CONT_ARGS=""; GL=egl; EVAL_ARGS=""; SFT_TRAIN=all; NGPU=1; EVALSCALES=""; NANO_ARGS=""; SFT_VARIANTS=""; ATTN_ARGS=""; LANES_ARGS=""; GEMM_ARGS=""
 for a in "$@"; do
   case "$a" in
     scale=*) SCALE=${a#*=};; parts=*) PARTS=${a#*=};; ngpu=*) NGPU=${a#*=};; evalscales=*) EVALSCALES=${a#*=};;
-    nano_args=*) NANO_ARGS=${a#*=};; attn_args=*) ATTN_ARGS=${a#*=};; lanes_args=*) LANES_ARGS=${a#*=};; cont_args=*) CONT_ARGS=${a#*=};; gl=*) GL=${a#*=};; eval_args=*) EVAL_ARGS=${a#*=};; sft_trainable=*) SFT_TRAIN=${a#*=};; sft_variants=*) SFT_VARIANTS=${a#*=};;
+    nano_args=*) NANO_ARGS=${a#*=};; attn_args=*) ATTN_ARGS=${a#*=};; lanes_args=*) LANES_ARGS=${a#*=};; gemm_args=*) GEMM_ARGS=${a#*=};; cont_args=*) CONT_ARGS=${a#*=};; gl=*) GL=${a#*=};; eval_args=*) EVAL_ARGS=${a#*=};; sft_trainable=*) SFT_TRAIN=${a#*=};; sft_variants=*) SFT_VARIANTS=${a#*=};;
     *) echo "unknown argument $a"; exit 2;;
   esac
+done
+# a part that is not one of these ran nothing and said nothing (session 15 lost a call to parts=gemm): refuse it
+for p in ${PARTS//,/ }; do
+  case ",nano,eval,sft,contention,attn,lanes,gemm," in *",$p,"*) ;;
+    *) echo "run_all: unknown part '$p' (parts: nano,eval,sft,contention,attn,lanes,gemm)"; exit 2;; esac
 done
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LOG=$OUT/run_all.log
@@ -77,6 +82,13 @@ if part lanes; then   # wam-ref predict from 1..N lanes at once (the server's co
   echo "=== lanes: bench/device/bench_lanes.py $LANES_ARGS"
   timeout -k 10 ${LANES_T:-150} python3 bench/device/bench_lanes.py --out "$OUT/lanes.json" $LANES_ARGS
   stamp lanes $?
+fi
+
+if part gemm; then   # the denoising loop's GEMM shapes: cuBLAS / Triton / autotune at 16 and 1024 rows
+  echo "=== gemm: bench/device/bench_gemm.py --budget-s ${GEMM_BUDGET:-78} $GEMM_ARGS"
+  timeout -k 10 $(( ${GEMM_BUDGET:-78} + 20 )) python3 bench/device/bench_gemm.py --out "$OUT/gemm.json" \
+    --budget-s "${GEMM_BUDGET:-78}" $GEMM_ARGS
+  stamp gemm $?
 fi
 
 if part contention; then   # the action server beside controlled CPU / simulation load (bench_contention.py)
