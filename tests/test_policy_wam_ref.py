@@ -453,6 +453,11 @@ def test_pixel_values_match_per_image_preprocessing():
     got = bf.inputs.pixel_values(imgs)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    # a stacked float32 batch (the training path hands tensors over as they are) is read, not normalized in place
+    batch = torch.from_numpy(np.stack(imgs)).float()
+    kept = batch.clone()
+    torch.testing.assert_close(bf.inputs.pixel_values(batch), ref, rtol=0, atol=0)
+    assert torch.equal(batch, kept)
     # patch order: patch 1 of image 0 is the merge window's second patch (row 0, column 1), channel 0 first
     img = torch.arange(3 * 16 * 16, dtype=torch.float32).reshape(3, 16, 16)
     p = patchify(img, 4, 2, 2)

@@ -138,7 +138,8 @@ class InputProcessor:
         gh, gw = h // p, w // p
         # (N, gh/m, m, p, gw/m, m, p, C) -> (N, gh/m, gw/m, m, m, C, p, p): patchify's order, from NHWC
         x = x.reshape(n, gh // m, m, p, gw // m, m, p, c).permute(0, 1, 4, 2, 5, 7, 3, 6)
-        y = x.float().div_(255.0).sub_(mean).div_(std).to(dtype)
+        # copy=True: a float32 input (a caller's own tensor) must not be normalized in place
+        y = x.to(torch.float32, copy=True).div_(255.0).sub_(mean).div_(std).to(dtype)
         y = y.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, self.temporal, -1, -1)
         return y.reshape(n * gh * gw, c * self.temporal * p * p)
 
