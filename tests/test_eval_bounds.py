@@ -36,6 +36,22 @@ def test_a_rows_faster_chunk_makes_the_loop_bound():
     # the honest bound then falls to the contended stage bound where that is lower
     assert honest_bound(9000.0, {"bound_env_steps_per_s": 4000.0}, lp) == 4000.0
     assert honest_bound(9000.0, {"bound_env_steps_per_s": 4000.0}, est) == pytest.approx(16 * 16 / 0.075)
+    # the report says where the chunk came from
+    from wamkit.eval.bench import markdown
+
+    rows = [{"row": "B=8, P=2", "env_steps_per_s": 3000.0, "episodes_per_hour": 1.0, "episodes": 4,
+             "inference_obs_per_s": 190.0, "mean_batch": 8.0}]
+    add_ratios(rows, 9000.0, {"bound_env_steps_per_s": 4000.0}, lp)
+    report = {"rows": rows, "rounds": 1, "plan": {"num_envs": 16},
+              "bound": {"bound_env_steps_per_s": 9000.0, "sim_env_steps_per_s": 9000.0, "inference_obs_per_s": 900.0,
+                        "inference_batch": 16, "horizon": 16, "contended": {"bound_env_steps_per_s": 4000.0,
+                                                                             "sim_env_steps_per_s": 5000.0,
+                                                                             "inference_obs_per_s": 500.0,
+                                                                             "inference_batch": 16},
+                        "loop": lp, "honest_env_steps_per_s": 4000.0}}
+    md = markdown(report)
+    assert "chunk 25.0 ms, a row's mean chunk: the simulation-alone run's was 40.0 + fastest call 35.0 ms" in md
+    assert "B=8, P=2 0.75" in md
 
 
 def test_honest_bound_is_the_tightest_and_rows_are_measured_against_it():
