@@ -1,4 +1,4 @@
-"""`wamkit demo`: the whole path on embedded defaults, sized for a 2-core CPU machine (about 20 minutes).
+"""`wamkit demo`: the whole path on embedded defaults, sized for a 2-core CPU machine (under 10 minutes).
 
 1. LIBERO, pipelined: how fast the scheduler runs an evaluation. A stand-in policy with a known inference cost keeps
    the numbers about scheduling (success is 0% by construction); the rows (single-batch baseline, serial, auto, auto+)
