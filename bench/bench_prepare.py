@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_policy import observations  # noqa: E402
 
@@ -48,7 +46,7 @@ def main(argv=None) -> int:
         print(f"batch {b:3d}: prepare_inputs median {rows[-1]['median_ms']:7.1f} ms (min {min(took):.1f}, "
               f"max {max(took):.1f}) over {a.repeats} calls", flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "numpy": np.__version__}, indent=2))
+        Path(a.json).write_text(json.dumps({"rows": rows}, indent=2))
     return 0
 
 

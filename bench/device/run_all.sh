@@ -20,9 +20,9 @@ for a in "$@"; do
   esac
 done
 # a part that is not one of these ran nothing and said nothing (session 15 lost a call to parts=gemm): refuse it
+KNOWN_PARTS=nano,eval,sft,contention,attn,lanes,gemm
 for p in ${PARTS//,/ }; do
-  case ",nano,eval,sft,contention,attn,lanes,gemm," in *",$p,"*) ;;
-    *) echo "run_all: unknown part '$p' (parts: nano,eval,sft,contention,attn,lanes,gemm)"; exit 2;; esac
+  case ",$KNOWN_PARTS," in *",$p,"*) ;; *) echo "run_all: unknown part '$p' (parts: $KNOWN_PARTS)"; exit 2;; esac
 done
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LOG=$OUT/run_all.log

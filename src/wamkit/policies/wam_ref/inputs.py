@@ -25,13 +25,25 @@ def patchify(img: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.
     Patches are grouped by spatial-merge window (merge x merge neighbours contiguous), channels outermost inside a
     patch, and the single frame repeated `temporal` times (what Qwen3-VL's image processor does for still images);
     this is the layout `Qwen3VLVisionPatchEmbed` (Conv3d over (C, T, p, p)) and the patch merger expect."""
-    x = img[None] if img.ndim == 3 else img
+    return lay_out_patches(patch_view(img[None] if img.ndim == 3 else img, patch, merge), temporal)
+
+
+def patch_view(x: torch.Tensor, patch: int, merge: int) -> torch.Tensor:
+    """(N, C, H, W) images, any strides (a permuted NHWC tensor too) -> a view (N, gh/m, gw/m, m, m, C, p, p) in
+    patchify's order: nothing is copied, so per-channel work on it (broadcast over (C, 1, 1)) touches each pixel
+    once."""
     n, c, h, w = x.shape
     gh, gw = h // patch, w // patch
     x = x.reshape(n, c, gh // merge, merge, patch, gw // merge, merge, patch)
-    x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)                  # (N, gh/m, gw/m, m, m, C, p, p)
-    x = x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, temporal, -1, -1)
-    return x.reshape(n * gh * gw, c * temporal * patch * patch)
+    return x.permute(0, 2, 5, 3, 6, 1, 4, 7)
+
+
+def lay_out_patches(v: torch.Tensor, temporal: int) -> torch.Tensor:
+    """patch_view's (N, gh/m, gw/m, m, m, C, p, p) -> (N*gh*gw, C*temporal*p*p), the frame repeated `temporal`
+    times: the one copy."""
+    n, a, b, m, _, c, p, _ = v.shape
+    v = v.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, temporal, -1, -1)
+    return v.reshape(n * a * b * m * m, c * temporal * p * p)
 
 
 class InputProcessor:
@@ -130,18 +142,13 @@ class InputProcessor:
     def _patches_at_size(self, x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, dtype) -> torch.Tensor:
         """(N, S, S, 3) uint8 images already image_size -> patches, the same values as the resizing path (the
         same float32 operations per element, here in place) with less memory: the patch order is a view of the
-        uint8 images, the temporal repeat comes after the cast to `dtype`, and one copy lays the patches out. The
-        only float32 tensor is one copy of the pixels (batch 64 x 2 cameras of 256 px: 100 MB, where the resizing
-        path's chain allocates ~700 MB)."""
-        n, h, w, c = x.shape
-        p, m = self.patch_size, self.merge
-        gh, gw = h // p, w // p
-        # (N, gh/m, m, p, gw/m, m, p, C) -> (N, gh/m, gw/m, m, m, C, p, p): patchify's order, from NHWC
-        x = x.reshape(n, gh // m, m, p, gw // m, m, p, c).permute(0, 1, 4, 2, 5, 7, 3, 6)
+        uint8 images (patch_view), the temporal repeat comes after the cast to `dtype`, and one copy lays the
+        patches out. The only float32 tensor is one copy of the pixels (batch 64 x 2 cameras of 256 px: 100 MB,
+        where the resizing path's chain allocates ~700 MB)."""
+        v = patch_view(x.permute(0, 3, 1, 2), self.patch_size, self.merge)
         # copy=True: a float32 input (a caller's own tensor) must not be normalized in place
-        y = x.to(torch.float32, copy=True).div_(255.0).sub_(mean).div_(std).to(dtype)
-        y = y.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, self.temporal, -1, -1)
-        return y.reshape(n * gh * gw, c * self.temporal * p * p)
+        y = v.to(torch.float32, copy=True).div_(255.0).sub_(mean).div_(std).to(dtype)
+        return lay_out_patches(y, self.temporal)
 
     def prepare(self, images: dict[str, Any] | list[dict[str, Any]], tasks: Sequence[str],
                 states=None) -> dict[str, torch.Tensor]:
