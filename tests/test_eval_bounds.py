@@ -133,6 +133,15 @@ def test_the_report_says_what_auto_measured_and_kept():
     assert lines == ["auto kept halves, greedy (probe rounds of the median run: at 2.5 s with 16 envs: greedy "
                      "312.4, halves 308.0 obs/s; duel greedy 301.2, halves 309.9 -> halves)."]
     assert probe_lines([fixed, unprobed]) == []
+    # a decision whose check failed, and the recheck it started
+    checked = {"row": "auto", "auto_shape": {"shape": "halves", "probed": True, "rounds": [
+        {"at_s": 3.091, "active": 32, "rates_obs_per_s": {"plan": 476.94, "halves": 326.85}, "chosen": "plan",
+         "check_obs_per_s": 401.2},
+        {"at_s": 4.9, "active": 32, "rates_obs_per_s": {"plan": 401.2, "halves": 480.0}, "chosen": "halves",
+         "recheck": True}]}}
+    assert probe_lines([checked]) == [
+        "auto kept halves (probe rounds of the median run: at 3.1 s with 32 envs: plan 476.9, halves 326.9 obs/s "
+        "-> plan, checked at 401.2; recheck at 4.9 s with 32 envs: plan 401.2, halves 480.0 obs/s -> halves)."]
     row = dict(auto, episodes=4, episodes_per_hour=1.0, env_steps_per_s=1.0, inference_obs_per_s=1.0,
                mean_batch=1.0, ratio_steps=None, ratio_episodes=None)
     report = {"rows": [row], "rounds": 1, "bound": {"bound_env_steps_per_s": None}}

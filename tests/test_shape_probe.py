@@ -71,6 +71,44 @@ def test_a_close_call_is_settled_by_a_duel_over_more_windows():
     assert spent[GREEDY] >= 3 * window and "duel_obs_per_s" in p.summary()[0]
 
 
+def slowed(rate: float, slow: float, start: float, end: float):
+    """`rate` observations per second except `slow` in [start, end) (a transient: the host busy for a while)."""
+    def count(t: float) -> int:
+        return int(rate * min(t, start) + slow * max(0.0, min(t, end) - start) + rate * max(0.0, t - end))
+    return lambda t0, t1: count(t1) - count(t0)
+
+
+def test_a_decision_the_run_then_contradicts_is_checked_and_measured_again(monkeypatch):
+    """Session 16's H100 round: the plan's window ran fast (480/s, then 400 for good) while a transient slowed
+    halves' window (300 of its 460): the round keeps the plan. Its check window (the next one of the plan, 400/s,
+    more than CHECK_DROP below 480) starts a recheck, which measures the other shapes again and keeps halves. The
+    check window stands as the plan's window of the recheck; the recheck's own decision is not checked again."""
+    stream = {PLAN: drifting(480.0, 400.0, 0.5), GREEDY: steady(380.0), HALVES: slowed(460.0, 300.0, 0.5, 1.6)}
+    p = ShapeProbe((PLAN, GREEDY, HALVES))
+    drive(p, stream, until=5.0)
+    assert [r.chosen for r in p.rounds] == [PLAN, HALVES] and p.current == HALVES, p.summary()
+    first, second = p.rounds
+    assert first.rates[HALVES] < 0.75 * 460.0 and first.check == pytest.approx(400.0, rel=0.05)
+    assert not first.recheck and second.recheck and second.check is None
+    assert second.rates[PLAN] == pytest.approx(first.check) and second.rates[HALVES] == pytest.approx(460.0, rel=0.05)
+    assert p.summary()[0]["check_obs_per_s"] == pytest.approx(400.0, rel=0.05) and p.summary()[1]["recheck"]
+    # without the check the round's decision stands for the rest of the run
+    monkeypatch.setattr(ShapeProbe, "CHECK_DROP", 1.0)
+    p = ShapeProbe((PLAN, GREEDY, HALVES))
+    drive(p, stream, until=5.0)
+    assert [r.chosen for r in p.rounds] == [PLAN] and p.current == PLAN
+
+
+def test_a_machine_that_slows_for_good_gets_one_recheck_not_a_loop():
+    """Every shape 35% slower from 0.6 s on: the check fails once, the recheck measures the slower machine and its
+    decision stands (no check of a recheck, no third round)."""
+    stream = {PLAN: drifting(480.0, 312.0, 0.6), GREEDY: drifting(380.0, 247.0, 0.6),
+              HALVES: drifting(440.0, 286.0, 0.6)}
+    p = ShapeProbe((PLAN, GREEDY, HALVES))
+    drive(p, stream, until=6.0)
+    assert len(p.rounds) == 2 and p.rounds[1].recheck and p.current == p.rounds[1].chosen == PLAN, p.summary()
+
+
 def test_no_duel_where_the_shapes_are_clearly_apart_or_the_run_cannot_pay_for_it():
     p = ShapeProbe((GREEDY, HALVES))
     drive(p, {GREEDY: steady(100.0), HALVES: steady(110.0)}, until=3.5)      # 10% apart: the round decides
@@ -142,6 +180,7 @@ def test_four_shapes_the_fastest_kept_and_each_measured_once():
     assert p.rounds[0].rates[LOCKSTEP] == pytest.approx(160.0, rel=0.05)
     assert p.rounds[0].rates[HALVES] == pytest.approx(8 / 0.06, rel=0.05)
     assert spent[GREEDY] < 1.5     # measured once: a window and its settling, not the rest of the run
+    assert p.rounds[0].check == pytest.approx(160.0, rel=0.05)   # the kept shape held its rate: no second round
 
 
 def test_one_env_is_never_probed():
@@ -321,5 +360,7 @@ def test_the_planners_estimates_are_computed_only_when_a_round_needs_them():
     drive(eager, stream, until=3.0)
     answers = int(3.0 * 150.0)
     assert lazy.summary() == eager.summary() and len(lazy.rounds) == 1
-    # one read to start the round and one per switch; the rest predicted once: far fewer than the ~400 answers
-    assert calls == {"cycle": 2, "remaining": 1}, (calls, answers)
+    # one read to start the round, one per switch and one for the decision's check window; the rest predicted
+    # once (the check passed: no second round): far fewer than the ~400 answers
+    assert calls == {"cycle": 3, "remaining": 1}, (calls, answers)
+    assert lazy.rounds[0].check == pytest.approx(150.0, rel=0.05)

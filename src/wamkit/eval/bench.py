@@ -485,8 +485,9 @@ def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def probe_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """What auto measured and kept (summary.scheduler.auto_shape), one line per auto row: each probe round's rates
-    and, after a close call, its duel; the shape kept in every round of the bench. [] where no row probed."""
+    """What auto measured and kept (summary.scheduler.auto_shape), one line per auto row: each probe round's rates,
+    after a close call its duel, the kept shape's check window, and whether a failed check started the round; the
+    shape kept in every round of the bench. [] where no row probed."""
     out = []
     for x in rows:
         a = x.get("auto_shape") or {}
@@ -497,7 +498,11 @@ def probe_lines(rows: list[dict[str, Any]]) -> list[str]:
             rates = ", ".join(f"{k} {v:.1f}" for k, v in r.get("rates_obs_per_s", {}).items())
             duel = r.get("duel_obs_per_s")
             duel_txt = ("; duel " + ", ".join(f"{k} {v:.1f}" for k, v in duel.items())) if duel else ""
-            parts.append(f"at {r['at_s']:.1f} s with {r['active']} envs: {rates} obs/s{duel_txt} -> {r['chosen']}")
+            check = r.get("check_obs_per_s")
+            check_txt = f", checked at {check:.1f}" if check is not None else ""
+            again = "recheck " if r.get("recheck") else ""
+            parts.append(f"{again}at {r['at_s']:.1f} s with {r['active']} envs: {rates} obs/s{duel_txt} -> "
+                         f"{r['chosen']}{check_txt}")
         kept = x.get("auto_shapes") or [a.get("shape")]
         out.append(f"{x['row']} kept {', '.join(str(k) for k in kept)} (probe rounds of the median run: "
                    + "; ".join(parts) + ").")

@@ -19,6 +19,13 @@ beat halves by 1.4% in the probe, while the fixed rows of those shapes differed 
 follows: the two alternate for DUEL_LEGS more windows, and the one with the higher rate over all its windows is kept.
 It costs little: the shapes are within CLOSE of each other.
 
+A round's windows are short, and a transient (the host slowing for a second or two) can fall in some of them: on the
+H100 in session 16, one round measured lockstep and halves ~40% below their other rounds and kept the plan at 477
+obs/s, which then ran at ~400 for the rest of the row, 15% behind the halves row. So a decision is *checked*: the
+kept shape's next window (it runs anyway: no cost but its settling) is compared with the rate it was kept for, and
+where it falls more than CHECK_DROP below, the round's figures no longer describe the run and every shape is measured
+again at once (one such round per decision: its own decision is not checked again).
+
 Pure bookkeeping: every method takes the time it is told (`now`, monotonic seconds), so the same code runs on the
 real clock and on the planner model's virtual one (bench/planner_sim.py)."""
 
@@ -47,12 +54,23 @@ class ProbeRound:
     rates: dict[str, float] = field(default_factory=dict)
     chosen: str = PLAN
     duel: dict[str, float] = field(default_factory=dict)   # a close call: the two fastest over all their windows
+    check: float | None = None   # the kept shape's rate in its window after the decision (None: not checked)
+    recheck: bool = False        # this round was started by the previous round's failed check
+
+    @property
+    def kept_rate(self) -> float:
+        """The rate the chosen shape was kept for: its duel rate after a duel, else its round window's."""
+        return self.duel.get(self.chosen, self.rates.get(self.chosen, 0.0))
 
     def as_dict(self) -> dict:
         d = {"at_s": round(self.at_s, 3), "active": self.active,
              "rates_obs_per_s": {k: round(v, 2) for k, v in self.rates.items()}, "chosen": self.chosen}
         if self.duel:
             d["duel_obs_per_s"] = {k: round(v, 2) for k, v in self.duel.items()}
+        if self.check is not None:
+            d["check_obs_per_s"] = round(self.check, 2)
+        if self.recheck:
+            d["recheck"] = True
         return d
 
 
@@ -74,6 +92,7 @@ class ShapeProbe:
     MAX_SHARE = 0.15          # a round starts only if it costs at most this share of the run's predicted rest
     CLOSE = 0.05              # the two fastest this close: a duel decides (if it costs at most MAX_SHARE too)
     DUEL_LEGS = 4             # ... of this many more windows, the two shapes alternating
+    CHECK_DROP = 0.10         # the kept shape's next window this far below its kept rate: measure every shape again
 
     def __init__(self, shapes: tuple[str, ...] = SHAPES):
         self.shapes = tuple(shapes)
@@ -85,6 +104,8 @@ class ShapeProbe:
         self._pooled: dict[str, list[float]] = {}   # shape -> [observations, seconds] over this round's windows
         self._dueling = False
         self._duelists: tuple[str, ...] = ()
+        self._checking = False             # the window open is the check of the last decision
+        self._recheck = False              # the round under way was started by a failed check
         self._active0 = 0
         self._open_at: float | None = None   # the window opens (settled) ...
         self._close_at: float | None = None  # ... and closes
@@ -130,9 +151,9 @@ class ShapeProbe:
         return (active < self.REPROBE_ACTIVE * self._chosen_active
                 or now - self._chosen_at >= self.REPROBE_S)
 
-    def _start_round(self, now: float, cycle_s: float, active: int) -> None:
+    def _start_round(self, now: float, cycle_s: float, active: int, recheck: bool = False) -> None:
         self._order = [self.current] + [s for s in self.shapes if s != self.current]
-        self._rates, self._pooled, self._dueling = {}, {}, False
+        self._rates, self._pooled, self._dueling, self._recheck = {}, {}, False, recheck
         self._active0 = active
         self._begin(now, cycle_s, switched=False)   # the shape in use when the round starts has settled
 
@@ -153,18 +174,21 @@ class ShapeProbe:
         rate = self._count / max(now - self._t0, 1e-9)
         if now < self._close_at:
             # clearly the slower shape: stop paying for it (a quarter of the window is several cycles of answers;
-            # not in a duel, whose shapes are close by construction)
+            # not in a duel, whose shapes are close by construction, nor in a check, which costs nothing)
             quarter = self._open_at + 0.25 * (self._close_at - self._open_at)
-            if self._dueling or not (self._rates and now >= quarter
-                                     and rate < self.EARLY_STOP * max(self._rates.values())):
+            if self._dueling or self._checking or not (self._rates and now >= quarter
+                                                       and rate < self.EARLY_STOP * max(self._rates.values())):
                 return
+        if self._checking:
+            self._close_check(now, rate, cycle_s, active, remaining_s)
+            return
         self._close_window(now, rate)
         if not self._order and not self._dueling:
             self._maybe_duel(cycle_s, remaining_s)
         if self._order:
             self._begin(now, _value(cycle_s))
         else:
-            self._decide(now, active)
+            self._decide(now, active, cycle_s)
 
     def _close_window(self, now: float, rate: float) -> None:
         """The current shape's window ends: its rate (a round's one window per shape) and its observations and
@@ -176,18 +200,41 @@ class ShapeProbe:
         pool[1] += now - self._t0
         self._order.pop(0)
 
-    def _decide(self, now: float, active: int) -> None:
-        """Every window of the round is done: keep the fastest (after a duel: of the two, over all their windows)."""
+    def _decide(self, now: float, active: int, cycle_s: Cost = None) -> None:
+        """Every window of the round is done: keep the fastest (after a duel: of the two, over all their windows),
+        and, unless this round was itself a recheck, open the check window of the shape kept."""
         duel = {}
         if self._dueling:
             duel = {s: c / max(t, 1e-9) for s, (c, t) in self._pooled.items() if s in self._duelists}
             best = max(duel, key=lambda s: duel[s])
         else:
             best = max(self._rates, key=lambda s: self._rates[s])
-        self.rounds.append(ProbeRound(now, self._active0, dict(self._rates), best, duel))
-        self.current = best
+        self.rounds.append(ProbeRound(now, self._active0, dict(self._rates), best, duel, recheck=self._recheck))
         self._dueling = False
         self._chosen_at, self._chosen_active = now, active
+        cycle = _value(cycle_s)
+        if self._recheck or cycle is None:
+            self.current = best
+            return
+        self._order, self._checking = [best], True
+        self._begin(now, cycle)       # settles first where the last window measured another shape
+
+    def _close_check(self, now: float, rate: float, cycle_s: Cost, active: int, remaining_s: Cost) -> None:
+        """The check window of the last decision ends: where the kept shape ran more than CHECK_DROP below the rate
+        it was kept for, measure every other shape again now (if the rest of the run pays for it); the check window
+        stands as the kept shape's window of that round."""
+        self._order, self._checking = [], False
+        last = self.rounds[-1]
+        last.check = rate
+        if rate >= (1.0 - self.CHECK_DROP) * last.kept_rate:
+            return
+        cycle = _value(cycle_s)
+        if not self._affordable(cycle, _value(remaining_s)):
+            return
+        self._order = [s for s in self.shapes if s != self.current]
+        self._rates, self._pooled = {self.current: rate}, {self.current: [float(self._count), now - self._t0]}
+        self._dueling, self._recheck, self._active0 = False, True, active
+        self._begin(now, cycle)
 
     def _maybe_duel(self, cycle_s: Cost, remaining_s: Cost) -> None:
         """The round has measured every shape: if the two fastest are within CLOSE, alternate them for DUEL_LEGS
