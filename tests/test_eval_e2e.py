@@ -66,7 +66,8 @@ def test_metaworld_results_contract(mw_serial, tmp_path):
     ("mode=pipelines", "num_envs=2", "request_size=2", "pipelines=1"),
     ("mode=auto", "num_envs=2", "inference=server"),
     ("mode=auto", "num_envs=3", "inference=server", "server.replicas=2"),
-], ids=["auto3", "B1P2", "B2P1", "auto-server", "auto-2servers"])
+    ("mode=auto", "num_envs=2", "inference=server", "server.reserve_cpus=1"),
+], ids=["auto3", "B1P2", "B2P1", "auto-server", "auto-2servers", "auto-server-pinned"])
 def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     from wamkit.eval.runner import run_eval
 
@@ -80,6 +81,13 @@ def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     assert sum(render.values()) == n_envs, render
     if "env_args.render_backend=osmesa" in mode_args:
         assert render == {"osmesa": n_envs}
+    if "server.reserve_cpus=1" in mode_args:   # the server on a CPU of its own, the envs on the rest
+        from wamkit.core.cpu_pinning import split_cpus
+
+        server, envs = split_cpus(1)
+        assert s["scheduler"]["cpus"] == {"server": server, "envs": envs}
+    else:
+        assert s["scheduler"]["cpus"] is None
     if "server.replicas=2" in mode_args:   # both servers answered requests (least-loaded dispatch)
         served = s["scheduler"]["server_requests"]
         assert len(served) == 2 and min(served) > 0, served

@@ -27,6 +27,7 @@ from multiprocessing.connection import wait as mp_wait
 
 import numpy as np
 
+from wamkit.core.cpu_pinning import pin_process
 from wamkit.core.lifecycle import StartClosingContext
 from wamkit.core.types import ChunkResult, Observation
 from wamkit.envs.base import EnvSpec, TaskInfo
@@ -174,6 +175,7 @@ class EnvWorker(StartClosingContext):
         self.loaded_task: int | None = None   # task of the last successful reset (None: no scene built)
         self.load_s: float | None = None      # seconds the last reset to another task (a scene load) took
         self.render: dict | None = None       # what MuJoCo renders with in the process (render_backend.in_use)
+        self.cpus: list[int] | None = None    # CPUs the process is pinned to (set_cpus; None: not pinned)
         self._stale = False  # a cancelled call's reply is still on its way: drain it before the next call
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
@@ -194,6 +196,8 @@ class EnvWorker(StartClosingContext):
                            name=f"wamkit-env-{self.index}", daemon=True)
         with single_threaded_children():
             proc.start()
+        if self.cpus:   # before the simulator starts its threads: they inherit the set
+            pin_process(proc.pid, self.cpus)
         child.close()  # so that the child's death shows as EOF on our end
         self._proc, self._conn = proc, parent
         _LIVE.add(self)
@@ -224,6 +228,12 @@ class EnvWorker(StartClosingContext):
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
+
+    def set_cpus(self, cpus: list[int] | None) -> None:
+        """Pin the process (now, if it runs, and at every restart) to `cpus`; None: leave it where it is."""
+        self.cpus = list(cpus) if cpus else None
+        if self.cpus and self.alive:
+            pin_process(self._proc.pid, self.cpus)
 
     def kill(self) -> None:
         """SIGKILL the process (for tests and hung simulators); the next or in-flight call raises EnvWorkerCrashed."""

@@ -49,6 +49,8 @@ class ServerOptions:
     serve_args: dict[str, Any] = field(default_factory=dict)  # more `wamkit serve` keys, e.g. {torch_threads: 8}
     shm_arrays: bool = True       # the `wamkit serve` started here takes images and states through shared memory
                                   # (websocket protocols; wamkit.protocol.shm): no msgpack/socket copy of the arrays
+    reserve_cpus: int = 0         # > 0: the servers started here run on the last N CPUs this process may use and the
+                                  # local env workers on the rest (Linux; core/cpu_pinning.py); 0: no pinning
 
 
 

@@ -272,7 +272,10 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
     their model builds and warm-ups overlap. If one fails, those already started are stopped and the error raised."""
     from wamkit.serve.workers import SGLangServerWorker, WamkitServerWorker
 
+    from wamkit.core.cpu_pinning import split_cpus
+
     launch = getattr(options, "launch", "wamkit")
+    split = split_cpus(getattr(options, "reserve_cpus", 0) or 0)
     workers = []
     try:
         for i in range(max(1, int(getattr(options, "replicas", 1) or 1))):
@@ -303,6 +306,8 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
                 w = (worker_factory or WamkitServerWorker)(**kw)
                 timeout = options.startup_timeout_s
             w.default_start_timeout = timeout
+            if split and hasattr(w, "cpus"):
+                w.cpus = split[0]
             w.start()
             workers.append(w)
         for w in workers:

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from wamkit.core.config import to_dict
+from wamkit.core.cpu_pinning import split_cpus
 from wamkit.core.errors import UserError
 from wamkit.core.versions import versions
 from wamkit.envs.base import env_class
@@ -75,6 +76,17 @@ def server_options(cfg: EvalConfig):
     if cfg.device == "auto" or "device" in cfg.server.serve_args:
         return cfg.server
     return dataclasses.replace(cfg.server, serve_args={**cfg.server.serve_args, "device": cfg.device})
+
+
+def eval_cpu_split(cfg: EvalConfig) -> tuple[list[int], list[int]] | None:
+    """(server CPUs, env CPUs) of `server.reserve_cpus` (None: off); the servers get theirs where they start
+    (start_server_workers)."""
+    reserve = int(cfg.server.reserve_cpus or 0)
+    if reserve and (cfg.inference != "server" or cfg.server.url):
+        raise UserError(f"server.reserve_cpus={reserve} pins the action servers this evaluation starts; "
+                        + ("inference=inprocess starts none" if cfg.inference != "server"
+                           else "with server.url=... it starts none") + " (set server.reserve_cpus=0)")
+    return split_cpus(reserve)
 
 
 def check_names(cfg: EvalConfig) -> None:
@@ -160,7 +172,12 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         raise UserError(f"runtime={cfg.runtime} needs the runtime layer: run it through `wamkit eval` or pass "
                         f"wamkit.runtime.eval_runtime(cfg) to run_eval")
     n_envs = cfg.env_count()
+    cpus = eval_cpu_split(cfg)
     workers = (env_workers or local_env_workers)(cfg.env, env_kwargs(cfg), n_envs)
+    if cpus:
+        for w in workers:
+            if hasattr(w, "set_cpus"):   # local processes (not Ray actors: their node schedules them)
+                w.set_cpus(cpus[1])
     inference = None
     journal = None
     tracker = None
@@ -209,7 +226,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 video_episodes=frozenset(ep.index for ep in plan[:cfg.save_videos]
                                                          if not journal.done(ep.key)),
                                 seed=cfg.seed, max_episode_retries=cfg.max_episode_retries,
-                                cores=cores or os.cpu_count() or 1, env_timeout_min_s=cfg.env_timeout_min_s,
+                                cores=cores or (len(cpus[1]) if cpus else os.cpu_count()) or 1,
+                                env_timeout_min_s=cfg.env_timeout_min_s,
                                 env_timeout_factor=cfg.env_timeout_factor,
                                 env_timeout_first_s=cfg.env_timeout_first_s)
         run_id = uuid.uuid4().hex[:12]
@@ -295,6 +313,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "setup_s": round(clock["setup_s"], 3),
                                 "env_render": describe_render([w.render for w in workers]),
                                 "server_protocol": getattr(inference, "protocol", None),
+                                "cpus": None if not cpus else {"server": cpus[0], "envs": cpus[1]},
                                 "server_shm_arrays": any(getattr(c, "shm_used", False)
                                                          for c in getattr(inference, "clients", []) or []),
                                 "server_restarts": getattr(inference, "restarts", 0),

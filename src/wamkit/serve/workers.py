@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import httpx
 
+from wamkit.core.cpu_pinning import pin_process
 from wamkit.core.errors import UserError
 from wamkit.core.lifecycle import StartStopContext
 from wamkit.serve.config import INSTANCE_ENV
@@ -115,6 +116,7 @@ class ServerWorker(StartStopContext, abc.ABC):
         self.proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
         self.starts = 0
+        self.cpus: list[int] | None = None   # CPUs the server process is pinned to at every start (None: not pinned)
 
     @abc.abstractmethod
     def command(self) -> list[str]:
@@ -146,6 +148,8 @@ class ServerWorker(StartStopContext, abc.ABC):
                                          env=self.child_env(), start_new_session=True, close_fds=True)
         finally:
             log.close()
+        if self.cpus:   # before the interpreter starts any thread: every later thread and child inherits the set
+            pin_process(self.proc.pid, self.cpus)
         self._finalizer = weakref.finalize(self, _stop_group, self.proc, self.stop_timeout)
         self.starts += 1
         return self

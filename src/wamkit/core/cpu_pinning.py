@@ -1,0 +1,49 @@
+"""CPUs for the evaluation's processes on one host: the action servers it starts on a few CPUs of their own, the env
+workers on the rest (`server.reserve_cpus`, docs/evaluation.md).
+
+Why: with every core simulating, a server's host work per batch (decoding, stacking, the launch of the model call)
+competes with the simulators for CPU time, and every env waits for that request. Linux only
+(`os.sched_setaffinity`); a process's every thread is pinned, and threads it starts later inherit the set."""
+
+from __future__ import annotations
+
+import os
+
+from wamkit.core.errors import UserError
+
+
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on, ascending."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def split_cpus(reserve: int, cpus: list[int] | None = None) -> tuple[list[int], list[int]] | None:
+    """(server CPUs, env CPUs): the last `reserve` of `cpus` (default: usable_cpus()) for the servers, the rest for
+    the envs; None when reserve is 0. A reserve that leaves the envs no CPU is a UserError naming the key."""
+    reserve = int(reserve)
+    if reserve == 0:
+        return None
+    cpus = sorted(cpus if cpus is not None else usable_cpus())
+    if reserve < 0 or reserve >= len(cpus):
+        raise UserError(f"server.reserve_cpus={reserve}: must be 0 (off) or 1..{len(cpus) - 1} (this process may "
+                        f"use {len(cpus)} CPUs, and the env workers need at least one)")
+    return cpus[-reserve:], cpus[:-reserve]
+
+
+def pin_process(pid: int, cpus: list[int]) -> None:
+    """Pin every thread of process `pid` to `cpus` (threads it starts later inherit). A thread that ended meanwhile
+    is skipped."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:
+            pass
+
+
+def pinned_cpus(pid: int) -> list[int]:
+    """The CPUs process `pid`'s main thread may run on, ascending."""
+    return sorted(os.sched_getaffinity(pid))

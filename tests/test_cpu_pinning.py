@@ -1,0 +1,104 @@
+"""server.reserve_cpus: the servers an evaluation starts on CPUs of their own, its env workers on the rest
+(core/cpu_pinning.py): the split, real processes pinned (every thread, and again after a restart), and the errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from wamkit.core.config import load_config
+from wamkit.core.cpu_pinning import pin_process, split_cpus, usable_cpus
+from wamkit.core.errors import UserError
+from wamkit.eval.config import EvalConfig
+from wamkit.eval.runner import eval_cpu_split
+
+pytestmark = pytest.mark.skipif(len(usable_cpus()) < 2, reason="needs at least 2 CPUs to split")
+
+
+def thread_cpus(pid: int) -> set[tuple[int, ...]]:
+    """The CPU sets of every thread of process `pid`."""
+    return {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_the_split_gives_the_servers_the_last_cpus_and_the_envs_the_rest():
+    assert split_cpus(0) is None
+    assert split_cpus(2, [5, 1, 3, 2]) == ([3, 5], [1, 2])
+    server, envs = split_cpus(1)
+    assert server + envs == sorted(usable_cpus())[-1:] + sorted(usable_cpus())[:-1] and len(server) == 1
+    for bad in (4, -1):
+        with pytest.raises(UserError, match="server.reserve_cpus"):
+            split_cpus(bad, [0, 1, 2, 3])
+
+
+def test_reserve_cpus_needs_servers_started_here():
+    ok = load_config(EvalConfig, None, ["inference=server", "server.reserve_cpus=1"])
+    assert eval_cpu_split(ok) == split_cpus(1)
+    assert eval_cpu_split(load_config(EvalConfig, None, ["inference=server"])) is None
+    for extra in (["inference=inprocess"], ["inference=server", "server.url=http://127.0.0.1:9"]):
+        with pytest.raises(UserError, match="server.reserve_cpus=1 pins the action servers"):
+            eval_cpu_split(load_config(EvalConfig, None, [*extra, "server.reserve_cpus=1"]))
+
+
+def test_a_process_and_all_its_threads_are_pinned():
+    import subprocess
+    import sys
+
+    # a child with a few threads running before it is pinned, and one started after
+    code = ("import threading, time, sys\n"
+            "ev = threading.Event()\n"
+            "ts = [threading.Thread(target=ev.wait) for _ in range(3)]\n"
+            "[t.start() for t in ts]\n"
+            "print('up', flush=True); sys.stdin.readline()\n"
+            "t = threading.Thread(target=ev.wait); t.start()\n"
+            "print('more', flush=True); sys.stdin.readline(); ev.set()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        first = [sorted(usable_cpus())[0]]
+        pin_process(p.pid, first)
+        assert thread_cpus(p.pid) == {tuple(first)}
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "more"
+        assert thread_cpus(p.pid) == {tuple(first)} and len(os.listdir(f"/proc/{p.pid}/task")) == 5
+        p.stdin.write("\n")
+        p.stdin.flush()
+    finally:
+        p.wait(timeout=30)
+
+
+def test_a_started_server_is_pinned_at_every_start():
+    from wamkit.eval.inference import start_server_workers
+
+    cfg = load_config(EvalConfig, None, ["inference=server", "server.reserve_cpus=1"])
+    server_cpus, _ = split_cpus(1)
+    (w,) = start_server_workers("fixed-cost", {"per_obs_ms": 0, "action_dim": 2, "horizon": 2, "base_ms": 1},
+                                cfg.server)
+    try:
+        assert w.cpus == server_cpus and thread_cpus(w.pid) == {tuple(server_cpus)}   # torch's threads included
+        w.stop()
+        w.start().wait_healthy(120)
+        assert thread_cpus(w.pid) == {tuple(server_cpus)}
+    finally:
+        w.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_an_env_worker_is_pinned_now_and_after_a_restart():
+    from wamkit.envs.worker import EnvWorker
+
+    env_cpus = split_cpus(1)[1]
+    w = EnvWorker("metaworld", {"tasks": "reach-v3", "image_size": 32}, index=0)
+    try:
+        w.start()
+        assert thread_cpus(w.pid) == {tuple(usable_cpus())}     # not pinned until asked
+        w.set_cpus(env_cpus)
+        assert thread_cpus(w.pid) == {tuple(env_cpus)}
+        w.kill()
+        w.close()
+        w.start()                                                # a restart: pinned before the simulator starts
+        assert thread_cpus(w.pid) == {tuple(env_cpus)}
+    finally:
+        w.close()
