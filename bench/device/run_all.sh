@@ -130,7 +130,9 @@ if part eval; then
       EXTRA_TASKS=("env_args.tasks=$(python3 -c 'from wamkit.envs.metaworld import DEFAULT_TASKS as D
 print(",".join(D + ("window-open-v3", "drawer-close-v3", "button-press-v3", "reach-wall-v3")))')")
     fi
-    echo "=== eval: $EPS episodes, $ENVS envs ($NT tasks x $TRIALS trials, max_steps=$EVAL_STEPS)"
+    # eval_args come last on the command line, so a max_steps= there wins: say that one
+    STEPS=$EVAL_STEPS; for w in $EVAL_ARGS; do case $w in max_steps=*) STEPS=${w#max_steps=};; esac; done
+    echo "=== eval: $EPS episodes, $ENVS envs ($NT tasks x $TRIALS trials, max_steps=$STEPS)"
     ROWARG=(); [ -n "$EVAL_ROWS" ] && ROWARG=("rows=$EVAL_ROWS")
     if [ -z "$EVAL_ROWS" ]; then   # the (B, P) grid with B x P = envs (B = envs, envs/2, 4, 1 from 16 envs), serial, auto
       if [ "$ENVS" -ge 16 ]; then
