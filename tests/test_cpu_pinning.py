@@ -35,8 +35,10 @@ def test_reserve_cpus_needs_servers_started_here():
     ok = load_config(EvalConfig, None, ["inference=server", "server.reserve_cpus=1"])
     assert eval_cpu_split(ok) == split_cpus(1)
     assert eval_cpu_split(load_config(EvalConfig, None, ["inference=server"])) is None
-    for extra in (["inference=inprocess"], ["inference=server", "server.url=http://127.0.0.1:9"]):
-        with pytest.raises(UserError, match="server.reserve_cpus=1 pins the action servers"):
+    for extra, why in ((["inference=inprocess"], "inference=inprocess starts none"),
+                       (["inference=server", "server.url=http://127.0.0.1:9"], "with server.url"),
+                       (["inference=server", "runtime=ray"], "runtime=ray places them")):
+        with pytest.raises(UserError, match=f"server.reserve_cpus=1 pins the action servers .*{why}"):
             eval_cpu_split(load_config(EvalConfig, None, [*extra, "server.reserve_cpus=1"]))
 
 

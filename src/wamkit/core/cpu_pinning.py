@@ -42,8 +42,3 @@ def pin_process(pid: int, cpus: list[int]) -> None:
             os.sched_setaffinity(tid, cpus)
         except ProcessLookupError:
             pass
-
-
-def pinned_cpus(pid: int) -> list[int]:
-    """The CPUs process `pid`'s main thread may run on, ascending."""
-    return sorted(os.sched_getaffinity(pid))

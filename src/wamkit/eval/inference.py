@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from wamkit.core.cpu_pinning import split_cpus
 from wamkit.core.errors import UserError
 from wamkit.core.types import Observation
 from wamkit.eval.timeline import Timeline
@@ -271,8 +272,6 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
     serve_args / sglang; server i sees GPU gpus[i % len] only) and wait until all are healthy: all start first, so
     their model builds and warm-ups overlap. If one fails, those already started are stopped and the error raised."""
     from wamkit.serve.workers import SGLangServerWorker, WamkitServerWorker
-
-    from wamkit.core.cpu_pinning import split_cpus
 
     launch = getattr(options, "launch", "wamkit")
     split = split_cpus(getattr(options, "reserve_cpus", 0) or 0)

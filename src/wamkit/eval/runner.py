@@ -82,10 +82,12 @@ def eval_cpu_split(cfg: EvalConfig) -> tuple[list[int], list[int]] | None:
     """(server CPUs, env CPUs) of `server.reserve_cpus` (None: off); the servers get theirs where they start
     (start_server_workers)."""
     reserve = int(cfg.server.reserve_cpus or 0)
-    if reserve and (cfg.inference != "server" or cfg.server.url):
-        raise UserError(f"server.reserve_cpus={reserve} pins the action servers this evaluation starts; "
-                        + ("inference=inprocess starts none" if cfg.inference != "server"
-                           else "with server.url=... it starts none") + " (set server.reserve_cpus=0)")
+    why = ("inference=inprocess starts none" if cfg.inference != "server" else
+           "with server.url=... it starts none" if cfg.server.url else
+           f"runtime={cfg.runtime} places them and the env workers itself" if cfg.runtime != "local" else "")
+    if reserve and why:
+        raise UserError(f"server.reserve_cpus={reserve} pins the action servers this evaluation starts on this "
+                        f"host; {why} (set server.reserve_cpus=0)")
     return split_cpus(reserve)
 
 

@@ -23,8 +23,9 @@ A round's windows are short, and a transient (the host slowing for a second or t
 H100 in session 16, one round measured lockstep and halves ~40% below their other rounds and kept the plan at 477
 obs/s, which then ran at ~400 for the rest of the row, 15% behind the halves row. So a decision is *checked*: the
 kept shape's next window (it runs anyway: no cost but its settling) is compared with the rate it was kept for, and
-where it falls more than CHECK_DROP below, the round's figures no longer describe the run and every shape is measured
-again at once (one such round per decision: its own decision is not checked again).
+where it falls more than CHECK_DROP below, the round's figures no longer describe the run and the other shapes are
+measured again at once, the check window standing as the kept shape's (one such round per decision: its own
+decision is not checked again).
 
 Pure bookkeeping: every method takes the time it is told (`now`, monotonic seconds), so the same code runs on the
 real clock and on the planner model's virtual one (bench/planner_sim.py)."""
@@ -92,7 +93,7 @@ class ShapeProbe:
     MAX_SHARE = 0.15          # a round starts only if it costs at most this share of the run's predicted rest
     CLOSE = 0.05              # the two fastest this close: a duel decides (if it costs at most MAX_SHARE too)
     DUEL_LEGS = 4             # ... of this many more windows, the two shapes alternating
-    CHECK_DROP = 0.10         # the kept shape's next window this far below its kept rate: measure every shape again
+    CHECK_DROP = 0.10         # the kept shape's next window this far below its kept rate: measure the others again
 
     def __init__(self, shapes: tuple[str, ...] = SHAPES):
         self.shapes = tuple(shapes)
