@@ -82,6 +82,8 @@ def test_a_started_server_is_pinned_at_every_start():
         w.stop()
         w.start().wait_healthy(120)
         assert thread_cpus(w.pid) == {tuple(server_cpus)}
+        w.set_cpus(None)                 # a shared server, for a run without the split: every CPU again
+        assert thread_cpus(w.pid) == {tuple(usable_cpus())}
     finally:
         w.stop()
 
@@ -102,5 +104,23 @@ def test_an_env_worker_is_pinned_now_and_after_a_restart():
         w.close()
         w.start()                                                # a restart: pinned before the simulator starts
         assert thread_cpus(w.pid) == {tuple(env_cpus)}
+        w.set_cpus(None)
+        assert thread_cpus(w.pid) == {tuple(usable_cpus())}
     finally:
         w.close()
+
+
+def test_a_bench_row_may_set_its_own_cpu_split_and_nothing_that_changes_the_plan():
+    from wamkit.core.errors import ConfigError
+    from wamkit.eval.bench import _slug, row_config
+
+    base = load_config(EvalConfig, None, ["inference=server", "num_envs=4"])
+    known = {"auto": base}
+    assert row_config(known, "auto") is base
+    cfg = row_config(known, "auto @ server.reserve_cpus=1 auto_probe=false")
+    assert cfg.server.reserve_cpus == 1 and cfg.auto_probe is False and cfg.num_envs == 4
+    assert base.server.reserve_cpus == 0            # the plain row's config is not touched
+    for bad in ("auto @ num_envs=8", "auto @ server.policy=zero", "auto @ server.reserve_cpus"):
+        with pytest.raises(ConfigError, match="a row may set only server.reserve_cpus"):
+            row_config(known, bad)
+    assert _slug("B=16, P=2 @ server.reserve_cpus=2") == "B16_P2__server-reserve_cpus2"

@@ -293,27 +293,40 @@ def test_server_start_up_is_setup_not_evaluation_time(mw_serial, tmp_path):
 @pytest.mark.metaworld
 def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypatch):
     """bench eval with inference=server starts its server once for every row and the inference bound (not once per
-    row), and the rows' per-episode results do not change."""
+    row), and the rows' per-episode results do not change. A row with its own setting (`auto @
+    server.reserve_cpus=1`) pins the shared server and the kept envs for its run only."""
+    from wamkit.core.cpu_pinning import split_cpus
     from wamkit.eval.bench import bench_eval
     from wamkit.serve.workers import WamkitServerWorker
 
-    starts = []
-    orig = WamkitServerWorker.start
+    starts, pins = [], []
+    orig, orig_pin = WamkitServerWorker.start, WamkitServerWorker.set_cpus
 
     def counting_start(self):
         starts.append(self.port)
         return orig(self)
 
+    def recording_pin(self, cpus):
+        pins.append(cpus)
+        return orig_pin(self, cpus)
+
     monkeypatch.setattr(WamkitServerWorker, "start", counting_start)
+    monkeypatch.setattr(WamkitServerWorker, "set_cpus", recording_pin)
     cfg = mw_cfg(tmp_path, "bench", "inference=server", "num_envs=2", "mode=auto")
-    rep = bench_eval(cfg, tmp_path / "bench", rows=["serial", "auto"], horizon=4)
+    pinned_row = "auto @ server.reserve_cpus=1"
+    rep = bench_eval(cfg, tmp_path / "bench", rows=["serial", "auto", pinned_row], horizon=4)
     assert len(starts) == 1 and rep["plan"]["shared_servers"] == 1
-    assert [r["row"] for r in rep["rows"]] == ["serial", "auto"]
+    assert [r["row"] for r in rep["rows"]] == ["serial", "auto", pinned_row]
     assert rep["bound"]["inference_obs_per_s"] > 0
+    server_cpus, env_cpus = split_cpus(1)
+    assert pins[:3] == [None, None, server_cpus] and all(p is None for p in pins[3:])   # that row only
+    pinned = json.loads((tmp_path / "bench" / "auto__server-reserve_cpus1" / "summary.json").read_text())
+    assert pinned["scheduler"]["cpus"] == {"server": server_cpus, "envs": env_cpus}
     # the rows run to max steps (the reference's semantics): same successes as the serial run, same outcomes
     # in every row, with the shared server or with the row's own
     shared = outcome_view(results(tmp_path / "bench" / "serial"))
     assert outcome_view(results(tmp_path / "bench" / "auto")) == shared
+    assert outcome_view(results(tmp_path / "bench" / "auto__server-reserve_cpus1")) == shared
     assert {k: s for k, (s, _) in shared.items()} == {k: s for k, (s, _) in outcome_view(mw_serial).items()}
     starts.clear()
     bench_eval(cfg, tmp_path / "bench2", rows=["auto"], horizon=4, share_server=False)

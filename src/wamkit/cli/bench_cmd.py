@@ -1,6 +1,7 @@
 """`wamkit bench eval [config.yaml] key=value ...`: the scheduler table (see wamkit.eval.bench).
 
-Extra keys: rows=single-batch;auto (subset of rows); share_server=true|false (inference=server: one set of local
+Extra keys: rows=single-batch;auto (subset of rows; `ROW @ key=value ...` adds a row with its own settings, e.g.
+`auto @ server.reserve_cpus=2`: keys in wamkit.eval.bench.ROW_KEYS); share_server=true|false (inference=server: one set of local
 servers for every row, default true); rounds=N (every row N times, interleaved; median and min-max spread, default 1);
 bound=true|false|contended (measure the stage bound after the rows, default true; contended: also both stages at
 once, the simulation-alone run while the inference side serves back-to-back batches). `out=` is the bench directory

@@ -42,3 +42,8 @@ def pin_process(pid: int, cpus: list[int]) -> None:
             os.sched_setaffinity(tid, cpus)
         except ProcessLookupError:
             pass
+
+
+def repin_process(pid: int, cpus: list[int] | None) -> None:
+    """pin_process to `cpus`, or, with None, back to every CPU this process may use (undoes an earlier pin)."""
+    pin_process(pid, list(cpus) if cpus else usable_cpus())

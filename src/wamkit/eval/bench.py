@@ -6,6 +6,8 @@ Rows (all on the same plan, same policy):
   B=b, P=p       the reference's pipelines with B x P = num_envs, render skipping, run to max steps
   auto           asynchronous flow, render skipping, run to max steps (scheduling alone vs serial)
   auto+          auto with every wamkit feature on (render skipping, episodes end at success)
+  ROW @ k=v ...  one of the rows above with per-row settings (ROW_KEYS), e.g. `B=16, P=2 @ server.reserve_cpus=2`:
+                 an A/B inside one run, its rounds interleaved with the plain row's
 Stage bound: simulation alone (`zero` policy, auto, same envs) and inference alone (batches of the chosen size
 back to back), both in env steps/s; bound = min of the two. Loop bound: an env cannot simulate while it waits for
 its own actions, so no schedule beats num_envs x horizon / (its fastest chunk + the fastest call): the chunk from the
@@ -28,8 +30,13 @@ from typing import Any, Sequence
 from rich.console import Console
 from rich.table import Table
 
+from wamkit.core.config import load_config
 from wamkit.core.errors import ConfigError
 from wamkit.eval.config import EvalConfig
+
+# keys a row may set for itself (`ROW @ key=value ...`): settings that act per run, with the env workers and the
+# servers the rows share (a key that changes the plan, the envs or what the servers run cannot be per row)
+ROW_KEYS = ("server.reserve_cpus", "auto_probe", "max_request_size")
 
 
 def _run(cfg: EvalConfig, console: Console, runtime: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -123,8 +130,9 @@ def shared_servers(base: EvalConfig, console: Console):
 
 
 def _slug(row: str) -> str:
-    """A row's sub-directory name: 'B=4, P=4' -> 'B4_P4'."""
-    return row.replace(" ", "").replace(",", "_").replace("=", "")
+    """A row's sub-directory name: 'B=4, P=4' -> 'B4_P4'; 'auto @ server.reserve_cpus=2' ->
+    'auto__server-reserve_cpus2'."""
+    return row.replace(" @ ", "__").replace(" ", "").replace(",", "_").replace("=", "").replace(".", "-")
 
 
 def _first_task(out: Path, configs) -> str | None:
@@ -336,6 +344,20 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return med
 
 
+def row_config(known: dict[str, EvalConfig], row: str) -> EvalConfig:
+    """The config of a requested row: a known row's, or `ROW @ key=value ...`: that row's with the given settings
+    (only ROW_KEYS; a ConfigError names any other key)."""
+    name, _, settings = row.partition(" @ ")
+    cfg = known[name.strip()]
+    if not settings.strip():
+        return cfg
+    pairs = settings.split()
+    bad = [kv for kv in pairs if kv.split("=", 1)[0] not in ROW_KEYS or "=" not in kv]
+    if bad:
+        raise ConfigError(f"rows: {row!r}: a row may set only {', '.join(ROW_KEYS)} (key=value), not {bad}")
+    return load_config(EvalConfig, None, pairs, base=cfg)
+
+
 def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] | None, horizon: int,
                 runtime: dict[str, Any] | None, rounds: int = 1, with_bound: bool | str = True) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
@@ -359,10 +381,12 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     if not rows:
         configs = [c for c in configs if c[0] != "auto-plan"]
     else:
-        unknown = [x for x in rows if x not in {c[0] for c in configs}]
+        known = dict(configs)
+        unknown = [x for x in rows if x.split(" @ ")[0].strip() not in known]
         if unknown:
-            raise ConfigError(f"rows: unknown row(s) {unknown}; rows of this plan: {'; '.join(c[0] for c in configs)}")
-        configs = [c for c in configs if c[0] in rows]
+            raise ConfigError(f"rows: unknown row(s) {unknown}; rows of this plan: {'; '.join(c[0] for c in configs)}"
+                              f" (a row may add ' @ key=value ...' with keys {', '.join(ROW_KEYS)})")
+        configs = [(x.strip(), row_config(known, x)) for x in dict.fromkeys(rows)]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
     for k in range(rounds):
         for name, cfg in configs:

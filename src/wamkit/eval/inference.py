@@ -305,8 +305,8 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
                 w = (worker_factory or WamkitServerWorker)(**kw)
                 timeout = options.startup_timeout_s
             w.default_start_timeout = timeout
-            if split and hasattr(w, "cpus"):
-                w.cpus = split[0]
+            if split and hasattr(w, "set_cpus"):
+                w.set_cpus(split[0])
             w.start()
             workers.append(w)
         for w in workers:

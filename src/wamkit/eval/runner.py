@@ -176,10 +176,12 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
     n_envs = cfg.env_count()
     cpus = eval_cpu_split(cfg)
     workers = (env_workers or local_env_workers)(cfg.env, env_kwargs(cfg), n_envs)
-    if cpus:
-        for w in workers:
-            if hasattr(w, "set_cpus"):   # local processes (not Ray actors: their node schedules them)
-                w.set_cpus(cpus[1])
+    for w in workers:
+        if hasattr(w, "set_cpus"):   # local processes (not Ray actors: their node schedules them)
+            w.set_cpus(cpus[1] if cpus else None)
+    for w in server_workers or []:   # servers the caller keeps (bench eval's shared ones): this run's split
+        if hasattr(w, "set_cpus"):
+            w.set_cpus(cpus[0] if cpus else None)
     inference = None
     journal = None
     tracker = None

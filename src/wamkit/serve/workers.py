@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from wamkit.core.cpu_pinning import pin_process
+from wamkit.core.cpu_pinning import pin_process, repin_process
 from wamkit.core.errors import UserError
 from wamkit.core.lifecycle import StartStopContext
 from wamkit.serve.config import INSTANCE_ENV
@@ -133,6 +133,15 @@ class ServerWorker(StartStopContext, abc.ABC):
     @property
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
+
+    def set_cpus(self, cpus: list[int] | None) -> None:
+        """Pin the server process (now, if it runs, and at every start) to `cpus`; None: not pinned (a running
+        process pinned before goes back to every CPU this one may use). Processes it started itself before this
+        call (a policy_process child) keep their set."""
+        was = self.cpus
+        self.cpus = list(cpus) if cpus else None
+        if self.running() and (self.cpus or was):
+            repin_process(self.proc.pid, self.cpus)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
