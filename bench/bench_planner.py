@@ -1,6 +1,11 @@
 """The scheduler's rows on modelled costs (bench/planner_sim.py): auto against every (B, P) with B x P = envs.
 
     python bench/bench_planner.py [regime ...] [--rounds 3] [--json out.json] [--server-wait S]
+    python bench/bench_planner.py --transients [--json out.json]
+
+--transients: auto's decision check (eval/shape_probe.py) under a 1 s slowdown of the simulators (chunks 1.5x or
+2x) starting at 10 places between 1.5 and 6 s of gpu-metaworld-32-s16 (the probe's stretch): auto over the halves row
+(B=16, P=2, the grid's best there) with the check off, on the drop alone, and on the drop with a rival cut short.
 
 --server-wait S: every regime's server batches like `wamkit serve` (queued requests merged, one batch at a time, a
 batch going once its oldest observation has waited S modelled seconds; overlapping calls then do not share the
@@ -17,7 +22,38 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from planner_sim import REGIMES, bounds, grid_rows, run, with_server_wait  # noqa: E402
+from planner_sim import REGIMES, bounds, grid_rows, run, with_, with_server_wait  # noqa: E402
+
+from wamkit.eval.shape_probe import ShapeProbe  # noqa: E402
+
+CHECKS = {"off": (1.0, True), "drop alone": (ShapeProbe.CHECK_DROP, False),
+          "drop + cut rival": (ShapeProbe.CHECK_DROP, True)}
+
+
+def transients(json_path: str) -> None:
+    r0 = REGIMES["gpu-metaworld-32-s16"]
+    shares: dict[str, list[float]] = {k: [] for k in CHECKS}
+    saved = ShapeProbe.CHECK_DROP, ShapeProbe.CHECK_NEEDS_CUT
+    print(f"{'slowdown':>18} {'halves row':>11} " + " ".join(f"{k:>17}" for k in CHECKS) + "   (auto / halves row)")
+    try:
+        for factor in (1.5, 2.0):
+            for k in range(10):
+                start = 1.5 + 0.5 * k
+                r = with_(r0, slow=(start, start + 1.0, factor))
+                row = run(r, "pipelines", 16, 2)["env_steps_per_s"]
+                line = []
+                for name, (drop, cut) in CHECKS.items():
+                    ShapeProbe.CHECK_DROP, ShapeProbe.CHECK_NEEDS_CUT = drop, cut
+                    shares[name].append(run(r, "auto")["env_steps_per_s"] / row)
+                    line.append(shares[name][-1])
+                print(f"{f'x{factor} {start:.1f}-{start + 1:.1f} s':>18} {row:11.0f} "
+                      + " ".join(f"{v:17.3f}" for v in line))
+    finally:
+        ShapeProbe.CHECK_DROP, ShapeProbe.CHECK_NEEDS_CUT = saved
+    print(f"{'mean':>30} " + " ".join(f"{statistics.mean(v):17.4f}" for v in shares.values()))
+    print(f"{'min':>30} " + " ".join(f"{min(v):17.4f}" for v in shares.values()))
+    if json_path:
+        Path(json_path).write_text(json.dumps(shares, indent=1))
 
 
 def main() -> None:
@@ -26,7 +62,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json", default="")
     ap.add_argument("--server-wait", default="", help="seconds, or none (default: each regime's own)")
+    ap.add_argument("--transients", action="store_true")
     a = ap.parse_args()
+    if a.transients:
+        return transients(a.json)
     report = {}
     for name in a.regimes:
         r = REGIMES[name]

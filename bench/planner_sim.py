@@ -116,6 +116,8 @@ class Regime:
     server_wait_s: float | None = None  # None: each request is its own batch. A number: the server batches like
                              # `wamkit serve`'s DynamicBatcher: requests queue, one batch runs at a time, and a batch
                              # takes every queued observation (up to max_batch) once its oldest has waited this long
+    slow: tuple[float, float, float] = ()  # (start_s, end_s, factor): chunks that start in that stretch of the run
+                             # cost `factor` times more (a transient: the host busy with something else for a while)
 
 
 class SimEnv:
@@ -150,6 +152,8 @@ class SimEnv:
     async def execute(self, actions, render_every_step=False, run_to_max_steps=False):
         j = self.r.jitter
         f = self.r.task_cost[(self.loaded_task or 0) % len(self.r.task_cost)]
+        if self.r.slow and self.r.slow[0] <= asyncio.get_running_loop().time() < self.r.slow[1]:
+            f *= self.r.slow[2]   # the virtual clock starts at 0 with the run
         await self._busy(self.r.sim_s * f * self.rng.uniform(1 - j, 1 + j))
         self.steps += len(actions)
         done = self.steps >= self.r.chunks * self.r.horizon
@@ -414,6 +418,12 @@ REGIMES = {
     "gpu-metaworld-16-s13": Regime("gpu-metaworld-16-s13", 16, 16, 0.0269, 0.022, 0.0001, net_s=0.0015,
                                    net_b=0.00018, jitter=0.1, chunks=31, episodes=288, server_wait_s=0.0,
                                    task_cost=(0.85, 1.05, 1.15, 0.95, 1.0, 0.9)),
+    # session 16's H100 MetaWorld rows at 32 envs (10 tasks, 500 episodes of 500 steps): a chunk ~16 ms, server
+    # compute 19 ms for 16 observations beside the simulators, ~3 ms transport each way; chunks vary a lot (a cohort
+    # of 16 waited ~10 ms for its slowest env). Real time scale. bench_planner.py --transients runs it with a slowdown
+    "gpu-metaworld-32-s16": Regime("gpu-metaworld-32-s16", 32, 16, 0.016, 0.013, 0.0004, net_s=0.003, jitter=0.3,
+                                   chunks=31, episodes=500, server_wait_s=0.0,
+                                   task_cost=(0.85, 1.05, 1.15, 0.95, 1.0, 0.9, 1.1, 0.8, 1.2, 1.0)),
     "gpu-metaworld-shared-16": Regime("gpu-metaworld-shared-16", 16, 16, 0.040, 0.0125, 0.0004, share_gain=0.5),
     # simulation-heavy: calls are cheap
     "sim-bound-8": Regime("sim-bound-8", 8, 8, 0.060, 0.004, 0.0002, episodes=48),

@@ -20,12 +20,16 @@ follows: the two alternate for DUEL_LEGS more windows, and the one with the high
 It costs little: the shapes are within CLOSE of each other.
 
 A round's windows are short, and a transient (the host slowing for a second or two) can fall in some of them: on the
-H100 in session 16, one round measured lockstep and halves ~40% below their other rounds and kept the plan at 477
-obs/s, which then ran at ~400 for the rest of the row, 15% behind the halves row. So a decision is *checked*: the
-kept shape's next window (it runs anyway: no cost but its settling) is compared with the rate it was kept for, and
-where it falls more than CHECK_DROP below, the round's figures no longer describe the run and the other shapes are
-measured again at once, the check window standing as the kept shape's (one such round per decision: its own
-decision is not checked again).
+H100 in session 16, one round measured lockstep and halves ~40% below their other rounds (both cut short by the
+early stop) and kept the plan at 477 obs/s, which then ran at ~400 for the rest of the row, 15% behind the halves
+row. So a decision is *checked*: the kept shape's next window (it runs anyway: no cost but its settling) is
+compared with the rate it was kept for. Where it falls more than CHECK_DROP below and a rival's window had been cut
+short, the round's figures no longer describe the run: every shape is measured again at once (one such round per
+decision: its own decision is not checked again). Both conditions, not the first alone: on the planner model of
+session 16's 32-env rows with a 1 s slowdown (x1.5 or x2) starting at 10 places between 1.5 and 6 s
+(bench/bench_planner.py --transients), auto ran at 0.9393 of the halves row without a check, 0.9345 with a recheck
+on the drop alone (set off by slowdowns in the check window itself), and 0.9404 with both conditions, which never
+lost and won 2.4 points where it fired.
 
 Pure bookkeeping: every method takes the time it is told (`now`, monotonic seconds), so the same code runs on the
 real clock and on the planner model's virtual one (bench/planner_sim.py)."""
@@ -93,7 +97,9 @@ class ShapeProbe:
     MAX_SHARE = 0.15          # a round starts only if it costs at most this share of the run's predicted rest
     CLOSE = 0.05              # the two fastest this close: a duel decides (if it costs at most MAX_SHARE too)
     DUEL_LEGS = 4             # ... of this many more windows, the two shapes alternating
-    CHECK_DROP = 0.10         # the kept shape's next window this far below its kept rate: measure the others again
+    CHECK_DROP = 0.10         # the kept shape's next window this far below its kept rate (and a rival cut short by
+                              # the early stop): measure every shape again
+    CHECK_NEEDS_CUT = True    # False: the drop alone sets off the recheck (bench_planner.py --transients compares)
 
     def __init__(self, shapes: tuple[str, ...] = SHAPES):
         self.shapes = tuple(shapes)
@@ -106,6 +112,7 @@ class ShapeProbe:
         self._dueling = False
         self._duelists: tuple[str, ...] = ()
         self._checking = False             # the window open is the check of the last decision
+        self._cut: set[str] = set()        # shapes of this round whose window the early stop cut short
         self._recheck = False              # the round under way was started by a failed check
         self._active0 = 0
         self._open_at: float | None = None   # the window opens (settled) ...
@@ -155,6 +162,7 @@ class ShapeProbe:
     def _start_round(self, now: float, cycle_s: float, active: int, recheck: bool = False) -> None:
         self._order = [self.current] + [s for s in self.shapes if s != self.current]
         self._rates, self._pooled, self._dueling, self._recheck = {}, {}, False, recheck
+        self._cut = set()
         self._active0 = active
         self._begin(now, cycle_s, switched=False)   # the shape in use when the round starts has settled
 
@@ -183,6 +191,8 @@ class ShapeProbe:
         if self._checking:
             self._close_check(now, rate, cycle_s, active, remaining_s)
             return
+        if now < self._close_at:
+            self._cut.add(self.current)
         self._close_window(now, rate)
         if not self._order and not self._dueling:
             self._maybe_duel(cycle_s, remaining_s)
@@ -222,20 +232,18 @@ class ShapeProbe:
 
     def _close_check(self, now: float, rate: float, cycle_s: Cost, active: int, remaining_s: Cost) -> None:
         """The check window of the last decision ends: where the kept shape ran more than CHECK_DROP below the rate
-        it was kept for, measure every other shape again now (if the rest of the run pays for it); the check window
-        stands as the kept shape's window of that round."""
+        it was kept for and the early stop had cut a rival's window short, measure every shape again now (if the
+        rest of the run pays for it)."""
         self._order, self._checking = [], False
         last = self.rounds[-1]
         last.check = rate
-        if rate >= (1.0 - self.CHECK_DROP) * last.kept_rate:
+        if rate >= (1.0 - self.CHECK_DROP) * last.kept_rate or (self.CHECK_NEEDS_CUT
+                                                                 and not self._cut - {last.chosen}):
             return
         cycle = _value(cycle_s)
         if not self._affordable(cycle, _value(remaining_s)):
             return
-        self._order = [s for s in self.shapes if s != self.current]
-        self._rates, self._pooled = {self.current: rate}, {self.current: [float(self._count), now - self._t0]}
-        self._dueling, self._recheck, self._active0 = False, True, active
-        self._begin(now, cycle)
+        self._start_round(now, cycle, active, recheck=True)
 
     def _maybe_duel(self, cycle_s: Cost, remaining_s: Cost) -> None:
         """The round has measured every shape: if the two fastest are within CLOSE, alternate them for DUEL_LEGS
