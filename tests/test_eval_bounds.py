@@ -169,6 +169,8 @@ def test_the_report_says_where_an_envs_cycle_goes():
     lines = cycle_lines([row, {"row": "old report"}])
     assert lines == ["B=8, P=2: an env's cycle 59.1 ms = chunk 18.7 + waiting 40.4 for the next one (request 29.1, "
                      "server 23.6; outside the request 11.3: cohort, batch, dispatch)."]
+    hosted = dict(row, host_cpu={"busy": 0.7234, "steal": 0.0412})   # bench eval's /proc/stat shares of the row
+    assert cycle_lines([hosted]) == [lines[0][:-1] + "; host CPUs 72% busy, 4.1% stolen."]
     row.update(episodes=4, episodes_per_hour=1.0, env_steps_per_s=1.0, inference_obs_per_s=1.0, mean_batch=1.0,
                ratio_steps=None, ratio_episodes=None)
     assert lines[0] in markdown({"rows": [row], "rounds": 1, "bound": {"bound_env_steps_per_s": None}})

@@ -347,6 +347,9 @@ def test_bench_eval_rounds_and_contended_bound(mw_serial, tmp_path):
     for r in rep["rows"]:
         assert len(r["rounds"]) == 2 and min(r["rounds"]) <= r["env_steps_per_s"] <= max(r["rounds"])
         assert r["of_contended_bound"] > 0 and r["scene_loads"] >= 0
+        # this host's CPUs over each round (/proc/stat): the rows were working them
+        assert len(r["host_cpu_rounds"]) == 2 and all(0 < h["busy"] <= 1 and 0 <= h["steal"] < 1
+                                                      for h in r["host_cpu_rounds"])
     c = rep["bound"]["contended"]
     assert c["sim_env_steps_per_s"] > 0 and c["inference_obs_per_s"] > 0
     assert rep["bound"]["inference_batch"] == c["inference_batch"] == 2   # every env's observation at once

@@ -33,6 +33,7 @@ from rich.table import Table
 from wamkit.core.config import load_config
 from wamkit.core.errors import ConfigError
 from wamkit.eval.config import EvalConfig
+from wamkit.eval.host_load import cpu_times, shares
 
 # keys a row may set for itself (`ROW @ key=value ...`): settings that act per run, with the env workers and the
 # servers the rows share (a key that changes the plan, the envs or what the servers run cannot be per row)
@@ -340,6 +341,8 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     med["rounds"] = rates
     if any("auto_shape" in x for x in runs):   # the shape auto kept in each round
         med["auto_shapes"] = [x.get("auto_shape", {}).get("shape") for x in runs]
+    if any("host_cpu" in x for x in runs):     # the host's CPUs in each round (the median run's stays host_cpu)
+        med["host_cpu_rounds"] = [x.get("host_cpu") for x in runs]
     med["spread"] = (max(rates) - min(rates)) / med["env_steps_per_s"] if med["env_steps_per_s"] else 0.0
     return med
 
@@ -394,8 +397,12 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
             cfg = r(cfg, out=str(out / slug))
             console.print(f"[bold]bench eval[/] {name}{'' if rounds == 1 else f' (round {k + 1}/{rounds})'}: "
                           f"mode={cfg.mode} envs={cfg.num_envs} B={cfg.request_size} P={cfg.pipelines}")
+            before = cpu_times()
             s = _run(cfg, console, runtime)
             runs[name].append(_row(name, s, horizon))
+            host = shares(before, cpu_times())   # this host's CPUs over the row (a Ray run's other nodes: not seen)
+            if host:
+                runs[name][-1]["host_cpu"] = host
             # rows so far, in case the run is cut short (bound and ratios come at the end)
             (out / "bench_eval.partial.json").write_text(json.dumps({"rows": [x for v in runs.values() for x in v]},
                                                                     indent=2))
@@ -504,7 +511,10 @@ def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
         txt = (f"{x['row']}: an env's cycle {sim + wait:.1f} ms = chunk {sim:.1f} + waiting {wait:.1f} for the next "
                f"one (request {req:.1f}")
         txt += f", server {comp:.1f}" if comp else ""
-        out.append(txt + f"; outside the request {wait - req:.1f}: cohort, batch, dispatch).")
+        txt += f"; outside the request {wait - req:.1f}: cohort, batch, dispatch)"
+        host = x.get("host_cpu")
+        txt += (f"; host CPUs {100 * host['busy']:.0f}% busy, {100 * host['steal']:.1f}% stolen" if host else "")
+        out.append(txt + ".")
     return out
 
 
