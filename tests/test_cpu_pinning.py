@@ -40,6 +40,9 @@ def test_reserve_cpus_needs_servers_started_here():
                        (["inference=server", "runtime=ray"], "runtime=ray places them")):
         with pytest.raises(UserError, match=f"server.reserve_cpus=1 pins the action servers .*{why}"):
             eval_cpu_split(load_config(EvalConfig, None, [*extra, "server.reserve_cpus=1"]))
+    # servers the caller keeps (bench eval's shared ones) count, also beside an in-process run (its sim-alone bound)
+    inproc = load_config(EvalConfig, None, ["inference=inprocess", "server.reserve_cpus=1"])
+    assert eval_cpu_split(inproc, kept_servers=True) == split_cpus(1)
 
 
 def test_a_process_and_all_its_threads_are_pinned():

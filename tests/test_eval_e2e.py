@@ -338,10 +338,12 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
 @pytest.mark.metaworld
 def test_bench_eval_rounds_and_contended_bound(mw_serial, tmp_path):
     """rounds=2 runs each row twice (interleaved) and reports the median with both rounds' rates; the contended
-    bound runs simulation while the server is loaded, and is reported beside the separate one; outcomes unchanged."""
+    bound runs simulation while the server is loaded, and is reported beside the separate one; outcomes unchanged.
+    With server.reserve_cpus for the whole bench, the bounds' in-process simulation runs keep the rows' CPU split."""
+    from wamkit.core.cpu_pinning import split_cpus
     from wamkit.eval.bench import bench_eval, markdown
 
-    cfg = mw_cfg(tmp_path, "bench", "inference=server", "num_envs=2", "mode=auto")
+    cfg = mw_cfg(tmp_path, "bench", "inference=server", "num_envs=2", "mode=auto", "server.reserve_cpus=1")
     rep = bench_eval(cfg, tmp_path / "bench", rows=["B=2, P=1", "auto"], horizon=4, rounds=2, bound="contended")
     assert rep["rounds"] == 2 and [r["row"] for r in rep["rows"]] == ["B=2, P=1", "auto"]
     for r in rep["rows"]:
@@ -352,6 +354,10 @@ def test_bench_eval_rounds_and_contended_bound(mw_serial, tmp_path):
                                                       for h in r["host_cpu_rounds"])
     c = rep["bound"]["contended"]
     assert c["sim_env_steps_per_s"] > 0 and c["inference_obs_per_s"] > 0
+    server, envs = split_cpus(1)
+    for run in ("bound_sim", "bound_sim_contended", "auto/round1"):
+        summary = json.loads((tmp_path / "bench" / run / "summary.json").read_text())
+        assert summary["scheduler"]["cpus"] == {"server": server, "envs": envs}, run
     assert rep["bound"]["inference_batch"] == c["inference_batch"] == 2   # every env's observation at once
     assert c["bound_env_steps_per_s"] == min(c["sim_env_steps_per_s"], c["inference_obs_per_s"] * 4)
     assert "Contended" in markdown(rep) and "spread over 2 rounds" in markdown(rep)

@@ -247,9 +247,13 @@ def loop_bound(num_envs: int, horizon: int, sim_env_steps_per_s: float, cores: i
             "bound_env_steps_per_s": num_envs * horizon / max(chunk_s + call_s, 1e-9)}
 
 
-def _sim_alone(base: EvalConfig, out: Path, common: dict[str, Any]) -> EvalConfig:
-    """The simulation-alone run of the stage bound: the same envs and plan, the `zero` policy in process."""
+def _sim_alone(base: EvalConfig, out: Path, common: dict[str, Any], runtime: dict[str, Any] | None) -> EvalConfig:
+    """The simulation-alone run of the stage bound: the same envs and plan, the `zero` policy in process. With
+    server.reserve_cpus and shared servers, the envs keep the rows' CPUs (and the servers theirs); without shared
+    servers there is nothing to reserve for."""
+    reserve = base.server.reserve_cpus if (runtime or {}).get("server_workers") else 0
     return dataclasses.replace(base, out=str(out), mode="auto", policy="zero", policy_args={}, inference="inprocess",
+                               server=dataclasses.replace(base.server, reserve_cpus=reserve),
                                run_to_max_steps=True, render_every_step=False, **common)
 
 
@@ -268,7 +272,7 @@ def contended_bound(base: EvalConfig, out: Path, console: Console, runtime: dict
     th = threading.Thread(target=load, name="bench-inference-load", daemon=True)
     th.start()
     try:
-        sim = _run(_sim_alone(base, out / "bound_sim_contended", common), console, runtime)
+        sim = _run(_sim_alone(base, out / "bound_sim_contended", common, runtime), console, runtime)
     finally:
         stop.set()
         th.join()
@@ -414,7 +418,7 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     loop: dict[str, Any] | None = None
     if with_bound:
         # stage bound: simulation alone and inference alone, same envs and plan
-        sim = _run(_sim_alone(base, out / "bound_sim", common), console, runtime)
+        sim = _run(_sim_alone(base, out / "bound_sim", common, runtime), console, runtime)
         sim_steps = sim["throughput"]["env_steps_per_s"]
         batch = bound_batch(base, m)
         inf_obs, call_s = measure_inference(base, batch, task=_first_task(out, configs) or "bench",

@@ -78,13 +78,15 @@ def server_options(cfg: EvalConfig):
     return dataclasses.replace(cfg.server, serve_args={**cfg.server.serve_args, "device": cfg.device})
 
 
-def eval_cpu_split(cfg: EvalConfig) -> tuple[list[int], list[int]] | None:
+def eval_cpu_split(cfg: EvalConfig, kept_servers: bool = False) -> tuple[list[int], list[int]] | None:
     """(server CPUs, env CPUs) of `server.reserve_cpus` (None: off); the servers get theirs where they start
-    (start_server_workers)."""
+    (start_server_workers), or in run_eval for servers the caller keeps (kept_servers: bench eval's shared ones,
+    also beside its in-process simulation-alone run)."""
     reserve = int(cfg.server.reserve_cpus or 0)
-    why = ("inference=inprocess starts none" if cfg.inference != "server" else
-           "with server.url=... it starts none" if cfg.server.url else
-           f"runtime={cfg.runtime} places them and the env workers itself" if cfg.runtime != "local" else "")
+    why = (f"runtime={cfg.runtime} places them and the env workers itself" if cfg.runtime != "local" else
+           "" if kept_servers else
+           "inference=inprocess starts none" if cfg.inference != "server" else
+           "with server.url=... it starts none" if cfg.server.url else "")
     if reserve and why:
         raise UserError(f"server.reserve_cpus={reserve} pins the action servers this evaluation starts on this "
                         f"host; {why} (set server.reserve_cpus=0)")
@@ -174,7 +176,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         raise UserError(f"runtime={cfg.runtime} needs the runtime layer: run it through `wamkit eval` or pass "
                         f"wamkit.runtime.eval_runtime(cfg) to run_eval")
     n_envs = cfg.env_count()
-    cpus = eval_cpu_split(cfg)
+    cpus = eval_cpu_split(cfg, kept_servers=bool(server_workers))
     workers = (env_workers or local_env_workers)(cfg.env, env_kwargs(cfg), n_envs)
     for w in workers:
         if hasattr(w, "set_cpus"):   # local processes (not Ray actors: their node schedules them)
