@@ -31,6 +31,13 @@ def test_the_split_gives_the_servers_the_last_cpus_and_the_envs_the_rest():
             split_cpus(bad, [0, 1, 2, 3])
 
 
+def test_reserve_cpus_says_it_needs_linux_where_there_is_no_affinity_call(monkeypatch):
+    monkeypatch.delattr(os, "sched_setaffinity")
+    with pytest.raises(UserError, match="server.reserve_cpus=1 pins processes to CPUs, which needs Linux"):
+        split_cpus(1)
+    assert split_cpus(0) is None
+
+
 def test_reserve_cpus_needs_servers_started_here():
     ok = load_config(EvalConfig, None, ["inference=server", "server.reserve_cpus=1"])
     assert eval_cpu_split(ok) == split_cpus(1)

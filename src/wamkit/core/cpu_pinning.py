@@ -23,6 +23,9 @@ def split_cpus(reserve: int, cpus: list[int] | None = None) -> tuple[list[int], 
     reserve = int(reserve)
     if reserve == 0:
         return None
+    if cpus is None and not hasattr(os, "sched_setaffinity"):
+        raise UserError(f"server.reserve_cpus={reserve} pins processes to CPUs, which needs Linux "
+                        f"(os.sched_setaffinity); set server.reserve_cpus=0 here")
     cpus = sorted(cpus if cpus is not None else usable_cpus())
     if reserve < 0 or reserve >= len(cpus):
         raise UserError(f"server.reserve_cpus={reserve}: must be 0 (off) or 1..{len(cpus) - 1} (this process may "
