@@ -25,4 +25,4 @@ def test_this_host_reads():
         pytest.skip("no /proc/stat here")
     sum(range(2_000_000))   # some work, so that time passes
     s = shares(a, cpu_times())
-    assert s is None or (0.0 <= s["steal"] <= 1.0 and 0.0 <= s["busy"] <= 1.0)
+    assert s is not None and 0.0 <= s["steal"] <= 1.0 and 0.0 <= s["busy"] <= 1.0

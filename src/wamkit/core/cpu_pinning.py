@@ -50,3 +50,13 @@ def pin_process(pid: int, cpus: list[int]) -> None:
 def repin_process(pid: int, cpus: list[int] | None) -> None:
     """pin_process to `cpus`, or, with None, back to every CPU this process may use (undoes an earlier pin)."""
     pin_process(pid, list(cpus) if cpus else usable_cpus())
+
+
+def change_pin(pid: int | None, was: list[int] | None, cpus: list[int] | None) -> list[int] | None:
+    """A worker's pin set changes from `was` to `cpus` (None: not pinned): its running process (`pid`, None: not
+    running) is pinned again, or unpinned where it was pinned; returns the new set, which the worker keeps for its
+    next start (EnvWorker.set_cpus, ServerWorker.set_cpus)."""
+    cpus = list(cpus) if cpus else None
+    if pid is not None and (cpus or was):
+        repin_process(pid, cpus)
+    return cpus

@@ -27,7 +27,7 @@ from multiprocessing.connection import wait as mp_wait
 
 import numpy as np
 
-from wamkit.core.cpu_pinning import pin_process, repin_process
+from wamkit.core.cpu_pinning import change_pin, pin_process
 from wamkit.core.lifecycle import StartClosingContext
 from wamkit.core.types import ChunkResult, Observation
 from wamkit.envs.base import EnvSpec, TaskInfo
@@ -232,10 +232,7 @@ class EnvWorker(StartClosingContext):
     def set_cpus(self, cpus: list[int] | None) -> None:
         """Pin the process (now, if it runs, and at every restart) to `cpus`; None: not pinned (a running process
         pinned before goes back to every CPU this one may use)."""
-        was = self.cpus
-        self.cpus = list(cpus) if cpus else None
-        if self.alive and (self.cpus or was):
-            repin_process(self._proc.pid, self.cpus)
+        self.cpus = change_pin(self._proc.pid if self.alive else None, self.cpus, cpus)
 
     def kill(self) -> None:
         """SIGKILL the process (for tests and hung simulators); the next or in-flight call raises EnvWorkerCrashed."""

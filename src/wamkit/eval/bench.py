@@ -351,14 +351,19 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return med
 
 
+def _row_parts(row: str) -> tuple[str, list[str]]:
+    """`ROW @ key=value ...` -> (ROW, ["key=value", ...]); a plain row -> (ROW, [])."""
+    name, _, settings = row.partition(" @ ")
+    return name.strip(), settings.split()
+
+
 def row_config(known: dict[str, EvalConfig], row: str) -> EvalConfig:
     """The config of a requested row: a known row's, or `ROW @ key=value ...`: that row's with the given settings
     (only ROW_KEYS; a ConfigError names any other key)."""
-    name, _, settings = row.partition(" @ ")
-    cfg = known[name.strip()]
-    if not settings.strip():
+    name, pairs = _row_parts(row)
+    cfg = known[name]
+    if not pairs:
         return cfg
-    pairs = settings.split()
     bad = [kv for kv in pairs if kv.split("=", 1)[0] not in ROW_KEYS or "=" not in kv]
     if bad:
         raise ConfigError(f"rows: {row!r}: a row may set only {', '.join(ROW_KEYS)} (key=value), not {bad}")
@@ -389,7 +394,7 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
         configs = [c for c in configs if c[0] != "auto-plan"]
     else:
         known = dict(configs)
-        unknown = [x for x in rows if x.split(" @ ")[0].strip() not in known]
+        unknown = [x for x in rows if _row_parts(x)[0] not in known]
         if unknown:
             raise ConfigError(f"rows: unknown row(s) {unknown}; rows of this plan: {'; '.join(c[0] for c in configs)}"
                               f" (a row may add ' @ key=value ...' with keys {', '.join(ROW_KEYS)})")

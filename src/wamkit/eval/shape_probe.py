@@ -211,7 +211,7 @@ class ShapeProbe:
         pool[1] += now - self._t0
         self._order.pop(0)
 
-    def _decide(self, now: float, active: int, cycle_s: Cost = None) -> None:
+    def _decide(self, now: float, active: int, cycle_s: Cost) -> None:
         """Every window of the round is done: keep the fastest (after a duel: of the two, over all their windows),
         and, unless this round was itself a recheck, open the check window of the shape kept."""
         duel = {}

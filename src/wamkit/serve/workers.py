@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from wamkit.core.cpu_pinning import pin_process, repin_process
+from wamkit.core.cpu_pinning import change_pin, pin_process
 from wamkit.core.errors import UserError
 from wamkit.core.lifecycle import StartStopContext
 from wamkit.serve.config import INSTANCE_ENV
@@ -138,10 +138,7 @@ class ServerWorker(StartStopContext, abc.ABC):
         """Pin the server process (now, if it runs, and at every start) to `cpus`; None: not pinned (a running
         process pinned before goes back to every CPU this one may use). Processes it started itself before this
         call (a policy_process child) keep their set."""
-        was = self.cpus
-        self.cpus = list(cpus) if cpus else None
-        if self.running() and (self.cpus or was):
-            repin_process(self.proc.pid, self.cpus)
+        self.cpus = change_pin(self.proc.pid if self.running() else None, self.cpus, cpus)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

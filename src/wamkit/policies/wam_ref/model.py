@@ -242,7 +242,7 @@ class GenBlock(nn.Module):
             (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight), (self.gate_proj.weight, self.up_proj.weight))
         # compiled with kv_layout=folded: the folded query and contiguous K/V come out of the compiled function
         # (eager, the same layout would cost two more copies than it saves: it stays as it was)
-        prefold = self.fold_gqa and kv_room and (self.compiled or self.gemm == "autotune")
+        prefold = self.fold_gqa and kv_room and fin is not _block_in
         q, k, v, g1, sh2, sc2, g2 = fin(x, tmod, None if own_mod else self.modulation, w_qkv, self.q_norm.weight,
                                         self.k_norm.weight, cos, sin, self.heads, self.kv_heads, self.head_dim,
                                         self.eps, self.gemm, prefold)
