@@ -52,6 +52,53 @@ def test_reserve_cpus_needs_servers_started_here():
     assert eval_cpu_split(inproc, kept_servers=True) == split_cpus(1)
 
 
+def process_env(pid: int) -> dict[str, str]:
+    """The environment process `pid` was started with."""
+    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
+
+
+def test_torch_threads_never_outnumber_the_cpus_a_process_may_use():
+    import subprocess
+    import sys
+
+    from wamkit.core.cpu_pinning import torch_threads
+
+    assert torch_threads() == min(4, len(usable_cpus())) and torch_threads(3) == 3
+    # a process pinned to one CPU (os.cpu_count() still counts them all): one thread, unless configured
+    code = ("import os; os.sched_setaffinity(0, [max(os.sched_getaffinity(0))])\n"
+            "from wamkit.core.cpu_pinning import torch_threads\n"
+            "print(os.cpu_count(), torch_threads(), torch_threads(2))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(os.cpu_count()), "1", "2"]
+
+
+def test_a_server_that_may_be_pinned_starts_with_passive_openmp_threads(monkeypatch):
+    """Pinned while it runs, a process whose OpenMP team spins for the CPUs it saw at start stalls (10.7 ms a
+    parallel region against 43 us, bench/bench_omp_pin.py): servers pinned at start, or that a bench row may pin
+    later (pinnable), start with OMP_WAIT_POLICY=PASSIVE; others, and a user's own choice, are left alone."""
+    from wamkit.eval.bench import pins_servers
+    from wamkit.serve.workers import WamkitServerWorker
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    w = WamkitServerWorker("fixed-cost")
+    assert "OMP_WAIT_POLICY" not in w.child_env()
+    w.set_cpus([0])
+    assert w.child_env()["OMP_WAIT_POLICY"] == "PASSIVE"
+    w.set_cpus(None)
+    w.pinnable = True
+    assert w.child_env()["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert WamkitServerWorker("fixed-cost", env={"OMP_WAIT_POLICY": "ACTIVE"}).child_env()["OMP_WAIT_POLICY"] \
+        == "ACTIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert w.child_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+    base = load_config(EvalConfig, None, ["inference=server"])
+    assert not pins_servers(base, ["auto", "B=2, P=1 @ auto_probe=false", "auto @ server.reserve_cpus=0"])
+    assert not pins_servers(base, None)
+    assert pins_servers(base, ["auto", "auto @ server.reserve_cpus=2"])
+    assert pins_servers(load_config(EvalConfig, None, ["inference=server", "server.reserve_cpus=1"]), ["auto"])
+
+
 def test_a_process_and_all_its_threads_are_pinned():
     import subprocess
     import sys
@@ -89,6 +136,7 @@ def test_a_started_server_is_pinned_at_every_start():
                                 cfg.server)
     try:
         assert w.cpus == server_cpus and thread_cpus(w.pid) == {tuple(server_cpus)}   # torch's threads included
+        assert process_env(w.pid).get("OMP_WAIT_POLICY") == "PASSIVE"   # its OpenMP threads sleep, never spin
         w.stop()
         w.start().wait_healthy(120)
         assert thread_cpus(w.pid) == {tuple(server_cpus)}

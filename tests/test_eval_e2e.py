@@ -299,12 +299,15 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     from wamkit.eval.bench import bench_eval
     from wamkit.serve.workers import WamkitServerWorker
 
-    starts, pins = [], []
+    starts, pins, omp = [], [], []
     orig, orig_pin = WamkitServerWorker.start, WamkitServerWorker.set_cpus
 
     def counting_start(self):
         starts.append(self.port)
-        return orig(self)
+        out = orig(self)
+        env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{self.pid}/environ", "rb").read().split(b"\0") if kv)
+        omp.append(env.get(b"OMP_WAIT_POLICY"))
+        return out
 
     def recording_pin(self, cpus):
         pins.append(cpus)
@@ -316,6 +319,7 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     pinned_row = "auto @ server.reserve_cpus=1"
     rep = bench_eval(cfg, tmp_path / "bench", rows=["serial", "auto", pinned_row], horizon=4)
     assert len(starts) == 1 and rep["plan"]["shared_servers"] == 1
+    assert omp == [b"PASSIVE"]   # a row pins it: started so that its OpenMP threads never spin (core/cpu_pinning.py)
     assert [r["row"] for r in rep["rows"]] == ["serial", "auto", pinned_row]
     assert rep["bound"]["inference_obs_per_s"] > 0
     server_cpus, env_cpus = split_cpus(1)

@@ -3,7 +3,14 @@ workers on the rest (`server.reserve_cpus`, docs/evaluation.md).
 
 Why: with every core simulating, a server's host work per batch (decoding, stacking, the launch of the model call)
 competes with the simulators for CPU time, and every env waits for that request. Linux only
-(`os.sched_setaffinity`); a process's every thread is pinned, and threads it starts later inherit the set."""
+(`os.sched_setaffinity`); a process's every thread is pinned, and threads it starts later inherit the set.
+
+A process pinned while it runs keeps the OpenMP team it sized at start: GNU OpenMP (torch's CPU ops) spin-waits
+at every parallel region while the team fits the CPUs it saw then, so four threads squeezed onto two CPUs spin
+against each other. Measured: 8782.5 -> 1566.9 env steps/s at 32 envs on the GPU machine (the server's compute
+150 against 19.6 ms a batch, session 17), and 18 ms -> 6.4 s for 600 small torch ops on this machine's bench
+(bench/bench_omp_pin.py). So a process that may be pinned starts with PINNABLE_ENV (its threads sleep at once
+instead of spinning), and its torch threads never outnumber its CPUs (torch_threads)."""
 
 from __future__ import annotations
 
@@ -15,6 +22,26 @@ from wamkit.core.errors import UserError
 def usable_cpus() -> list[int]:
     """The CPUs this process may run on, ascending."""
     return sorted(os.sched_getaffinity(0))
+
+
+PINNABLE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def pinnable_env(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` with PINNABLE_ENV added where it does not set those variables itself (a user's choice wins)."""
+    return {**PINNABLE_ENV, **environ}
+
+
+def torch_threads(configured: int = 0, most: int = 4) -> int:
+    """Torch intra-op threads of a process: `configured` if > 0, else min(most, the CPUs it may run on)
+    (os.cpu_count() counts CPUs it may be barred from)."""
+    if configured > 0:
+        return int(configured)
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:   # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(int(most), n))
 
 
 def split_cpus(reserve: int, cpus: list[int] | None = None) -> tuple[list[int], list[int]] | None:

@@ -106,10 +106,11 @@ def bench_policy_kwargs(base: EvalConfig) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def shared_servers(base: EvalConfig, console: Console):
+def shared_servers(base: EvalConfig, console: Console, pinnable: bool = False):
     """inference=server without server.url: start the local server(s) once for every row and the inference bound
     (their start-up and CUDA-graph warm-up happen once, not per row); yields the started workers ([] otherwise),
-    stops them at the end. A row restarts one that stops answering, as with its own."""
+    stops them at the end. A row restarts one that stops answering, as with its own. pinnable: some row pins them
+    (server.reserve_cpus), so they start ready for it (core/cpu_pinning.py)."""
     if base.inference != "server" or base.server.url:
         yield []
         return
@@ -121,7 +122,7 @@ def shared_servers(base: EvalConfig, console: Console):
     codec = remote_codec_of(base.policy, pkw)          # cosmos3: the servers run SGLang or its stand-in
     check_normalization(base.server, codec)
     policy, args = server_policy(base.policy, pkw, base.server, codec)
-    workers = start_server_workers(policy, args, base.server)
+    workers = start_server_workers(policy, args, base.server, pinnable=pinnable)
     try:
         console.print(f"[bold]bench eval[/] {len(workers)} shared server(s) up in {time.perf_counter() - t0:.1f} s")
         yield workers
@@ -307,7 +308,8 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
     try:
         serial_only = bool(rows) and all(x in ("single-batch", "serial") for x in rows)
         warm_envs(base, envs, console, 1 if serial_only else base.num_envs)
-        with shared_servers(base, console) if share_server else contextlib.nullcontext([]) as workers:
+        shared = shared_servers(base, console, pins_servers(base, rows)) if share_server else contextlib.nullcontext([])
+        with shared as workers:
             rt: dict[str, Any] = {"env_workers": envs}
             if workers:
                 rt["server_workers"] = workers
@@ -349,6 +351,14 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
         med["host_cpu_rounds"] = [x.get("host_cpu") for x in runs]
     med["spread"] = (max(rates) - min(rates)) / med["env_steps_per_s"] if med["env_steps_per_s"] else 0.0
     return med
+
+
+def pins_servers(base: EvalConfig, rows: list[str] | None) -> bool:
+    """Whether the bench or one of its rows (`ROW @ server.reserve_cpus=N`) pins the servers to CPUs of their own."""
+    settings = [kv for r in rows or [] for kv in _row_parts(r)[1]]
+    return bool(base.server.reserve_cpus) or any(
+        kv.partition("=")[0] == "server.reserve_cpus" and kv.partition("=")[2].strip() not in ("", "0")
+        for kv in settings)
 
 
 def _row_parts(row: str) -> tuple[str, list[str]]:

@@ -267,10 +267,12 @@ def server_policy(policy: str, policy_args: dict, options, codec: RemoteCodec | 
     return policy, dict(policy_args)
 
 
-def start_server_workers(policy: str, policy_args: dict, options, worker_factory=None) -> list:
+def start_server_workers(policy: str, policy_args: dict, options, worker_factory=None, pinnable: bool = False) -> list:
     """Start the `options.replicas` local servers of `options` (ServerOptions: launch, port, batching, token,
     serve_args / sglang; server i sees GPU gpus[i % len] only) and wait until all are healthy: all start first, so
-    their model builds and warm-ups overlap. If one fails, those already started are stopped and the error raised."""
+    their model builds and warm-ups overlap. If one fails, those already started are stopped and the error raised.
+    pinnable: the caller may pin them later (bench eval's rows with server.reserve_cpus): they start with
+    PINNABLE_ENV (core/cpu_pinning.py), as servers pinned from the start do."""
     from wamkit.serve.workers import SGLangServerWorker, WamkitServerWorker
 
     launch = getattr(options, "launch", "wamkit")
@@ -305,6 +307,8 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
                 w = (worker_factory or WamkitServerWorker)(**kw)
                 timeout = options.startup_timeout_s
             w.default_start_timeout = timeout
+            if pinnable:
+                w.pinnable = True
             if split and hasattr(w, "set_cpus"):
                 w.set_cpus(split[0])
             w.start()

@@ -36,6 +36,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from wamkit.core.cpu_pinning import torch_threads
 from wamkit.policies.base import Policy
 from wamkit.protocol import ProtocolError, build_response, decode_body, encode_body, is_msgpack, parse_request
 from wamkit.protocol.messages import ActionRequest
@@ -285,7 +286,7 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
     if "torch" in sys.modules:  # only policies that use torch have imported it
         import torch
 
-        torch.set_num_threads(cfg.torch_threads or max(1, min(4, os.cpu_count() or 1)))
+        torch.set_num_threads(torch_threads(cfg.torch_threads))
     srv = ActionServer(cfg, policy)
     if cfg.warmup:  # before uvicorn listens: /health answers only once the one-off work is done
         t0 = time.perf_counter()

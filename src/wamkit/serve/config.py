@@ -61,7 +61,7 @@ class ServeConfig:
     graceful_timeout_s: float = 60.0        # on SIGTERM: wait this long for in-flight work
     parent_pid: int = 0                     # exit when this process dies (server workers set it)
     warmup: bool = True                     # policy.warmup(max batch) before /health answers (e.g. CUDA graphs)
-    torch_threads: int = 0                  # torch intra-op threads of the server; 0: min(4, CPU cores) (the cores
+    torch_threads: int = 0                  # torch intra-op threads of the server; 0: min(4, its CPUs) (the cores
                                             # belong to env workers: a large OpenMP team on busy cores stalls)
     # limits of what one request may make the server decode (413/400 naming the field beyond them)
     max_image_pixels: int = _D.max_image_pixels   # per image (4096 x 4096), checked on the declared size/PNG header

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from wamkit.core.cpu_pinning import torch_threads as resolved_threads
 from wamkit.core.errors import UserError
 from wamkit.core.types import Observation
 from wamkit.policies.base import Policy
@@ -111,7 +112,7 @@ def _child(conn, name: str, kwargs: dict[str, Any], torch_threads: int) -> None:
         if "torch" in sys.modules:
             import torch
 
-            torch.set_num_threads(torch_threads or max(1, min(4, os.cpu_count() or 1)))
+            torch.set_num_threads(resolved_threads(torch_threads))
         conn.send(("ok", (policy.spec, int(policy.max_batch_size()))))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("user" if isinstance(e, UserError) else "error", f"{type(e).__name__}: {e}" if not

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import json
+import logging
 import os
 import secrets
 import signal
@@ -36,10 +37,13 @@ from typing import Any, Sequence
 
 import httpx
 
-from wamkit.core.cpu_pinning import change_pin, pin_process
+from wamkit.core.cpu_pinning import change_pin, pin_process, pinnable_env
 from wamkit.core.errors import UserError
 from wamkit.core.lifecycle import StartStopContext
 from wamkit.serve.config import INSTANCE_ENV
+
+
+logger = logging.getLogger(__name__)
 
 
 class ServerStartError(RuntimeError):
@@ -117,13 +121,16 @@ class ServerWorker(StartStopContext, abc.ABC):
         self._finalizer: weakref.finalize | None = None
         self.starts = 0
         self.cpus: list[int] | None = None   # CPUs the server process is pinned to at every start (None: not pinned)
+        self.pinnable = False   # may be pinned while it runs (set_cpus later): started with PINNABLE_ENV (cpu_pinning)
+        self._started_pinnable = False
 
     @abc.abstractmethod
     def command(self) -> list[str]:
         """The command line that runs the server."""
 
     def child_env(self) -> dict[str, str]:
-        return {**os.environ, **self.env}
+        env = {**os.environ, **self.env}
+        return pinnable_env(env) if self.cpus or self.pinnable else env
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -137,7 +144,13 @@ class ServerWorker(StartStopContext, abc.ABC):
     def set_cpus(self, cpus: list[int] | None) -> None:
         """Pin the server process (now, if it runs, and at every start) to `cpus`; None: not pinned (a running
         process pinned before goes back to every CPU this one may use). Processes it started itself before this
-        call (a policy_process child) keep their set."""
+        call (a policy_process child) keep their set. A running process not started pinnable (nor pinned) is
+        warned about: its OpenMP threads may spin against each other on fewer CPUs (core/cpu_pinning.py)."""
+        if cpus and self.running() and not self._started_pinnable:
+            logger.warning(
+                "server %s is pinned to %d CPU(s) while it runs, but was not started pinnable (OMP_WAIT_POLICY="
+                "PASSIVE): its OpenMP threads may spin against each other; set pinnable before start", self.url,
+                len(cpus))
         self.cpus = change_pin(self.proc.pid if self.running() else None, self.cpus, cpus)
 
     def running(self) -> bool:
@@ -152,6 +165,7 @@ class ServerWorker(StartStopContext, abc.ABC):
             log.flush()
             self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env=self.child_env(), start_new_session=True, close_fds=True)
+            self._started_pinnable = bool(self.cpus or self.pinnable)
         finally:
             log.close()
         if self.cpus:   # before the interpreter starts any thread: every later thread and child inherits the set
