@@ -395,44 +395,6 @@ def test_compile_gives_the_same_actions(one_thread):
     assert comp.engine.prefix_pass._rope is not None and ref.engine.prefix_pass._rope is None
 
 
-@torch.no_grad()
-def test_compiled_folded_blocks_hand_out_the_folded_query_and_contiguous_kv(one_thread, monkeypatch):
-    """compile=true with kv_layout=folded: the compiled block returns the query already folded and the K/V
-    contiguous, so the loop copies no strided tensor (eager: the folded attention copies the (B, H, n, hd) query
-    once per block and step, and the K/V slot writes read transposed views), with the same actions."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from wamkit.policies.wam_ref import model as wm
-
-    seen = []
-    orig = wm.write_heads
-
-    def recording(dst, src, start):
-        if start > 0:   # the loop's slot writes (start 0: the prefix K/V copied into the buffer once per call)
-            seen.append(src.is_contiguous())
-        return orig(dst, src, start)
-
-    monkeypatch.setattr(wm, "write_heads", recording)
-    obs, seeds = _obs(2, seed=3, state_dim=8), [7, 8]
-    out, query_copies, contiguous = {}, {}, {}
-    for comp in (False, True):
-        pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, compile=comp)
-        assert pol.engine.kv_layout == "folded"
-        blk = pol.model.gen.blocks[0]
-        pol.predict(obs, seeds)   # compiles
-        seen.clear()
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            out[comp] = pol.predict(obs, seeds)
-        q_shape = [2, blk.heads, pol.gen_tokens, blk.head_dim]
-        query_copies[comp] = sum(e.name == "aten::clone" and list(e.input_shapes[0]) == q_shape
-                                 for e in prof.events())
-        contiguous[comp] = set(seen)
-        assert len(seen) == 2 * len(pol.model.gen.blocks) * 2   # K and V, every block, every step
-    assert query_copies == {False: 2 * len(pol.model.gen.blocks), True: 0}
-    assert contiguous == {False: {False}, True: {True}}
-    np.testing.assert_allclose(out[True], out[False], rtol=1e-4, atol=1e-5)
-
-
 def test_batched_vision_attention_matches_per_image_calls():
     """One SDPA call over all (equal-size) images = transformers' one call per image: same actions, and the
     vision tower's attention really is called once per layer, not once per image."""

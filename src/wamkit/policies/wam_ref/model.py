@@ -112,42 +112,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.T
     depends on another or on its position, and every SDPA kernel takes it (no enable_gqa): each group's K/V is
     read once for all its query heads (a quarter of kv_layout=expanded's bytes at 32 / 8 heads) and a kernel's
     query tile holds 4x the rows."""
-    h = q.shape[1]
+    b, h, n, hd = q.shape
     kvh = k.shape[1]
     if kvh == h:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
     if not fold:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
-    return attend_folded(fold_query(q, kvh), k, v, attn_mask, h)
-
-
-def fold_query(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(B, H, n, hd) -> (B, Hkv, H // Hkv * n, hd): each kv head's query heads stacked along the query axis (see
-    attend). A copy unless q is contiguous; inside a compiled block the kernel that computes q writes it so."""
-    b, h, n, hd = q.shape
-    return q.reshape(b, kv_heads, (h // kv_heads) * n, hd)
-
-
-def attend_folded(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                  heads: int) -> torch.Tensor:
-    """attend(fold=True) of a query already folded (fold_query): SDPA over the kv heads -> (B, heads, n, hd)."""
-    b, kvh, gn, hd = qf.shape
     if attn_mask is not None and attn_mask.shape[-2] != 1:
         raise ValueError(f"folded attention needs a mask over keys only, got mask shape {tuple(attn_mask.shape)}")
-    a = F.scaled_dot_product_attention(qf, k, v, attn_mask=attn_mask)
+    a = F.scaled_dot_product_attention(q.reshape(b, kvh, (h // kvh) * n, hd), k, v, attn_mask=attn_mask)
     # reshape, not view: the memory-efficient backend returns its output strided as (B, S, H, hd) transposed, which
     # cannot be viewed as (B, H, n, hd) (cuDNN's and math's are contiguous: there reshape is a view)
-    return a.reshape(b, heads, gn * kvh // heads, hd)
+    return a.reshape(b, h, n, hd)
 
 
 def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int,
-              head_dim: int, eps: float, gemm: str = "cublas", prefold: bool = False):
+              head_dim: int, eps: float, gemm: str = "cublas"):
     """GenBlock up to attention: AdaLN modulation, q/k/v projections (w_qkv: (wq, wk, wv) or fused [wq; wk; wv]),
     q/k norms, rotary. modulation None: tmod already holds this block's modulation (denoise precomputes it for
     every step and block). Pure function of its tensors (weights passed in), so one torch.compile serves every
-    block (see GenBlock.compiled). prefold (compiled, kv_layout=folded): q comes out folded (fold_query) and k, v
-    contiguous, laid out by the kernels that compute them, so that neither the folded attention nor the K/V slot
-    writes copy strided tensors (three ATen copies per block and step otherwise)."""
+    block (see GenBlock.compiled)."""
     b, n, hidden = x.shape
     mod = tmod if modulation is None else tmod + modulation.to(tmod.dtype)
     sh1, sc1, g1, sh2, sc2, g2 = mod.unbind(1)  # each (B, hidden)
@@ -161,15 +145,12 @@ def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: i
         w_qk = torch.cat([q_norm_w.expand(heads, head_dim), k_norm_w.expand(kv_heads, head_dim)])
         qk = _rope((F.rms_norm(qk, (head_dim,), eps=eps) * w_qk).transpose(1, 2), cos, sin)
         v = qkv[..., nqk * head_dim:].view(b, n, kv_heads, head_dim).transpose(1, 2)
-        q, k = qk[:, :heads], qk[:, heads:]
-    else:
-        q, k, v = _project(h, w_qkv, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), gemm)
-        q = _rope(F.rms_norm(q.view(b, n, heads, head_dim), (head_dim,), q_norm_w, eps).transpose(1, 2), cos, sin)
-        k = _rope(F.rms_norm(k.view(b, n, kv_heads, head_dim), (head_dim,), k_norm_w, eps).transpose(1, 2), cos, sin)
-        v = v.view(b, n, kv_heads, head_dim).transpose(1, 2)
-    if prefold:
-        q, k, v = fold_query(q, kv_heads), k.contiguous(), v.contiguous()
-    return q, k, v, g1, sh2, sc2, g2
+        return qk[:, :heads], qk[:, heads:], v, g1, sh2, sc2, g2
+    q, k, v = _project(h, w_qkv, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), gemm)
+    q = F.rms_norm(q.view(b, n, heads, head_dim), (head_dim,), q_norm_w, eps).transpose(1, 2)
+    k = F.rms_norm(k.view(b, n, kv_heads, head_dim), (head_dim,), k_norm_w, eps).transpose(1, 2)
+    v = v.view(b, n, kv_heads, head_dim).transpose(1, 2)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v, g1, sh2, sc2, g2
 
 
 def _block_out(x, a, g1, sh2, sc2, g2, wo, w_gu, wd, eps: float, gemm: str = "cublas"):
@@ -240,12 +221,9 @@ class GenBlock(nn.Module):
             fin, fout = (_compiled("in"), _compiled("out")) if self.compiled else (_block_in, _block_out)
         w_qkv, w_gu = fused if fused is not None else (
             (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight), (self.gate_proj.weight, self.up_proj.weight))
-        # compiled with kv_layout=folded: the folded query and contiguous K/V come out of the compiled function
-        # (eager, the same layout would cost two more copies than it saves: it stays as it was)
-        prefold = self.fold_gqa and kv_room and fin is not _block_in
         q, k, v, g1, sh2, sc2, g2 = fin(x, tmod, None if own_mod else self.modulation, w_qkv, self.q_norm.weight,
                                         self.k_norm.weight, cos, sin, self.heads, self.kv_heads, self.head_dim,
-                                        self.eps, self.gemm, prefold)
+                                        self.eps, self.gemm)
         if kv_room:  # this step's K/V into the scratch slots, in place
             write_heads(prefix_k, k, prefix_k.shape[2] - n)
             write_heads(prefix_v, v, prefix_v.shape[2] - n)
@@ -253,7 +231,7 @@ class GenBlock(nn.Module):
         else:
             k = torch.cat([prefix_k.to(k.dtype), k], dim=2)
             v = torch.cat([prefix_v.to(v.dtype), v], dim=2)
-        a = attend_folded(q, k, v, attn_mask, self.heads) if prefold else attend(q, k, v, attn_mask, self.fold_gqa)
+        a = attend(q, k, v, attn_mask, self.fold_gqa)
         return fout(x, a, g1, sh2, sc2, g2, self.o_proj.weight, w_gu, self.down_proj.weight, self.eps, self.gemm)
 
 
