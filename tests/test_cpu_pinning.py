@@ -52,6 +52,79 @@ def test_reserve_cpus_needs_servers_started_here():
     assert eval_cpu_split(inproc, kept_servers=True) == split_cpus(1)
 
 
+def threaded_child():
+    """A child process with 3 threads running: it prints 'up', then on a line from stdin starts a 4th thread and
+    prints 'more', then on another line lets them all end."""
+    import subprocess
+    import sys
+
+    code = ("import threading, sys\n"
+            "ev = threading.Event()\n"
+            "[threading.Thread(target=ev.wait).start() for _ in range(3)]\n"
+            "print('up', flush=True); sys.stdin.readline()\n"
+            "threading.Thread(target=ev.wait).start()\n"
+            "print('more', flush=True); sys.stdin.readline(); ev.set()\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def thread_nices(pid: int) -> set[int]:
+    """The niceness of every thread of process `pid` (field 19 of /proc/pid/task/tid/stat)."""
+    out = set()
+    for t in os.listdir(f"/proc/{pid}/task"):
+        stat = open(f"/proc/{pid}/task/{t}/stat").read()
+        out.add(int(stat.rsplit(")", 1)[1].split()[16]))
+    return out
+
+
+def test_env_nice_renices_every_thread_and_says_when_it_cannot_lower_it(monkeypatch):
+    from wamkit.core.cpu_pinning import can_lower_nice, change_nice, own_nice
+    from wamkit.core.errors import UserError
+
+    p = threaded_child()
+    try:
+        assert p.stdout.readline().strip() == "up"
+        assert change_nice(p.pid, 0, 7) == 7 and thread_nices(p.pid) == {7}
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "more"
+        assert thread_nices(p.pid) == {7} and len(os.listdir(f"/proc/{p.pid}/task")) == 5   # inherited
+        assert change_nice(p.pid, 7, 7) == 7                    # unchanged: not touched
+        if can_lower_nice(own_nice()):
+            assert change_nice(p.pid, 7, 0) == 0 and thread_nices(p.pid) == {own_nice()}   # back to ours
+        def refuse(*a):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(os, "setpriority", refuse)
+        with pytest.raises(UserError, match="env_nice: cannot set niceness 3 .* needs root or CAP_SYS_NICE"):
+            change_nice(p.pid, 0, 3)
+        monkeypatch.undo()
+        p.stdin.write("\n")
+        p.stdin.flush()
+    finally:
+        p.wait(timeout=30)
+
+
+def test_env_nice_is_checked_as_a_config_key_and_per_bench_row(monkeypatch):
+    from wamkit.core.errors import ConfigError
+    from wamkit.eval import bench
+    from wamkit.eval.bench import check_nice_rows, row_config, row_values
+
+    for bad in ("-1", "20"):
+        with pytest.raises(ConfigError, match="env_nice"):
+            load_config(EvalConfig, None, [f"env_nice={bad}"])
+    base = load_config(EvalConfig, None, ["inference=server", "num_envs=4", "env_nice=5"])
+    assert row_config({"auto": base}, "auto @ env_nice=10").env_nice == 10
+    rows = ["auto", "auto @ env_nice=10", "B=2, P=2 @ server.reserve_cpus=1"]
+    assert row_values(base, rows, "env_nice") == ["5", "10", "5"]
+    assert row_values(base, rows, "server.reserve_cpus") == ["0", "0", "1"]
+    check_nice_rows(base, ["auto", "auto @ env_nice=5"])           # one niceness: nothing to lower
+    monkeypatch.setattr("wamkit.core.cpu_pinning.can_lower_nice", lambda to: False)
+    check_nice_rows(base, ["auto", "auto @ env_nice=5"])
+    with pytest.raises(ConfigError, match=r"env_nice differs between rows \(\[5, 10\]\).*whole bench"):
+        check_nice_rows(base, rows)
+    assert bench.ROW_KEYS.count("env_nice") == 1
+
+
 def process_env(pid: int) -> dict[str, str]:
     """The environment process `pid` was started with."""
     raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
@@ -100,18 +173,7 @@ def test_a_server_that_may_be_pinned_starts_with_passive_openmp_threads(monkeypa
 
 
 def test_a_process_and_all_its_threads_are_pinned():
-    import subprocess
-    import sys
-
-    # a child with a few threads running before it is pinned, and one started after
-    code = ("import threading, time, sys\n"
-            "ev = threading.Event()\n"
-            "ts = [threading.Thread(target=ev.wait) for _ in range(3)]\n"
-            "[t.start() for t in ts]\n"
-            "print('up', flush=True); sys.stdin.readline()\n"
-            "t = threading.Thread(target=ev.wait); t.start()\n"
-            "print('more', flush=True); sys.stdin.readline(); ev.set()\n")
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    p = threaded_child()
     try:
         assert p.stdout.readline().strip() == "up"
         first = [sorted(usable_cpus())[0]]
@@ -164,6 +226,12 @@ def test_an_env_worker_is_pinned_now_and_after_a_restart():
         assert thread_cpus(w.pid) == {tuple(env_cpus)}
         w.set_cpus(None)
         assert thread_cpus(w.pid) == {tuple(usable_cpus())}
+        w.set_nice(9)                                            # env_nice: every thread, now and after a restart
+        assert thread_nices(w.pid) == {9}
+        w.kill()
+        w.close()
+        w.start()
+        assert thread_nices(w.pid) == {9}
     finally:
         w.close()
 

@@ -66,7 +66,7 @@ def test_metaworld_results_contract(mw_serial, tmp_path):
     ("mode=pipelines", "num_envs=2", "request_size=2", "pipelines=1"),
     ("mode=auto", "num_envs=2", "inference=server"),
     ("mode=auto", "num_envs=3", "inference=server", "server.replicas=2"),
-    ("mode=auto", "num_envs=2", "inference=server", "server.reserve_cpus=1"),
+    ("mode=auto", "num_envs=2", "inference=server", "server.reserve_cpus=1", "env_nice=5"),
 ], ids=["auto3", "B1P2", "B2P1", "auto-server", "auto-2servers", "auto-server-pinned"])
 def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     from wamkit.eval.runner import run_eval
@@ -86,6 +86,7 @@ def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
 
         server, envs = split_cpus(1)
         assert s["scheduler"]["cpus"] == {"server": server, "envs": envs}
+        assert s["scheduler"]["env_nice"] == 5     # the env workers at niceness 5, the same outcomes
     else:
         assert s["scheduler"]["cpus"] is None
     if "server.replicas=2" in mode_args:   # both servers answered requests (least-loaded dispatch)

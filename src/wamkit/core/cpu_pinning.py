@@ -1,5 +1,7 @@
 """CPUs for the evaluation's processes on one host: the action servers it starts on a few CPUs of their own, the env
-workers on the rest (`server.reserve_cpus`, docs/evaluation.md).
+workers on the rest (`server.reserve_cpus`, docs/evaluation.md); or the env workers at a higher niceness
+(`env_nice`), so that a server's or the evaluation's own thread that wakes up for a short piece of host work takes a
+CPU from a simulator at once instead of waiting out its time slice, while the simulators keep every CPU otherwise.
 
 Why: with every core simulating, a server's host work per batch (decoding, stacking, the launch of the model call)
 competes with the simulators for CPU time, and every env waits for that request. Linux only
@@ -44,6 +46,58 @@ def torch_threads(configured: int = 0, most: int = 4) -> int:
     return max(1, min(int(most), n))
 
 
+def for_each_thread(pid: int, fn) -> None:
+    """fn(tid) for every thread of process `pid` (the process itself where /proc has no task list); a thread that
+    ended meanwhile is skipped."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            fn(tid)
+        except ProcessLookupError:
+            pass
+
+
+def renice_process(pid: int, nice: int) -> None:
+    """Set the niceness of every thread of process `pid` to `nice` (Linux's niceness is per thread; threads started
+    later inherit their creator's). Lowering it needs privileges (root, CAP_SYS_NICE or RLIMIT_NICE): a UserError
+    says so. A thread that ended meanwhile is skipped."""
+    try:
+        for_each_thread(pid, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, int(nice)))
+    except PermissionError:
+        raise UserError(f"env_nice: cannot set niceness {nice} on process {pid}: lowering a niceness needs root "
+                        f"or CAP_SYS_NICE (bench rows with different env_nice lower it between rows; set env_nice "
+                        f"for the whole bench instead)") from None
+
+
+def own_nice() -> int:
+    """This process's niceness (what a worker reniced back to `env_nice=0` returns to)."""
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def can_lower_nice(to: int) -> bool:
+    """Whether this process may set a niceness below its workers' current one down to `to`: root, or RLIMIT_NICE
+    allowing it (Linux: the lowest niceness allowed is 20 - rlimit)."""
+    if os.geteuid() == 0:
+        return True
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    return soft == resource.RLIM_INFINITY or 20 - soft <= to
+
+
+def change_nice(pid: int | None, was: int, nice: int) -> int:
+    """A worker's niceness setting changes from `was` to `nice` (0: as started, i.e. this process's): its running
+    process (`pid`, None: not running) is reniced where the setting changed; returns the new setting, which the
+    worker applies at its next start (EnvWorker.set_nice)."""
+    nice = int(nice)
+    if pid is not None and nice != was:
+        renice_process(pid, nice or own_nice())
+    return nice
+
+
 def split_cpus(reserve: int, cpus: list[int] | None = None) -> tuple[list[int], list[int]] | None:
     """(server CPUs, env CPUs): the last `reserve` of `cpus` (default: usable_cpus()) for the servers, the rest for
     the envs; None when reserve is 0. A reserve that leaves the envs no CPU is a UserError naming the key."""
@@ -63,15 +117,7 @@ def split_cpus(reserve: int, cpus: list[int] | None = None) -> tuple[list[int], 
 def pin_process(pid: int, cpus: list[int]) -> None:
     """Pin every thread of process `pid` to `cpus` (threads it starts later inherit). A thread that ended meanwhile
     is skipped."""
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except FileNotFoundError:
-        tids = [pid]
-    for tid in tids:
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except ProcessLookupError:
-            pass
+    for_each_thread(pid, lambda tid: os.sched_setaffinity(tid, cpus))
 
 
 def repin_process(pid: int, cpus: list[int] | None) -> None:

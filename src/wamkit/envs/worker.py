@@ -27,7 +27,7 @@ from multiprocessing.connection import wait as mp_wait
 
 import numpy as np
 
-from wamkit.core.cpu_pinning import change_pin, pin_process
+from wamkit.core.cpu_pinning import change_nice, change_pin, pin_process, renice_process
 from wamkit.core.lifecycle import StartClosingContext
 from wamkit.core.types import ChunkResult, Observation
 from wamkit.envs.base import EnvSpec, TaskInfo
@@ -176,6 +176,7 @@ class EnvWorker(StartClosingContext):
         self.load_s: float | None = None      # seconds the last reset to another task (a scene load) took
         self.render: dict | None = None       # what MuJoCo renders with in the process (render_backend.in_use)
         self.cpus: list[int] | None = None    # CPUs the process is pinned to (set_cpus; None: not pinned)
+        self.nice = 0                         # niceness of the process (set_nice; 0: as started, this process's)
         self._stale = False  # a cancelled call's reply is still on its way: drain it before the next call
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
@@ -198,6 +199,8 @@ class EnvWorker(StartClosingContext):
             proc.start()
         if self.cpus:   # before the simulator starts its threads: they inherit the set
             pin_process(proc.pid, self.cpus)
+        if self.nice:   # likewise: later threads inherit the niceness
+            renice_process(proc.pid, self.nice)
         child.close()  # so that the child's death shows as EOF on our end
         self._proc, self._conn = proc, parent
         _LIVE.add(self)
@@ -233,6 +236,11 @@ class EnvWorker(StartClosingContext):
         """Pin the process (now, if it runs, and at every restart) to `cpus`; None: not pinned (a running process
         pinned before goes back to every CPU this one may use)."""
         self.cpus = change_pin(self._proc.pid if self.alive else None, self.cpus, cpus)
+
+    def set_nice(self, nice: int) -> None:
+        """Run the process (now, if it runs, and at every restart) at niceness `nice`; 0: as started (a running
+        process reniced before goes back to this process's niceness, which needs privileges: renice_process)."""
+        self.nice = change_nice(self._proc.pid if self.alive else None, self.nice, nice)
 
     def kill(self) -> None:
         """SIGKILL the process (for tests and hung simulators); the next or in-flight call raises EnvWorkerCrashed."""

@@ -37,7 +37,7 @@ from wamkit.eval.host_load import cpu_times, shares
 
 # keys a row may set for itself (`ROW @ key=value ...`): settings that act per run, with the env workers and the
 # servers the rows share (a key that changes the plan, the envs or what the servers run cannot be per row)
-ROW_KEYS = ("server.reserve_cpus", "auto_probe", "max_request_size")
+ROW_KEYS = ("server.reserve_cpus", "env_nice", "auto_probe", "max_request_size")
 
 
 def _run(cfg: EvalConfig, console: Console, runtime: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -304,6 +304,8 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
     # local: one set of env workers for every row (the simulators start once), and shared servers
     from wamkit.eval.kept_envs import KeptEnvs
 
+    check_nice_rows(base, rows)
+
     envs = KeptEnvs()
     try:
         serial_only = bool(rows) and all(x in ("single-batch", "serial") for x in rows)
@@ -353,12 +355,30 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return med
 
 
+def row_values(base: EvalConfig, rows: list[str] | None, key: str) -> list[str]:
+    """The value of setting `key` in each of `rows` (`ROW @ key=value`), the bench's own where a row sets none."""
+    own: Any = base
+    for part in key.split("."):
+        own = getattr(own, part)
+    return [dict(kv.split("=", 1) for kv in _row_parts(r)[1] if "=" in kv).get(key, str(own)).strip()
+            for r in rows or []]
+
+
 def pins_servers(base: EvalConfig, rows: list[str] | None) -> bool:
     """Whether the bench or one of its rows (`ROW @ server.reserve_cpus=N`) pins the servers to CPUs of their own."""
-    settings = [kv for r in rows or [] for kv in _row_parts(r)[1]]
-    return bool(base.server.reserve_cpus) or any(
-        kv.partition("=")[0] == "server.reserve_cpus" and kv.partition("=")[2].strip() not in ("", "0")
-        for kv in settings)
+    values = row_values(base, rows, "server.reserve_cpus") + [str(base.server.reserve_cpus)]
+    return any(v not in ("", "0") for v in values)
+
+
+def check_nice_rows(base: EvalConfig, rows: list[str] | None) -> None:
+    """Rows with different env_nice share the env workers: between rows their niceness goes down again, which
+    needs privileges. Without them: a ConfigError before any row runs, not a failure after some."""
+    from wamkit.core.cpu_pinning import can_lower_nice
+
+    values = sorted({int(v) for v in row_values(base, rows, "env_nice") if v.isdigit()})   # others: row_config
+    if len(values) > 1 and not can_lower_nice(values[0]):
+        raise ConfigError(f"rows: env_nice differs between rows ({values}), and this process may not lower a "
+                          f"niceness again (not root, RLIMIT_NICE): set env_nice for the whole bench instead")
 
 
 def _row_parts(row: str) -> tuple[str, list[str]]:

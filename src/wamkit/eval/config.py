@@ -98,6 +98,9 @@ class EvalConfig:
     progress: bool = True                   # progress bar with ETA on stderr
     runtime: Literal["local", "ray"] = "local"  # where env workers and servers run (docs/ray.md)
     ray: dict[str, Any] = field(default_factory=dict)  # runtime=ray options, e.g. ray.address=auto (docs/ray.md)
+    env_nice: int = 0                       # > 0: the local env workers run at this niceness (1..19, Linux), so that
+                                            # the servers' and this process's short host work per request does not
+                                            # wait behind simulators for a CPU (core/cpu_pinning.py); 0: as started
     max_episode_retries: int = 3            # re-runs of an episode whose env worker crashed (or stalled)
     # a stalled env worker (hung simulator, SIGSTOP) is killed and restarted, its episode re-run, once a call takes
     # longer than max(env_timeout_min_s, env_timeout_factor x the slowest such call so far); a worker's first reset
@@ -123,7 +126,7 @@ class EvalConfig:
         for key, lo, hi in (("trials", 1, None), ("trial_start", 0, None), ("image_size", MIN_IMAGE, MAX_IMAGE),
                             ("num_envs", 1, 4096), ("request_size", 1, None), ("pipelines", 1, None), ("depth", 0, None),
                             ("max_request_size", 0, None), ("save_videos", 0, None), ("seed", 0, 2**63 - 1),
-                            ("max_episode_retries", 0, None), ("env_timeout_factor", 1, None)):
+                            ("max_episode_retries", 0, None), ("env_timeout_factor", 1, None), ("env_nice", 0, 19)):
             check_number(key, getattr(self, key), lo, hi)
         check_number("horizon", self.horizon, 1, none_ok=True)
         check_number("max_steps", self.max_steps, 1, none_ok=True)

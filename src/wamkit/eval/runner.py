@@ -178,9 +178,14 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
     n_envs = cfg.env_count()
     cpus = eval_cpu_split(cfg, kept_servers=bool(server_workers))
     workers = (env_workers or local_env_workers)(cfg.env, env_kwargs(cfg), n_envs)
+    if cfg.env_nice and cfg.runtime != "local":
+        raise UserError(f"env_nice={cfg.env_nice} renices the env worker processes of this host; runtime="
+                        f"{cfg.runtime} places them itself (set env_nice=0)")
     for w in workers:
         if hasattr(w, "set_cpus"):   # local processes (not Ray actors: their node schedules them)
             w.set_cpus(cpus[1] if cpus else None)
+        if hasattr(w, "set_nice"):
+            w.set_nice(cfg.env_nice)
     for w in server_workers or []:   # servers the caller keeps (bench eval's shared ones): this run's split
         if hasattr(w, "set_cpus"):
             w.set_cpus(cpus[0] if cpus else None)
@@ -320,6 +325,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "env_render": describe_render([w.render for w in workers]),
                                 "server_protocol": getattr(inference, "protocol", None),
                                 "cpus": None if not cpus else {"server": cpus[0], "envs": cpus[1]},
+                                "env_nice": cfg.env_nice,
                                 "server_shm_arrays": any(getattr(c, "shm_used", False)
                                                          for c in getattr(inference, "clients", []) or []),
                                 "server_restarts": getattr(inference, "restarts", 0),
