@@ -250,3 +250,4 @@ def test_a_bench_row_may_set_its_own_cpu_split_and_nothing_that_changes_the_plan
         with pytest.raises(ConfigError, match="a row may set only server.reserve_cpus"):
             row_config(known, bad)
     assert _slug("B=16, P=2 @ server.reserve_cpus=2") == "B16_P2__server-reserve_cpus2"
+    assert _slug("auto @ server.reserve_cpus=1 env_nice=3") == "auto__server-reserve_cpus1__env_nice3"

@@ -317,7 +317,7 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     monkeypatch.setattr(WamkitServerWorker, "start", counting_start)
     monkeypatch.setattr(WamkitServerWorker, "set_cpus", recording_pin)
     cfg = mw_cfg(tmp_path, "bench", "inference=server", "num_envs=2", "mode=auto")
-    pinned_row = "auto @ server.reserve_cpus=1"
+    pinned_row = "auto @ server.reserve_cpus=1 env_nice=3"
     rep = bench_eval(cfg, tmp_path / "bench", rows=["serial", "auto", pinned_row], horizon=4)
     assert len(starts) == 1 and rep["plan"]["shared_servers"] == 1
     assert omp == [b"PASSIVE"]   # a row pins it: started so that its OpenMP threads never spin (core/cpu_pinning.py)
@@ -325,13 +325,15 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     assert rep["bound"]["inference_obs_per_s"] > 0
     server_cpus, env_cpus = split_cpus(1)
     assert pins[:3] == [None, None, server_cpus] and all(p is None for p in pins[3:])   # that row only
-    pinned = json.loads((tmp_path / "bench" / "auto__server-reserve_cpus1" / "summary.json").read_text())
+    pinned = json.loads((tmp_path / "bench" / "auto__server-reserve_cpus1__env_nice3" / "summary.json").read_text())
     assert pinned["scheduler"]["cpus"] == {"server": server_cpus, "envs": env_cpus}
+    assert pinned["scheduler"]["env_nice"] == 3 and json.loads(
+        (tmp_path / "bench" / "auto" / "summary.json").read_text())["scheduler"]["env_nice"] == 0
     # the rows run to max steps (the reference's semantics): same successes as the serial run, same outcomes
     # in every row, with the shared server or with the row's own
     shared = outcome_view(results(tmp_path / "bench" / "serial"))
     assert outcome_view(results(tmp_path / "bench" / "auto")) == shared
-    assert outcome_view(results(tmp_path / "bench" / "auto__server-reserve_cpus1")) == shared
+    assert outcome_view(results(tmp_path / "bench" / "auto__server-reserve_cpus1__env_nice3")) == shared
     assert {k: s for k, (s, _) in shared.items()} == {k: s for k, (s, _) in outcome_view(mw_serial).items()}
     starts.clear()
     bench_eval(cfg, tmp_path / "bench2", rows=["auto"], horizon=4, share_server=False)

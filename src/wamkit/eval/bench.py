@@ -132,9 +132,10 @@ def shared_servers(base: EvalConfig, console: Console, pinnable: bool = False):
 
 
 def _slug(row: str) -> str:
-    """A row's sub-directory name: 'B=4, P=4' -> 'B4_P4'; 'auto @ server.reserve_cpus=2' ->
-    'auto__server-reserve_cpus2'."""
-    return row.replace(" @ ", "__").replace(" ", "").replace(",", "_").replace("=", "").replace(".", "-")
+    """A row's sub-directory name: 'B=4, P=4' -> 'B4_P4'; 'auto @ server.reserve_cpus=2 env_nice=5' ->
+    'auto__server-reserve_cpus2__env_nice5'."""
+    name, settings = _row_parts(row)
+    return "__".join(p.replace(" ", "").replace(",", "_").replace("=", "").replace(".", "-") for p in [name, *settings])
 
 
 def _first_task(out: Path, configs) -> str | None:
