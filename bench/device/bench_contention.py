@@ -12,7 +12,11 @@ scenarios change only what runs beside it:
 - simK: K MetaWorld envs stepping 16-step chunks with random actions, rendering (EGL, same GPU) once per chunk, as
   env workers do in an evaluation; simKrender renders every step (the single-batch row's load);
 - simKpinned: simK with the loads on cores 2.. and every server thread on cores 0-1;
-- simKnorender: physics only, no GL context; simKidle: the GL context exists (one render at reset), physics only.
+- simKnorender: physics only, no GL context; simKidle: the GL context exists (one render at reset), physics only;
+- simKshared: simKnorender plus ONE process that renders the same frames (one per chunk the K envs finish) in its
+  single GL context, back to back: the same rendering work as simK from 1 GL context instead of K. Where simKshared
+  runs the server near simKnorender and simK does not, the GPU's cost of rendering beside the model is the K
+  contexts' switching, not the frames, and one process rendering for every env would take most of it back.
 --split also times the same policy in this process, eager prefix and CUDA-graph denoising loop apart, under each load.
 GPU SM clock and utilization are sampled (nvidia-smi, 100 ms) during each measurement. Writes one JSON.
 """
@@ -51,6 +55,22 @@ def log(*a):
 def _load_main(kind: str, index: int, cores: list[int] | None, stop, counter, quality: str = "model") -> None:
     if cores:
         os.sched_setaffinity(0, cores)
+    if kind == "renderer":   # simKshared's one GL context: a frame for every 16 steps the physics loads made
+        from wamkit.envs.base import make_env
+
+        env = make_env("metaworld", image_size=224, max_steps=100, cameras=("image",), render_quality=quality)
+        env.reset(0, 0)
+        done = 0
+        while not stop.is_set():
+            due = counter.value // 16 - done
+            if due <= 0:
+                time.sleep(0.0005)
+                continue
+            for _ in range(due):
+                env._render("image")
+            done += due
+        env.close()
+        return
     if kind == "cpu":
         n = 0
         while not stop.is_set():
@@ -59,7 +79,8 @@ def _load_main(kind: str, index: int, cores: list[int] | None, stop, counter, qu
         return
     from wamkit.envs.base import make_env
 
-    env = make_env("metaworld", image_size=224, max_steps=100, cameras=() if kind == "simnorender" else ("image",),
+    env = make_env("metaworld", image_size=224, max_steps=100,
+                   cameras=() if kind in ("simnorender", "simshared") else ("image",),
                    render_quality=quality)
     rng = np.random.default_rng(index)
     render = kind == "simrender"
@@ -79,8 +100,9 @@ class Loads:
     def __init__(self, kind: str, n: int, cores: list[int] | None, quality: str = "model"):
         ctx = mp.get_context("spawn")
         self.stop, self.counter = ctx.Event(), ctx.Value("l", 0)
-        self.procs = [ctx.Process(target=_load_main, args=(kind, i, cores, self.stop, self.counter, quality),
-                                  daemon=True) for i in range(n)]
+        kinds = [kind] * n + (["renderer"] if kind == "simshared" else [])
+        self.procs = [ctx.Process(target=_load_main, args=(k, i, cores, self.stop, self.counter, quality),
+                                  daemon=True) for i, k in enumerate(kinds)]
         for p in self.procs:
             p.start()
 
@@ -217,7 +239,7 @@ def run_server(threads: int, scenarios: list[str], batches: list[int], seconds: 
             elif sc.startswith("sim"):
                 rest = sc[3:]
                 kind = "sim"
-                for suffix in ("norender", "render", "idle"):
+                for suffix in ("norender", "render", "idle", "shared"):
                     if rest.endswith(suffix):
                         kind, rest = "sim" + suffix, rest[: -len(suffix)]
                 pinned = rest.endswith("pinned")
