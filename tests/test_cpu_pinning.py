@@ -104,6 +104,17 @@ def test_env_nice_renices_every_thread_and_says_when_it_cannot_lower_it(monkeypa
         p.wait(timeout=30)
 
 
+def test_env_nice_is_refused_where_ray_places_the_env_workers(tmp_path):
+    from wamkit.core.errors import UserError
+    from wamkit.eval.runner import run_eval
+
+    made = []
+    cfg = load_config(EvalConfig, None, ["runtime=ray", "env_nice=5", "env=metaworld", f"out={tmp_path}"])
+    with pytest.raises(UserError, match="env_nice=5 renices the env worker processes of this host; runtime=ray"):
+        run_eval(cfg, env_workers=lambda *a: made.append(a) or [])
+    assert made == []     # refused before any worker was made
+
+
 def test_env_nice_is_checked_as_a_config_key_and_per_bench_row(monkeypatch):
     from wamkit.core.errors import ConfigError
     from wamkit.eval import bench

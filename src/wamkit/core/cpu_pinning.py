@@ -82,7 +82,7 @@ def can_lower_nice(to: int) -> bool:
     allowing it (Linux: the lowest niceness allowed is 20 - rlimit)."""
     if os.geteuid() == 0:
         return True
-    import resource
+    import resource   # Unix only: here, not at the top of a module every platform imports
 
     soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
     return soft == resource.RLIM_INFINITY or 20 - soft <= to

@@ -177,10 +177,10 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                         f"wamkit.runtime.eval_runtime(cfg) to run_eval")
     n_envs = cfg.env_count()
     cpus = eval_cpu_split(cfg, kept_servers=bool(server_workers))
-    workers = (env_workers or local_env_workers)(cfg.env, env_kwargs(cfg), n_envs)
     if cfg.env_nice and cfg.runtime != "local":
         raise UserError(f"env_nice={cfg.env_nice} renices the env worker processes of this host; runtime="
                         f"{cfg.runtime} places them itself (set env_nice=0)")
+    workers = (env_workers or local_env_workers)(cfg.env, env_kwargs(cfg), n_envs)
     for w in workers:
         if hasattr(w, "set_cpus"):   # local processes (not Ray actors: their node schedules them)
             w.set_cpus(cpus[1] if cpus else None)
