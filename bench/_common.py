@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import platform
+import time
 
 
 def cpu_model() -> str:
@@ -14,3 +17,13 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def write_cases_json(path: str, meta: dict, rows: list[dict]) -> None:
+    """A results file of one bench script run: this machine's CPUs and kernel, the date, `meta` (the run's
+    arguments) and its rows (one per case). Nothing is written for an empty path."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        json.dump({"cpus": len(os.sched_getaffinity(0)), "kernel": os.uname().release, **meta,
+                   "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows}, f, indent=1)

@@ -15,11 +15,12 @@ Whole-process wall clock of each wake-up; results in docs/benchmarks.md 2."""
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
 import time
+
+from _common import write_cases_json  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 def _busy(nice: int, cpus: list[int] | None) -> None:
@@ -88,10 +89,7 @@ def main() -> None:
             case(f"{a.busy} busy at niceness 10 (env_nice=10)", a.busy, 10, False, a),
             case(f"{a.busy} busy at niceness 19 (env_nice=19)", a.busy, 19, False, a),
             case(f"{a.busy} busy off the last CPU (reserve_cpus=1)", a.busy, 0, True, a)]
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"cpus": ncpu, "kernel": os.uname().release, "args": vars(a),
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows}, f, indent=1)
+    write_cases_json(a.json, {"args": vars(a)}, rows)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,10 @@ import subprocess
 import sys
 import time
 
+from _common import write_cases_json  # noqa: E402  (bench/ is on sys.path when run as a script)
+
+from wamkit.core.cpu_pinning import PINNABLE_ENV
+
 CHILD = r"""
 import json, os, sys, time
 pin, threads, iters, when = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -44,7 +48,7 @@ print(json.dumps({"ms": ms, "threads": torch.get_num_threads(), "cpus": len(os.s
 
 
 def case(name: str, pin: int, threads: int, iters: int, when: str, env: dict[str, str] | None = None) -> dict:
-    e = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    e = {k: v for k, v in os.environ.items() if k not in PINNABLE_ENV}
     e.update(env or {})
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", CHILD, str(pin), str(threads), str(iters), when], env=e,
@@ -68,16 +72,12 @@ def main() -> None:
     a = ap.parse_args()
     if ncpu < 2 or not 0 < a.pin < a.threads:
         raise SystemExit(f"needs >= 2 CPUs and 0 < --pin < --threads (CPUs {ncpu}, threads {a.threads}, pin {a.pin})")
-    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
     rows = [case("not pinned", ncpu, a.threads, a.iters, "never"),
             case("pinned while running", a.pin, a.threads, a.iters, "running"),
-            case("pinned while running, PINNABLE_ENV", a.pin, a.threads, a.iters, "running", passive),
+            case("pinned while running, PINNABLE_ENV", a.pin, a.threads, a.iters, "running", PINNABLE_ENV),
             case("pinned from the start", a.pin, a.threads, a.iters, "start"),
             case("pinned from the start, torch_threads()", a.pin, 0, a.iters, "start")]
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"cpus": ncpu, "threads": a.threads, "pin": a.pin, "iters": a.iters,
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows}, f, indent=1)
+    write_cases_json(a.json, {"threads": a.threads, "pin": a.pin, "iters": a.iters}, rows)
 
 
 if __name__ == "__main__":
