@@ -129,7 +129,7 @@ def test_env_nice_is_checked_as_a_config_key_and_per_bench_row(monkeypatch):
     assert row_values(base, rows, "env_nice") == ["5", "10", "5"]
     assert row_values(base, rows, "server.reserve_cpus") == ["0", "0", "1"]
     check_nice_rows(base, ["auto", "auto @ env_nice=5"])           # one niceness: nothing to lower
-    monkeypatch.setattr("wamkit.core.cpu_pinning.can_lower_nice", lambda to: False)
+    monkeypatch.setattr("wamkit.eval.bench.can_lower_nice", lambda to: False)
     check_nice_rows(base, ["auto", "auto @ env_nice=5"])
     with pytest.raises(ConfigError, match=r"env_nice differs between rows \(\[5, 10\]\).*whole bench"):
         check_nice_rows(base, rows)

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from wamkit.core.config import load_config
+from wamkit.core.cpu_pinning import can_lower_nice
 from wamkit.core.errors import ConfigError
 from wamkit.eval.config import EvalConfig
 from wamkit.eval.host_load import cpu_times, shares
@@ -374,8 +375,6 @@ def pins_servers(base: EvalConfig, rows: list[str] | None) -> bool:
 def check_nice_rows(base: EvalConfig, rows: list[str] | None) -> None:
     """Rows with different env_nice share the env workers: between rows their niceness goes down again, which
     needs privileges. Without them: a ConfigError before any row runs, not a failure after some."""
-    from wamkit.core.cpu_pinning import can_lower_nice
-
     values = sorted({int(v) for v in row_values(base, rows, "env_nice") if v.isdigit()})   # others: row_config
     if len(values) > 1 and not can_lower_nice(values[0]):
         raise ConfigError(f"rows: env_nice differs between rows ({values}), and this process may not lower a "
