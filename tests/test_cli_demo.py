@@ -121,7 +121,7 @@ class _FakeWorker:
     started = 0
 
     def __init__(self, env, kwargs, index):
-        self.index, self.running, self.closed = index, False, 0
+        self.index, self.kwargs, self.running, self.closed = index, kwargs, False, 0
 
     def start(self):
         if not self.running:
@@ -147,8 +147,10 @@ def test_kept_envs_are_built_once_and_closed_by_the_stage(monkeypatch):
             w.close()                                  # what run_eval does at its end: the env keeps running
     assert _FakeWorker.started == 2 and [w.index for w in envs.workers] == [0, 1]
     assert all(w.running for w in envs.workers)
-    with pytest.raises(ValueError):
-        envs(env="libero", kwargs={"suite": "other"}, n=1)
+    other = envs(env="libero", kwargs={"suite": "other"}, n=1)   # another configuration: a set of its own
+    runner.start_env_workers(other)
+    assert _FakeWorker.started == 3 and other[0].kwargs == {"suite": "other"}
+    assert envs(env="libero", kwargs={"suite": "s"}, n=2)[1].index == 1   # the first set is still there
     kept = list(envs.workers)
     envs.close()
-    assert [w.closed for w in kept] == [1, 1]
+    assert [w.closed for w in kept] == [1, 1, 1]

@@ -67,7 +67,8 @@ def test_metaworld_results_contract(mw_serial, tmp_path):
     ("mode=auto", "num_envs=2", "inference=server"),
     ("mode=auto", "num_envs=3", "inference=server", "server.replicas=2"),
     ("mode=auto", "num_envs=2", "inference=server", "server.reserve_cpus=1", "env_nice=5"),
-], ids=["auto3", "B1P2", "B2P1", "auto-server", "auto-2servers", "auto-server-pinned"])
+    ("mode=auto", "num_envs=2", "env_args.renderer=shared", "env_args.render_processes=2"),
+], ids=["auto3", "B1P2", "B2P1", "auto-server", "auto-2servers", "auto-server-pinned", "auto-shared-renderer"])
 def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     from wamkit.eval.runner import run_eval
 
@@ -81,6 +82,8 @@ def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     assert sum(render.values()) == n_envs, render
     if "env_args.render_backend=osmesa" in mode_args:
         assert render == {"osmesa": n_envs}
+    if "env_args.renderer=shared" in mode_args:   # every worker's frames from the render processes
+        assert all(k.endswith(" shared") for k in render), render
     if "server.reserve_cpus=1" in mode_args:   # the server on a CPU of its own, the envs on the rest
         from wamkit.core.cpu_pinning import split_cpus
 
@@ -318,10 +321,11 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     monkeypatch.setattr(WamkitServerWorker, "set_cpus", recording_pin)
     cfg = mw_cfg(tmp_path, "bench", "inference=server", "num_envs=2", "mode=auto")
     pinned_row = "auto @ server.reserve_cpus=1 env_nice=3"
-    rep = bench_eval(cfg, tmp_path / "bench", rows=["serial", "auto", pinned_row], horizon=4)
+    shared_row = "auto @ env_args.renderer=shared"   # envs of its own (another env configuration), warmed too
+    rep = bench_eval(cfg, tmp_path / "bench", rows=["serial", "auto", pinned_row, shared_row], horizon=4)
     assert len(starts) == 1 and rep["plan"]["shared_servers"] == 1
     assert omp == [b"PASSIVE"]   # a row pins it: started so that its OpenMP threads never spin (core/cpu_pinning.py)
-    assert [r["row"] for r in rep["rows"]] == ["serial", "auto", pinned_row]
+    assert [r["row"] for r in rep["rows"]] == ["serial", "auto", pinned_row, shared_row]
     assert rep["bound"]["inference_obs_per_s"] > 0
     server_cpus, env_cpus = split_cpus(1)
     assert pins[:3] == [None, None, server_cpus] and all(p is None for p in pins[3:])   # that row only
@@ -334,6 +338,9 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     shared = outcome_view(results(tmp_path / "bench" / "serial"))
     assert outcome_view(results(tmp_path / "bench" / "auto")) == shared
     assert outcome_view(results(tmp_path / "bench" / "auto__server-reserve_cpus1__env_nice3")) == shared
+    shared_renderer = json.loads((tmp_path / "bench" / "auto__env_args-renderershared" / "summary.json").read_text())
+    assert all(k.endswith(" shared") for k in shared_renderer["scheduler"]["env_render"])
+    assert outcome_view(results(tmp_path / "bench" / "auto__env_args-renderershared")) == shared
     assert {k: s for k, (s, _) in shared.items()} == {k: s for k, (s, _) in outcome_view(mw_serial).items()}
     starts.clear()
     bench_eval(cfg, tmp_path / "bench2", rows=["auto"], horizon=4, share_server=False)

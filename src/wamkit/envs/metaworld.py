@@ -26,6 +26,7 @@ from wamkit.core.errors import ConfigError  # noqa: E402
 from wamkit.core.types import ChunkResult, Observation  # noqa: E402
 from wamkit.envs.base import Env, EnvSpec, TaskInfo  # noqa: E402
 from wamkit.envs.render_backend import apply_options, check_render_options  # noqa: E402
+from wamkit.envs.render_service import check_renderer, resolve_renderer  # noqa: E402
 
 # Observation.images key -> MetaWorld camera name.
 CAMERAS: dict[str, str] = {"image": "corner2", "wrist_image": "gripperPOV"}
@@ -74,6 +75,9 @@ class MetaWorldConfig:
     render_quality: str = "model"      # model (the scene's own settings) | fast (no MSAA, smaller shadow map)
     render_backend: str = "auto"       # auto (measured once per machine; a set MUJOCO_GL wins) | egl | osmesa
     render_device: str = "auto"        # EGL device index (MUJOCO_EGL_DEVICE_ID) | auto (several GPUs: not the model's)
+    renderer: str = "own"              # own (a GL context per env process and task) | shared (render processes
+                                       # drawing every env's frames, one GL context each; same pixels)
+    render_processes: int = 1          # renderer=shared: how many render processes (envs spread over them)
 
     def validate(self) -> None:
         if self.suite != "mt":
@@ -89,6 +93,7 @@ class MetaWorldConfig:
         check_number("image_size", self.image_size, lo=1)
         check_number("max_steps", self.max_steps, lo=1)
         check_render_options(self.render_backend, self.render_device)
+        check_renderer(self.renderer, self.render_processes)
         if self.render_quality not in RENDER_QUALITY:
             raise ConfigError(f"render_quality must be one of {', '.join(RENDER_QUALITY)}, "
                               f"got {self.render_quality!r}")
@@ -105,6 +110,14 @@ class MetaWorldEnv(Env):
         self.config = cfg = self.make_config(config, **kwargs)
         apply_options(cfg.render_backend, cfg.render_device, cfg.image_size)  # built here, not by make_env
         self.render_quality = cfg.render_quality
+        self._client = None   # renderer=shared: frames from a render process (render_client.py)
+        if cfg.renderer != "own":
+            from wamkit.envs.render_client import RenderClient
+
+            address = resolve_renderer({"renderer": cfg.renderer, "render_processes": cfg.render_processes},
+                                       None, 0)["renderer"]
+            self._client = RenderClient(address)
+        self._model_keys: dict[int, str] = {}    # task_id -> its model's key at the shared renderer
         self.task_names, self.cameras = cfg.tasks, cfg.cameras
         self.image_size, self.max_steps, self.seed = cfg.image_size, cfg.max_steps, cfg.seed
         self.spec = EnvSpec(env=self.name, suite=cfg.suite, action_dim=ACTION_DIM, cameras=cfg.cameras,
@@ -193,6 +206,8 @@ class MetaWorldEnv(Env):
                 e.close()
             except Exception:  # noqa: BLE001
                 pass
+        if self._client is not None:
+            self._client.close()
         self._renderers, self._envs, self._task_id = {}, {}, None
 
     # ---- internals ---------------------------------------------------------------------------------------------
@@ -205,6 +220,8 @@ class MetaWorldEnv(Env):
             for k, v in (RENDER_QUALITY[self.render_quality] or {}).items():   # read when a renderer is made
                 setattr(env.model.vis.quality, k, v)
             self._envs[task_id] = env
+            if self._client is not None:   # the model as built: the same bytes in every env process of this task
+                self._model_keys[task_id] = self._client.model_id(env.model)
             import mujoco
 
             spec = mujoco.mjtState.mjSTATE_INTEGRATION
@@ -223,12 +240,16 @@ class MetaWorldEnv(Env):
     def _render(self, cam: str) -> np.ndarray:
         import mujoco
 
-        r = self._renderers.get(self._task_id)
-        if r is None:
-            env = self._envs[self._task_id]
-            r = self._renderers[self._task_id] = mujoco.Renderer(env.model, self.image_size, self.image_size)
-        r.update_scene(self._envs[self._task_id].data, camera=CAMERAS[cam])
-        img = r.render()
+        env = self._envs[self._task_id]
+        if self._client is not None:
+            img = self._client.render(self._model_keys[self._task_id], env.model, env.data, CAMERAS[cam],
+                                      self.image_size, self.image_size)
+        else:
+            r = self._renderers.get(self._task_id)
+            if r is None:
+                r = self._renderers[self._task_id] = mujoco.Renderer(env.model, self.image_size, self.image_size)
+            r.update_scene(env.data, camera=CAMERAS[cam])
+            img = r.render()
         self.renders += 1
         return np.ascontiguousarray(img[::-1, ::-1]) if CAMERA_FLIP else img.copy()
 

@@ -344,7 +344,7 @@ def apply_render_options(env_cls: type, kwargs: dict) -> None:
         apply_options(*opts)
 
 
-def in_use(env_cls: type | None = None) -> dict[str, Any] | None:
+def in_use(env_cls: type | None = None, env: Any = None) -> dict[str, Any] | None:
     """In an env process once its env is built: what MuJoCo renders with ({backend: egl | osmesa | glfw | ...,
     device: the EGL device or None}), from the variables mujoco reads at import (set before it, see apply: an env
     such as LIBERO imports mujoco only when its first scene is built, after this is asked). None for an env without
@@ -353,27 +353,33 @@ def in_use(env_cls: type | None = None) -> dict[str, Any] | None:
     if "mujoco" not in sys.modules and (env_cls is None or _options(env_cls, {}) is None):
         return None
     backend = os.environ.get("MUJOCO_GL") or "glfw"   # mujoco's own default without MUJOCO_GL
-    return {"backend": backend,
-            "device": parse_device(os.environ.get("MUJOCO_EGL_DEVICE_ID")) if backend == "egl" else None}
+    out = {"backend": backend,
+           "device": parse_device(os.environ.get("MUJOCO_EGL_DEVICE_ID")) if backend == "egl" else None}
+    if getattr(getattr(env, "config", None), "renderer", "own") != "own":   # its frames from a render process
+        out["renderer"] = "shared"
+    return out
 
 
 def describe(renders: list[dict[str, Any] | None]) -> dict[str, int]:
-    """{"egl": 15, "egl device 1": 1, "osmesa": 16, ...}: how many env workers rendered with what (None: no MuJoCo,
-    not counted)."""
+    """{"egl": 15, "egl device 1": 1, "osmesa": 16, "egl shared": 32, ...}: how many env workers rendered with what
+    ("shared": through a shared render process, renderer=shared; None: no MuJoCo, not counted)."""
     return dict(Counter(r["backend"] + (f" device {r['device']}" if r.get("device") is not None else "")
-                        for r in renders if r))
+                        + (" shared" if r.get("renderer") == "shared" else "") for r in renders if r))
 
 
 def worker_kwargs(env_cls: type, kwargs: dict, index: int) -> dict:
     """EnvWorker.start (parent side): the env process's kwargs (env class `env_cls`) with render_backend/render_device
     made concrete (auto measured once here, not in every process; several GPUs: workers spread over the non-model
-    ones)."""
+    ones), and renderer=shared made the socket of the worker's render process (render_service.resolve_renderer)."""
+    from wamkit.envs.render_service import resolve_renderer
+
     opts = _options(env_cls, kwargs)
     if opts is None:
         return kwargs
     r = resolve(*opts)
     say(r)
     if r.backend is None:
-        return kwargs
+        return resolve_renderer(kwargs, None, index)
     dev = r.for_worker(index)
+    kwargs = resolve_renderer(kwargs, gl_env(r.backend, dev), index)
     return {**kwargs, "render_backend": r.backend, "render_device": "auto" if dev is None else str(dev)}

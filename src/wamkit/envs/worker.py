@@ -96,7 +96,7 @@ def _worker_main(conn, env_name: str, env_kwargs: dict, index: int) -> None:
 
         env = make_env(env_name, **env_kwargs)
         layout, nbytes = _image_layout(env.spec)
-        conn.send(("ready", env.spec, env.tasks(), nbytes, in_use(type(env))))
+        conn.send(("ready", env.spec, env.tasks(), nbytes, in_use(type(env), env)))
         kind, name = conn.recv()
         assert kind == "shm"
         shm = shared_memory.SharedMemory(name=name)

@@ -38,7 +38,8 @@ from wamkit.eval.host_load import cpu_times, shares
 
 # keys a row may set for itself (`ROW @ key=value ...`): settings that act per run, with the env workers and the
 # servers the rows share (a key that changes the plan, the envs or what the servers run cannot be per row)
-ROW_KEYS = ("server.reserve_cpus", "env_nice", "auto_probe", "max_request_size")
+ROW_KEYS = ("server.reserve_cpus", "env_nice", "auto_probe", "max_request_size", "env_args.renderer",
+            "env_args.render_processes")
 
 
 def _run(cfg: EvalConfig, console: Console, runtime: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -312,6 +313,8 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
     try:
         serial_only = bool(rows) and all(x in ("single-batch", "serial") for x in rows)
         warm_envs(base, envs, console, 1 if serial_only else base.num_envs)
+        for cfg in row_env_configs(base, rows):   # rows with env settings of their own: their own envs, warmed too
+            warm_envs(cfg, envs, console, base.num_envs)
         shared = shared_servers(base, console, pins_servers(base, rows)) if share_server else contextlib.nullcontext([])
         with shared as workers:
             rt: dict[str, Any] = {"env_workers": envs}
@@ -379,6 +382,17 @@ def check_nice_rows(base: EvalConfig, rows: list[str] | None) -> None:
     if len(values) > 1 and not can_lower_nice(values[0]):
         raise ConfigError(f"rows: env_nice differs between rows ({values}), and this process may not lower a "
                           f"niceness again (not root, RLIMIT_NICE): set env_nice for the whole bench instead")
+
+
+def row_env_configs(base: EvalConfig, rows: list[str] | None) -> list[EvalConfig]:
+    """The bench config with each distinct set of env_args settings the rows make (`ROW @ env_args.k=v`): the env
+    configurations other than the bench's own that rows run on."""
+    out: dict[str, EvalConfig] = {}
+    for row in rows or []:
+        pairs = sorted(kv for kv in _row_parts(row)[1] if kv.startswith("env_args."))
+        if pairs:
+            out.setdefault(" ".join(pairs), load_config(EvalConfig, None, pairs, base=base))
+    return list(out.values())
 
 
 def _row_parts(row: str) -> tuple[str, list[str]]:

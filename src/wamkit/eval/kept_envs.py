@@ -8,23 +8,26 @@ from typing import Any
 
 
 class KeptEnvs:
-    """One set of env workers for every run of a stage: run_eval's `env_workers` factory hands out the same started
-    workers (their start() and close() are no-ops for run_eval; `close()` here ends them)."""
+    """The started env workers of every run of a stage: run_eval's `env_workers` factory hands out the same started
+    workers (their start() and close() are no-ops for run_eval; `close()` here ends them). One set per env
+    configuration: a bench row that changes env_args (e.g. `@ env_args.renderer=shared`) gets a set of its own,
+    kept for its later rounds."""
 
     def __init__(self):
-        self.workers: list = []
-        self.key: tuple | None = None
+        self.sets: dict[tuple, list] = {}
+
+    @property
+    def workers(self) -> list:
+        return [w for ws in self.sets.values() for w in ws]
 
     def __call__(self, env: str, kwargs: dict[str, Any], n: int) -> list:
         key = (env, json.dumps(kwargs, sort_keys=True, default=str))
-        if self.key is not None and key != self.key:
-            raise ValueError(f"KeptEnvs serves one env configuration; got {key} after {self.key}")
-        self.key = key
-        if len(self.workers) < n:
+        workers = self.sets.setdefault(key, [])
+        if len(workers) < n:
             from wamkit.eval.runner import local_env_workers
 
-            self.workers += local_env_workers(env, kwargs, n)[len(self.workers):]   # indices stay 0..n-1
-        return [_Kept(w) for w in self.workers[:n]]
+            workers += local_env_workers(env, kwargs, n)[len(workers):]   # indices stay 0..n-1
+        return [_Kept(w) for w in workers[:n]]
 
     def close(self) -> None:
         for w in self.workers:
@@ -32,7 +35,7 @@ class KeptEnvs:
                 w.close()
             except Exception:  # noqa: BLE001
                 pass
-        self.workers = []
+        self.sets = {}
 
 
 class _Kept:

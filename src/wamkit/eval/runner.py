@@ -180,6 +180,10 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
     if cfg.env_nice and cfg.runtime != "local":
         raise UserError(f"env_nice={cfg.env_nice} renices the env worker processes of this host; runtime="
                         f"{cfg.runtime} places them itself (set env_nice=0)")
+    if (cfg.env_args or {}).get("renderer", "own") != "own" and cfg.runtime != "local":
+        raise UserError(f"env_args.renderer={cfg.env_args['renderer']} draws the frames in render processes of "
+                        f"this host; runtime={cfg.runtime} places env workers on other nodes (set "
+                        f"env_args.renderer=own)")
     workers = (env_workers or local_env_workers)(cfg.env, env_kwargs(cfg), n_envs)
     for w in workers:
         if hasattr(w, "set_cpus"):   # local processes (not Ray actors: their node schedules them)

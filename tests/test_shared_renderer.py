@@ -1,0 +1,149 @@
+"""renderer=shared on the real simulator and real render processes: the same pixels as each env's own renderer, a
+server that answers bad requests with errors and keeps serving, refuses a wrong key, and comes back after a crash
+without losing a frame."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+from multiprocessing.connection import Client
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.metaworld]
+pytest.importorskip("metaworld")
+
+TASKS = ("drawer-open-v3", "pick-place-v3", "door-open-v3")   # drawer/door move bodies per episode (body_pos)
+KW = dict(tasks=TASKS, image_size=64, cameras=("image", "wrist_image"), render_quality="fast", max_steps=30)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from wamkit.envs.metaworld import MetaWorldEnv
+
+    own, shared = MetaWorldEnv(**KW), MetaWorldEnv(renderer="shared", **KW)
+    yield own, shared
+    own.close()
+    shared.close()
+
+
+def _same(a, b, where):
+    for cam in a.images:
+        diff = np.abs(a.images[cam].astype(int) - b.images[cam]).max()
+        assert np.array_equal(a.images[cam], b.images[cam]), f"{where} {cam}: max pixel difference {diff}"
+
+
+def test_same_pixels_as_each_envs_own_renderer(pair):
+    """Frames after resets and after chunks of physics (an mj_step leaves the drawn kinematics a substep behind the
+    state: the env sends what its own renderer would draw), both cameras (the gripper's moves with the arm)."""
+    own, shared = pair
+    rng = np.random.default_rng(0)
+    frames = 0
+    for task in range(len(TASKS)):
+        for trial in (0, 7):
+            a, b = own.reset(task, trial), shared.reset(task, trial)
+            _same(a, b, f"task {task} trial {trial} reset")
+            for k in range(3):
+                acts = rng.uniform(-1, 1, (5, 4)).astype(np.float32)
+                ra, rb = own.execute(acts), shared.execute(acts)
+                _same(ra.obs, rb.obs, f"task {task} trial {trial} chunk {k}")
+                frames += 2
+    assert frames == 36 and shared._client.requests >= 36 + 12
+    assert shared._renderers == {}     # no GL context of its own: every frame came from the render process
+    # episodes changed the scene between trials: the frames are not all one picture
+    assert not np.array_equal(own.reset(0, 0).images["image"], own.reset(0, 7).images["image"])
+
+
+def _service():
+    from wamkit.envs.render_service import current_gl, shared_service
+
+    return shared_service(current_gl(), 1)
+
+
+def test_bad_requests_get_errors_and_the_server_keeps_serving(pair):
+    from wamkit.envs import render_wire as wire
+    from wamkit.envs.render_service import key_for
+
+    own, shared = pair
+    shared.reset(0, 0)
+    addr = _service().address(0)
+    key = shared._model_keys[0]
+
+    def ask(head, payload=b""):
+        c = Client(addr, family="AF_UNIX", authkey=key_for(addr))
+        try:
+            wire.send(c, head, payload)
+            return wire.recv_header(c)
+        finally:
+            c.close()
+
+    assert "op must be model or render" in ask({"op": "explode"})["error"]
+    assert ask({"op": "render", "key": "0" * 32})["missing"] is True
+    assert "key must be" in ask({"op": "model", "key": key}, b"not an mjb")["error"]
+    assert "camera" in ask({"op": "render", "key": key, "camera": "nope", "size": [8, 8], "arrays": []})["error"]
+    assert "size" in ask({"op": "render", "key": key, "camera": "corner2", "size": [0, 8], "arrays": []})["error"]
+    bad = ask({"op": "render", "key": key, "camera": "corner2", "size": [8, 8], "arrays": [["xpos", "<f8", [1, 3]]]},
+              b"\0" * 24)
+    assert "field 'xpos' must be" in bad["error"]
+    assert "unknown field" in ask({"op": "render", "key": key, "camera": "corner2", "size": [8, 8],
+                                   "arrays": [["qvel", "<f8", [1]]]}, b"\0" * 8)["error"]
+    c = Client(addr, family="AF_UNIX", authkey=key_for(addr))
+    c.send_bytes(b"{not json")
+    assert "not JSON" in wire.recv_header(c)["error"]
+    c.close()
+    # and it still serves the real thing, the same pixels
+    _same(own.reset(0, 0), shared.reset(0, 0), "after the bad requests")
+
+
+def test_private_socket_dir_and_a_wrong_key_is_refused(pair):
+    from multiprocessing import AuthenticationError
+
+    from wamkit.envs.render_service import KEY_FILE
+
+    svc = _service()
+    assert stat.S_IMODE(os.stat(svc.dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(Path(svc.dir) / KEY_FILE).st_mode) == 0o600
+    with pytest.raises(AuthenticationError):
+        Client(svc.address(0), family="AF_UNIX", authkey=b"guess")
+    own, shared = pair
+    _same(own.reset(1, 2), shared.reset(1, 2), "after the refused client")
+
+
+def test_killed_render_process_is_restarted_and_the_frame_comes(pair):
+    own, shared = pair
+    svc = _service()
+    shared.reset(2, 1)
+    before, pid = svc.restarts, svc.pids()[0]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while svc.pids()[0] == pid and time.monotonic() < deadline:   # the next request may also meet it dead
+        time.sleep(0.05)
+    acts = np.zeros((4, 4), np.float32)
+    own.reset(2, 1)
+    _same(own.execute(acts).obs, shared.execute(acts).obs, "after a crash of the render process")
+    assert svc.restarts == before + 1 and svc.pids()[0] != pid
+
+
+def test_renderer_options_are_checked():
+    from wamkit.core.errors import ConfigError
+    from wamkit.envs.metaworld import MetaWorldEnv
+
+    with pytest.raises(ConfigError, match="renderer must be one of own, shared"):
+        MetaWorldEnv(renderer="gpu", **KW)
+    with pytest.raises(ConfigError, match="render_processes must be an integer >= 1"):
+        MetaWorldEnv(renderer="shared", render_processes=0, **KW)
+
+
+def test_env_workers_spread_over_the_render_processes():
+    from wamkit.envs.metaworld import MetaWorldEnv
+    from wamkit.envs.render_backend import worker_kwargs
+
+    kw = {"renderer": "shared", "render_processes": 2, "render_backend": "egl"}
+    addrs = [worker_kwargs(MetaWorldEnv, kw, i)["renderer"] for i in range(4)]
+    assert all(a.startswith("unix:") for a in addrs)
+    assert addrs[0] == addrs[2] != addrs[1] == addrs[3]
+    assert worker_kwargs(MetaWorldEnv, {"render_backend": "egl"}, 0).get("renderer", "own") == "own"
