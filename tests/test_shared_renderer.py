@@ -86,6 +86,8 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(pair):
     assert "key must be" in ask({"op": "model", "key": key}, b"not an mjb")["error"]
     assert "camera" in ask({"op": "render", "key": key, "camera": "nope", "size": [8, 8], "arrays": []})["error"]
     assert "size" in ask({"op": "render", "key": key, "camera": "corner2", "size": [0, 8], "arrays": []})["error"]
+    assert "offscreen buffer" in ask({"op": "render", "key": key, "camera": "corner2", "size": [2000, 2000],
+                                      "arrays": []})["error"]
     bad = ask({"op": "render", "key": key, "camera": "corner2", "size": [8, 8], "arrays": [["xpos", "<f8", [1, 3]]]},
               b"\0" * 24)
     assert "field 'xpos' must be" in bad["error"]

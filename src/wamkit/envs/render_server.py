@@ -60,9 +60,7 @@ class RenderServer:
                     model = self.mj.MjModel.from_binary_path(f.name)
                 except Exception as e:  # noqa: BLE001 - a bad MJB is the client's error
                     return {"ok": False, "error": f"model: not a loadable MJB: {e}"[:300]}
-            g = model.vis.global_
-            g.offwidth, g.offheight = max(g.offwidth, wire.MAX_SIDE), max(g.offheight, wire.MAX_SIDE)
-            self.scenes[key] = _Scene(self.mj, model)
+            self.scenes[key] = _Scene(self.mj, model)   # its offscreen buffer as the model sets it, as the env's
         return {"ok": True}
 
     def render(self, head: dict, payload: bytes) -> tuple[dict, bytes]:
@@ -71,6 +69,10 @@ class RenderServer:
         if s is None:
             return {"ok": False, "missing": True}, b""
         h, w = wire.check_size(head.get("size"))
+        g = s.model.vis.global_
+        if w > g.offwidth or h > g.offheight:   # mujoco.Renderer refuses these too
+            return {"ok": False, "error": f"size: {h}x{w} is over this model's offscreen buffer "
+                                          f"({g.offheight}x{g.offwidth}: its visual/global offheight, offwidth)"}, b""
         cam = head.get("camera")
         cam_id = mj.mj_name2id(s.model, mj.mjtObj.mjOBJ_CAMERA, cam) if isinstance(cam, str) else -1
         if cam_id < 0:
