@@ -28,6 +28,7 @@ from wamkit.envs import render_wire as wire
 
 GL_CONTEXT_SIDE = 64     # the context's own surface; frames are drawn into each model's offscreen framebuffer
 MAX_GEOM = 10000         # scene capacity, as mujoco.Renderer's default
+PAYLOAD_WAIT_S = 10.0    # a request's payload frame follows its header at once; longer: the client is dropped
 
 
 class _Scene:
@@ -95,6 +96,8 @@ class RenderServer:
             head = wire.recv_header(conn)
             op = head.get("op")
             limit = wire.MAX_MODEL if op == "model" else wire.MAX_FRAME_PAYLOAD
+            if not conn.poll(PAYLOAD_WAIT_S):   # a client stopped between its two frames must not stall the others
+                raise ValueError(f"no payload within {PAYLOAD_WAIT_S:.0f} s of the header")
             payload = conn.recv_bytes(limit)
         except (ValueError, OSError) as e:   # OSError: a frame over its cap (the connection is then out of step)
             wire.send(conn, {"ok": False, "error": str(e)[:300]})
