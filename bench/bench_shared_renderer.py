@@ -42,9 +42,7 @@ def frame_ms(renderer: str, size: int, frames: int, quality: str) -> dict:
                "ms_mean": round(statistics.fmean(times), 3)}
         if env._client is not None:
             e = env._envs[0]
-            fields = [(f, getattr(e.data, f)) for f in wire.FRAME_FIELDS if getattr(e.data, f).size]
-            fields += [(f, getattr(e.model, f)) for f in wire.MODEL_FIELDS if getattr(e.model, f).size]
-            row["request_bytes"] = len(wire.pack_arrays(fields)[1])
+            row["request_bytes"] = len(wire.pack_arrays(wire.frame_sources(e.model, e.data))[1])
         return row
     finally:
         env.close()

@@ -149,3 +149,33 @@ def test_env_workers_spread_over_the_render_processes():
     assert all(a.startswith("unix:") for a in addrs)
     assert addrs[0] == addrs[2] != addrs[1] == addrs[3]
     assert worker_kwargs(MetaWorldEnv, {"render_backend": "egl"}, 0).get("renderer", "own") == "own"
+
+
+def test_options_capacity_and_row_order_travel_with_the_request(pair):
+    """What robosuite draws differently from mujoco.Renderer: its MjvOption (collision geoms hidden), a scene of
+    1000 geoms (a smaller capacity drops geoms, so the server must use the same), rows as OpenGL reads them."""
+    import mujoco
+
+    own, shared = pair
+    shared.reset(1, 3)
+    env, key, client = shared._envs[1], shared._model_keys[1], shared._client
+    opt = mujoco.MjvOption()
+    opt.geomgroup[:] = [0, 1, 1, 0, 1, 1]      # hide groups 0 and 3
+    for max_geom in (10000, 40):               # 40: fewer than the scene's geoms, some dropped
+        ref = mujoco.Renderer(env.model, 64, 64, max_geom=max_geom)
+        try:
+            ref.update_scene(env.data, camera="corner2", scene_option=opt)
+            want = ref.render()
+        finally:
+            ref.close()
+        got = client.render(key, env.model, env.data, "corner2", 64, 64, option=opt, max_geom=max_geom, flip=False)
+        assert np.array_equal(got[::-1], want), max_geom
+    ref = mujoco.Renderer(env.model, 64, 64)
+    try:
+        ref.update_scene(env.data, camera="corner2")
+        plain = ref.render()
+    finally:
+        ref.close()
+    default = client.render(key, env.model, env.data, "corner2", 64, 64)
+    assert not np.array_equal(plain, want)    # the options mattered
+    assert np.array_equal(default, plain)     # and did not stay for the next request, which sent none

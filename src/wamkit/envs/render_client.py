@@ -30,7 +30,6 @@ class RenderClient:
         self.address = address[len(ADDRESS_PREFIX):] if address.startswith(ADDRESS_PREFIX) else address
         self._conn = None
         self._mjb: dict[str, bytes] = {}
-        self._fields: dict[int, list[tuple[str, str]]] = {}   # id(model) -> [(kind, field)] sent for it
         self.requests = 0
 
     def model_id(self, model) -> str:
@@ -44,14 +43,13 @@ class RenderClient:
         self._mjb[key] = mjb
         return key
 
-    def render(self, key: str, model, data, camera: str, height: int, width: int) -> np.ndarray:
-        fields = self._fields.get(id(model))
-        if fields is None:
-            fields = self._fields[id(model)] = (
-                [("d", f) for f in wire.FRAME_FIELDS if getattr(data, f).size]
-                + [("m", f) for f in wire.MODEL_FIELDS if getattr(model, f).size])
-        layout, payload = wire.pack_arrays([(f, getattr(data if k == "d" else model, f)) for k, f in fields])
-        head = {"op": "render", "key": key, "camera": camera, "size": [int(height), int(width)], "arrays": layout}
+    def render(self, key: str, model, data, camera: str, height: int, width: int, *, option=None,
+               max_geom: int = wire.DEFAULT_MAX_GEOM, flip: bool = True) -> np.ndarray:
+        """The frame `camera` sees in (model, data), drawn with `option` (an MjvOption; None: MuJoCo's defaults) in a
+        scene of `max_geom` geoms; rows top-down (flip, as mujoco.Renderer) or as OpenGL reads them (as robosuite)."""
+        layout, payload = wire.pack_arrays(wire.frame_sources(model, data, option))
+        head = {"op": "render", "key": key, "camera": camera, "size": [int(height), int(width)],
+                "max_geom": int(max_geom), "flip": bool(flip), "arrays": layout}
         reply, pixels = self._call(head, payload)
         if reply.get("missing"):
             if key not in self._mjb:

@@ -32,22 +32,28 @@ PAYLOAD_WAIT_S = 10.0    # a request's payload frame follows its header at once;
 
 
 class _Scene:
-    """One model's state in the server: its MjData (overwritten by every request), scene and MjrContext."""
+    """One model's state in the server: its MjData (overwritten by every request), MjrContext, visual options, and
+    a scene per capacity asked for."""
 
     def __init__(self, mujoco, model):
         self.model, self.data = model, mujoco.MjData(model)
-        self.scene = mujoco.MjvScene(model, maxgeom=MAX_GEOM)
+        self.scenes: dict[int, object] = {}
         self.option = mujoco.MjvOption()
         self.ctx = mujoco.MjrContext(model, mujoco.mjtFontScale.mjFONTSCALE_150.value)
         self.ctx.readDepthMap = mujoco.mjtDepthMap.mjDEPTH_ZEROFAR
-        self.expected = {f: getattr(self.data, f) for f in wire.FRAME_FIELDS if getattr(self.data, f).size}
-        self.expected.update({f: getattr(model, f) for f in wire.MODEL_FIELDS if getattr(model, f).size})
+        self.expected = dict(wire.frame_sources(model, self.data, self.option))
+
+    def scene(self, mujoco, max_geom: int):
+        if max_geom not in self.scenes:
+            self.scenes[max_geom] = mujoco.MjvScene(self.model, maxgeom=max_geom)
+        return self.scenes[max_geom]
 
 
 class RenderServer:
     def __init__(self, mujoco):
         self.mj = mujoco
         self.scenes: dict[str, _Scene] = {}
+        self.default_option = mujoco.MjvOption()
 
     def load(self, head: dict, payload: bytes) -> dict:
         key = head.get("key")
@@ -78,17 +84,24 @@ class RenderServer:
         cam_id = mj.mj_name2id(s.model, mj.mjtObj.mjOBJ_CAMERA, cam) if isinstance(cam, str) else -1
         if cam_id < 0:
             return {"ok": False, "error": f"camera: no camera {cam!r} in this model"[:200]}, b""
-        for name, arr in wire.unpack_arrays(head.get("arrays"), payload, s.expected):
+        scene = s.scene(mj, wire.check_max_geom(head.get("max_geom", wire.DEFAULT_MAX_GEOM)))
+        flip = head.get("flip", True)
+        if not isinstance(flip, bool):
+            raise ValueError(f"flip must be true or false, got {flip!r}"[:200])
+        sent = wire.unpack_arrays(head.get("arrays"), payload, s.expected)
+        for f in wire.OPTION_FIELDS:   # MuJoCo's defaults unless sent (another client's must not stay)
+            getattr(s.option, f)[...] = getattr(self.default_option, f)
+        for name, arr in sent:
             s.expected[name][...] = arr
         camera = mj.MjvCamera()
         camera.type, camera.fixedcamid = mj.mjtCamera.mjCAMERA_FIXED, cam_id
-        mj.mjv_updateScene(s.model, s.data, s.option, None, camera, mj.mjtCatBit.mjCAT_ALL.value, s.scene)
+        mj.mjv_updateScene(s.model, s.data, s.option, None, camera, mj.mjtCatBit.mjCAT_ALL.value, scene)
         rect = mj.MjrRect(0, 0, w, h)
         mj.mjr_setBuffer(mj.mjtFramebuffer.mjFB_OFFSCREEN.value, s.ctx)
-        mj.mjr_render(rect, s.scene, s.ctx)
+        mj.mjr_render(rect, scene, s.ctx)
         out = np.empty((h, w, 3), np.uint8)
         mj.mjr_readPixels(out, None, rect, s.ctx)
-        return {"ok": True, "shape": [h, w, 3]}, np.ascontiguousarray(out[::-1]).reshape(-1).data
+        return {"ok": True, "shape": [h, w, 3]}, np.ascontiguousarray(out[::-1] if flip else out).reshape(-1).data
 
     def handle(self, conn) -> None:
         """Answer one request from conn (a reply always goes back, an error one for a bad request)."""

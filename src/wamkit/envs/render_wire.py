@@ -6,12 +6,16 @@ service's key): a JSON header, then one binary payload (possibly empty). Nothing
 
 - `{"op": "model", "key": K}` + an MJB (MuJoCo's binary model, `mj_saveModel`): the server loads it under K, the
   first 32 hex digits of the MJB's sha256 (checked). Reply `{"ok": true}`.
-- `{"op": "render", "key": K, "camera": NAME, "size": [H, W], "arrays": [[field, dtype, shape], ...]}` + the arrays'
-  bytes back to back: FRAME_FIELDS of the env's MjData (what mjv_updateScene reads: the kinematics the env's own
-  renderer would draw, not the physics state, which an mj_step leaves one substep ahead of them) and MODEL_FIELDS of
-  its MjModel (looks an env may change per episode). Reply `{"ok": true, "shape": [H, W, 3]}` + the upright-as-
-  MuJoCo's-Renderer RGB pixels (uint8), or `{"ok": false, "missing": true}` (send the model, then ask again), or
-  `{"ok": false, "error": WHY}` (the request was wrong; the server keeps serving).
+- `{"op": "render", "key": K, "camera": NAME, "size": [H, W], "max_geom": N, "flip": true, "arrays": [[field,
+  dtype, shape], ...]}` + the arrays' bytes back to back: FRAME_FIELDS of the env's MjData (what mjv_updateScene
+  reads: the kinematics the env's own renderer would draw, not the physics state, which an mj_step leaves one
+  substep ahead of them), MODEL_FIELDS of its MjModel (looks an env may change per episode) and OPTION_FIELDS of the
+  MjvOption its renderer draws with (prefixed `opt.`; robosuite hides collision geoms through them). `max_geom` is
+  the scene's capacity (mujoco.Renderer 10000, robosuite 1000: a scene over it drops geoms, so it must match) and
+  `flip` whether rows come top-down as mujoco.Renderer returns them (true) or as OpenGL reads them (false, as
+  robosuite). Reply `{"ok": true, "shape": [H, W, 3]}` + the RGB pixels (uint8), or `{"ok": false, "missing":
+  true}` (send the model, then ask again), or `{"ok": false, "error": WHY}` (the request was wrong; the server keeps
+  serving).
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ FRAME_FIELDS = ("xpos", "xmat", "xquat", "xipos", "ximat", "geom_xpos", "geom_xm
                 "ten_length", "wrap_obj", "wrap_xpos", "flexvert_xpos", "qpos", "mocap_pos", "mocap_quat")
 # MjModel fields an env may change between episodes that change pixels (colours and sizes; poses come as FRAME_FIELDS)
 MODEL_FIELDS = ("geom_rgba", "geom_size", "site_rgba", "site_size", "mat_rgba")
+# MjvOption fields (uint8 arrays) sent as `opt.<field>`
+OPTION_FIELDS = ("geomgroup", "sitegroup", "jointgroup", "tendongroup", "actuatorgroup", "flexgroup", "skingroup",
+                 "flags")
+OPTION_PREFIX = "opt."
+DEFAULT_MAX_GEOM = 10000      # mujoco.Renderer's
+MAX_MAX_GEOM = 100000
 MAX_HEADER = 1 << 16          # bytes of one JSON header
 MAX_FRAME_PAYLOAD = 64 << 20  # bytes of one render request's arrays
 MAX_MODEL = 1 << 30           # bytes of one MJB
@@ -91,6 +101,22 @@ def unpack_arrays(layout: Any, payload: bytes, expected: dict[str, np.ndarray]) 
     if off != len(payload):
         raise ValueError(f"arrays: payload has {len(payload) - off} bytes after the last field")
     return out
+
+
+def frame_sources(model, data, option=None) -> list[tuple[str, np.ndarray]]:
+    """What a render request carries for this model (its non-empty FRAME_FIELDS and MODEL_FIELDS) and, given the
+    MjvOption the env's renderer uses, its OPTION_FIELDS."""
+    out = [(f, getattr(data, f)) for f in FRAME_FIELDS if getattr(data, f).size]
+    out += [(f, getattr(model, f)) for f in MODEL_FIELDS if getattr(model, f).size]
+    if option is not None:
+        out += [(OPTION_PREFIX + f, getattr(option, f)) for f in OPTION_FIELDS]
+    return out
+
+
+def check_max_geom(n: Any) -> int:
+    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_MAX_GEOM):
+        raise ValueError(f"max_geom must be an integer 1..{MAX_MAX_GEOM}, got {n!r}"[:200])
+    return n
 
 
 def check_size(size: Any) -> tuple[int, int]:
