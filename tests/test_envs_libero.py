@@ -111,3 +111,19 @@ def test_soft_reset_of_a_loaded_task_equals_a_hard_reset(env, skipped_run):
     assert env.resets == [hard0 + 2, soft0 + 1]
     _same_obs(o_soft, o_hard)
     _same_obs(r_soft.obs, r_hard.obs)
+
+
+def test_shared_renderer_gives_the_same_frames(env):
+    """renderer=shared: robosuite's camera sensors draw through a render process (its visual options, scene
+    capacity and image convention travel with each request): the same frames after a reset, a chunk, a soft reset
+    and a hard reset to another task, both cameras."""
+    from wamkit.envs.libero import LiberoEnv
+
+    shared = LiberoEnv(suite="libero_object", image_size=128, max_steps=20, renderer="shared")
+    try:
+        for task, trial in ((0, 0), (0, 1), (1, 0)):
+            _same_obs(env.reset(task, trial), shared.reset(task, trial))
+            _same_obs(env.execute(_actions(seed=task + trial)).obs, shared.execute(_actions(seed=task + trial)).obs)
+        assert shared._client.requests == 12 == shared.renders   # every frame came from the render process
+    finally:
+        shared.close()

@@ -179,3 +179,37 @@ def test_options_capacity_and_row_order_travel_with_the_request(pair):
     default = client.render(key, env.model, env.data, "corner2", 64, 64)
     assert not np.array_equal(plain, want)    # the options mattered
     assert np.array_equal(default, plain)     # and did not stay for the next request, which sent none
+
+
+def test_least_recently_drawn_model_is_freed_beyond_the_cap(pair, monkeypatch):
+    """The server holds at most MAX_MODELS models (LIBERO compiles a new one at each hard reset); beyond, the least
+    recently drawn is freed, and a request for it is answered 'missing' (the client sends it again)."""
+    import mujoco
+
+    from wamkit.envs import render_server as rs
+    from wamkit.envs.render_wire import frame_sources, pack_arrays
+
+    _, shared = pair
+    for t in range(3):
+        shared.reset(t, 0)
+    monkeypatch.setattr(rs, "MAX_MODELS", 2)
+    gl = mujoco.GLContext(64, 64)
+    gl.make_current()
+    try:
+        server = rs.RenderServer(mujoco)
+        keys = [shared._model_keys[t] for t in range(3)]
+
+        def draw(t):
+            e = shared._envs[t]
+            layout, payload = pack_arrays(frame_sources(e.model, e.data))
+            return server.render({"key": keys[t], "camera": "corner2", "size": [16, 16], "arrays": layout},
+                                 payload)[0]
+
+        for t in (0, 1):
+            assert server.load({"key": keys[t]}, shared._client._mjb[keys[t]])["ok"]
+        assert draw(0)["ok"]                               # 0 drawn last: 1 is the least recently drawn
+        assert server.load({"key": keys[2]}, shared._client._mjb[keys[2]])["ok"]
+        assert list(server.scenes) == [keys[0], keys[2]]
+        assert draw(1) == {"ok": False, "missing": True} and draw(0)["ok"] and draw(2)["ok"]
+    finally:
+        gl.free()

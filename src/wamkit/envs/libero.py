@@ -49,6 +49,8 @@ from wamkit.core.types import ChunkResult, Observation  # noqa: E402
 from wamkit.envs import libero_conventions as C  # noqa: E402
 from wamkit.envs.base import Env, EnvSpec, TaskInfo  # noqa: E402
 from wamkit.envs.render_backend import apply_options, check_render_options  # noqa: E402
+from wamkit.envs.render_client import client_for  # noqa: E402
+from wamkit.envs.render_service import check_renderer  # noqa: E402
 
 
 def _quiet():
@@ -65,6 +67,9 @@ class LiberoConfig:
     seed: int = 0                      # env seed at every reset (the init state fixes the scene anyway)
     render_backend: str = "auto"       # auto (measured once per machine; a set MUJOCO_GL wins) | egl | osmesa
     render_device: str = "auto"        # EGL device index (MUJOCO_EGL_DEVICE_ID) | auto (several GPUs: not the model's)
+    renderer: str = "own"              # own (robosuite's GL context per env process) | shared (render processes
+                                       # drawing every env's frames, one GL context each; same pixels)
+    render_processes: int = 1          # renderer=shared: how many render processes (envs spread over them)
 
     def validate(self) -> None:
         C.suite_max_steps(self.suite)                  # an unknown suite names the valid ones
@@ -74,6 +79,7 @@ class LiberoConfig:
             raise ConfigError(f"unknown LIBERO camera(s) {bad or self.cameras!r}; valid: {', '.join(C.CAMERAS)}")
         check_number("max_steps", self.max_steps, lo=1, none_ok=True)
         check_render_options(self.render_backend, self.render_device)
+        check_renderer(self.renderer, self.render_processes)
 
     @property
     def episode_steps(self) -> int:
@@ -104,6 +110,7 @@ class LiberoEnv(Env):
         self._tasks = [TaskInfo(task_id=i, name=t.name, instruction=t.language, num_trials=len(self._init_states[i]))
                        for i, t in enumerate(self._benchmark.tasks)]
         self._env = None              # LIBERO OffScreenRenderEnv of the current task
+        self._client = client_for(cfg.renderer, cfg.render_processes)   # renderer=shared: frames from elsewhere
         self._task_id: int | None = None
         self._real_sensors: dict = {}
         self._blank_sensors: dict = {}
@@ -178,6 +185,8 @@ class LiberoEnv(Env):
                            steps=steps, episode_steps=self._episode_steps, frames=frames)
 
     def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
         if self._env is not None:
             try:
                 self._env.close()
@@ -228,10 +237,13 @@ class LiberoEnv(Env):
         if self._real_sensors and all(id(observables[k]._sensor) in ours for k in self._real_sensors):
             return   # a soft reset kept the observables: the switch is in place (their "real" sensor is ours)
         self._real_sensors, self._blank_sensors = {}, {}
+        model_key = None
+        if self._client is not None:   # a hard reset compiled a new model: register it as it is now
+            model_key = self._client.model_id(self._env.env.sim.model._model)
         for cam in self.cameras:
             key = C.CAMERAS[cam][1]
             ob = observables[key]
-            real = ob._sensor
+            real = ob._sensor if model_key is None else self._shared_sensor(C.CAMERAS[cam][0], model_key, ob._sensor)
             blank = np.zeros((self.image_size, self.image_size, 3), np.uint8)
 
             def counted(obs_cache, _real=real):
@@ -245,6 +257,24 @@ class LiberoEnv(Env):
                 fn.__modality__ = real.__modality__
             self._real_sensors[key] = counted
             self._blank_sensors[key] = blank_sensor
+
+    def _shared_sensor(self, camera: str, model_key: str, robosuites):
+        """robosuite's camera_rgb sensor with the frame drawn by the shared renderer: robosuite's visual options
+        (collision geoms hidden) and scene capacity, rows as OpenGL reads them, then robosuite's image convention."""
+        from robosuite.macros import IMAGE_CONVENTION
+        from robosuite.utils.mjcf_utils import IMAGE_CONVENTION_MAPPING
+
+        convention = IMAGE_CONVENTION_MAPPING[IMAGE_CONVENTION]
+
+        def camera_rgb(obs_cache):
+            sim = self._env.env.sim
+            ctx = sim._render_context_offscreen
+            img = self._client.render(model_key, sim.model._model, sim.data._data, camera, self.image_size,
+                                      self.image_size, option=ctx.vopt, max_geom=ctx.scn.maxgeom, flip=False)
+            return img[::convention]
+
+        camera_rgb.__modality__ = robosuites.__modality__
+        return camera_rgb
 
     def _cameras_on(self, on: bool) -> None:
         observables = self._env.env._observables

@@ -26,7 +26,8 @@ from wamkit.core.errors import ConfigError  # noqa: E402
 from wamkit.core.types import ChunkResult, Observation  # noqa: E402
 from wamkit.envs.base import Env, EnvSpec, TaskInfo  # noqa: E402
 from wamkit.envs.render_backend import apply_options, check_render_options  # noqa: E402
-from wamkit.envs.render_service import check_renderer, resolve_renderer  # noqa: E402
+from wamkit.envs.render_client import client_for  # noqa: E402
+from wamkit.envs.render_service import check_renderer  # noqa: E402
 
 # Observation.images key -> MetaWorld camera name.
 CAMERAS: dict[str, str] = {"image": "corner2", "wrist_image": "gripperPOV"}
@@ -110,13 +111,7 @@ class MetaWorldEnv(Env):
         self.config = cfg = self.make_config(config, **kwargs)
         apply_options(cfg.render_backend, cfg.render_device, cfg.image_size)  # built here, not by make_env
         self.render_quality = cfg.render_quality
-        self._client = None   # renderer=shared: frames from a render process (render_client.py)
-        if cfg.renderer != "own":
-            from wamkit.envs.render_client import RenderClient
-
-            address = resolve_renderer({"renderer": cfg.renderer, "render_processes": cfg.render_processes},
-                                       None, 0)["renderer"]
-            self._client = RenderClient(address)
+        self._client = client_for(cfg.renderer, cfg.render_processes)   # renderer=shared: frames from elsewhere
         self._model_keys: dict[int, str] = {}    # task_id -> its model's key at the shared renderer
         self.task_names, self.cameras = cfg.tasks, cfg.cameras
         self.image_size, self.max_steps, self.seed = cfg.image_size, cfg.max_steps, cfg.seed

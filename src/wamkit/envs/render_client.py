@@ -16,9 +16,18 @@ from multiprocessing.connection import Client
 import numpy as np
 
 from wamkit.envs import render_wire as wire
-from wamkit.envs.render_service import ADDRESS_PREFIX, key_for
+from wamkit.envs.render_service import ADDRESS_PREFIX, key_for, resolve_renderer
 
 RECONNECT_S = 60.0
+
+
+def client_for(renderer: str, processes: int) -> "RenderClient | None":
+    """An env's client for its `renderer` option: None for own; shared (an env built in this process: the
+    service is started here) or a concrete unix:<socket> (an env worker: its parent chose it)."""
+    if renderer == "own":
+        return None
+    address = resolve_renderer({"renderer": renderer, "render_processes": processes}, None, 0)["renderer"]
+    return RenderClient(address)
 
 
 class RenderServiceError(RuntimeError):

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections import OrderedDict
 from multiprocessing.connection import Listener
 from multiprocessing.connection import wait as mp_wait
 
@@ -28,6 +29,7 @@ from wamkit.envs import render_wire as wire
 
 GL_CONTEXT_SIDE = 64     # the context's own surface; frames are drawn into each model's offscreen framebuffer
 MAX_GEOM = 10000         # scene capacity, as mujoco.Renderer's default
+MAX_MODELS = 64         # models held at once; the least recently drawn one is freed beyond (asked again if needed)
 PAYLOAD_WAIT_S = 10.0    # a request's payload frame follows its header at once; longer: the client is dropped
 
 
@@ -52,7 +54,7 @@ class _Scene:
 class RenderServer:
     def __init__(self, mujoco):
         self.mj = mujoco
-        self.scenes: dict[str, _Scene] = {}
+        self.scenes: OrderedDict[str, _Scene] = OrderedDict()
         self.default_option = mujoco.MjvOption()
 
     def load(self, head: dict, payload: bytes) -> dict:
@@ -68,6 +70,8 @@ class RenderServer:
                 except Exception as e:  # noqa: BLE001 - a bad MJB is the client's error
                     return {"ok": False, "error": f"model: not a loadable MJB: {e}"[:300]}
             self.scenes[key] = _Scene(self.mj, model)   # its offscreen buffer as the model sets it, as the env's
+            while len(self.scenes) > MAX_MODELS:
+                self.scenes.popitem(last=False)[1].ctx.free()
         return {"ok": True}
 
     def render(self, head: dict, payload: bytes) -> tuple[dict, bytes]:
@@ -75,6 +79,7 @@ class RenderServer:
         s = self.scenes.get(head.get("key"))
         if s is None:
             return {"ok": False, "missing": True}, b""
+        self.scenes.move_to_end(head["key"])
         h, w = wire.check_size(head.get("size"))
         g = s.model.vis.global_
         if w > g.offwidth or h > g.offheight:   # mujoco.Renderer refuses these too
