@@ -17,6 +17,8 @@ scenarios change only what runs beside it:
   single GL context, back to back: the same rendering work as simK from 1 GL context instead of K. Where simKshared
   runs the server near simKnorender and simK does not, the GPU's cost of rendering beside the model is the K
   contexts' switching, not the frames, and one process rendering for every env would take most of it back.
+- simKsvc: simK with env_args.renderer=shared: the K envs' frames drawn by one render process of wamkit's
+  (envs/render_service.py), each env waiting for its frame, as in an evaluation with that setting.
 --split also times the same policy in this process, eager prefix and CUDA-graph denoising loop apart, under each load.
 GPU SM clock and utilization are sampled (nvidia-smi, 100 ms) during each measurement. Writes one JSON.
 """
@@ -52,7 +54,8 @@ def log(*a):
 
 
 # ---------------------------------------------------------------------------------------------------- loads
-def _load_main(kind: str, index: int, cores: list[int] | None, stop, counter, quality: str = "model") -> None:
+def _load_main(kind: str, index: int, cores: list[int] | None, stop, counter, quality: str = "model",
+               renderer: str = "own") -> None:
     if cores:
         os.sched_setaffinity(0, cores)
     if kind == "renderer":   # simKshared's one GL context: a frame for every 16 steps the physics loads made
@@ -81,7 +84,7 @@ def _load_main(kind: str, index: int, cores: list[int] | None, stop, counter, qu
 
     env = make_env("metaworld", image_size=224, max_steps=100,
                    cameras=() if kind in ("simnorender", "simshared") else ("image",),
-                   render_quality=quality)
+                   render_quality=quality, renderer=renderer)
     rng = np.random.default_rng(index)
     render = kind == "simrender"
     env.reset(index % 4, index % 50)
@@ -101,7 +104,13 @@ class Loads:
         ctx = mp.get_context("spawn")
         self.stop, self.counter = ctx.Event(), ctx.Value("l", 0)
         kinds = [kind] * n + (["renderer"] if kind == "simshared" else [])
-        self.procs = [ctx.Process(target=_load_main, args=(k, i, cores, self.stop, self.counter, quality),
+        self.service, renderer = None, "own"
+        if kind == "simsvc":   # one render process of wamkit's for every load (renderer=shared)
+            from wamkit.envs.render_service import ADDRESS_PREFIX, RenderService, current_gl
+
+            self.service = RenderService(current_gl(), 1)
+            renderer = ADDRESS_PREFIX + self.service.address(0)
+        self.procs = [ctx.Process(target=_load_main, args=(k, i, cores, self.stop, self.counter, quality, renderer),
                                   daemon=True) for i, k in enumerate(kinds)]
         for p in self.procs:
             p.start()
@@ -115,6 +124,8 @@ class Loads:
             p.join(timeout=20)
             if p.is_alive():
                 p.kill()
+        if self.service is not None:
+            self.service.close()
 
 
 class GpuSampler:
@@ -239,7 +250,7 @@ def run_server(threads: int, scenarios: list[str], batches: list[int], seconds: 
             elif sc.startswith("sim"):
                 rest = sc[3:]
                 kind = "sim"
-                for suffix in ("norender", "render", "idle", "shared"):
+                for suffix in ("norender", "render", "idle", "shared", "svc"):
                     if rest.endswith(suffix):
                         kind, rest = "sim" + suffix, rest[: -len(suffix)]
                 pinned = rest.endswith("pinned")
