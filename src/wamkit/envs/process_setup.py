@@ -54,6 +54,9 @@ def cache_dir() -> Path:
     return p
 
 
+# the variables that select MuJoCo's OpenGL in a process (read by mujoco at import)
+GL_VARS = ("MUJOCO_GL", "PYOPENGL_PLATFORM", "MUJOCO_EGL_DEVICE_ID")
+
 # MUJOCO_GL's value when wamkit set it (this default, or an env config's render_backend): a MUJOCO_GL without this
 # mark is the user's, which wins over render_backend=auto (wamkit.envs.render_backend). Children inherit both.
 GL_SET_MARK = "WAMKIT_MUJOCO_GL_SET"

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from wamkit.core.errors import ConfigError, UserError
-from wamkit.envs.process_setup import GL_SET_MARK, cache_dir
+from wamkit.envs.process_setup import GL_SET_MARK, GL_VARS, cache_dir
 
 BACKENDS = ("egl", "osmesa")          # concrete backends, in preference order on a tie
 CHOICES = ("auto",) + BACKENDS
@@ -44,7 +44,6 @@ TIE = 0.05                             # within 5% per frame of the fastest, the
 MODEL_GPU = 0                          # CUDA ordinal of the model's GPU (device=auto / cuda puts the model there)
 RENDER_CACHE = "render-backend.json"   # in cache_dir()
 PROBE_SCRIPT = Path(__file__).with_name("render_probe.py")
-GL_VARS = ("MUJOCO_GL", "PYOPENGL_PLATFORM", "MUJOCO_EGL_DEVICE_ID")
 
 
 def check_render_options(backend: Any, device: Any) -> None:

@@ -145,7 +145,7 @@ atexit.register(close_services)
 
 
 def current_gl() -> dict[str, str | None]:
-    from wamkit.envs.render_backend import GL_VARS
+    from wamkit.envs.process_setup import GL_VARS
 
     return {k: os.environ.get(k) for k in GL_VARS}
 
