@@ -213,3 +213,22 @@ def test_least_recently_drawn_model_is_freed_beyond_the_cap(pair, monkeypatch):
         assert draw(1) == {"ok": False, "missing": True} and draw(0)["ok"] and draw(2)["ok"]
     finally:
         gl.free()
+
+
+def test_a_client_that_stops_after_its_header_is_dropped(monkeypatch):
+    """A header without its payload (the client stopped between its two frames) gets an error and the connection
+    is dropped after PAYLOAD_WAIT_S, instead of the server waiting for it while every other env waits too."""
+    import mujoco
+    from multiprocessing import Pipe
+
+    from wamkit.envs import render_server as rs
+    from wamkit.envs import render_wire as wire
+
+    monkeypatch.setattr(rs, "PAYLOAD_WAIT_S", 0.2)
+    server_end, client_end = Pipe()
+    client_end.send_bytes(b'{"op": "render", "key": "x"}')
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionResetError):
+        rs.RenderServer(mujoco).handle(server_end)
+    assert time.monotonic() - t0 < 5
+    assert "no payload within" in wire.recv_header(client_end)["error"]
