@@ -136,7 +136,7 @@ def test_renderer_options_are_checked():
 
     with pytest.raises(ConfigError, match="renderer must be one of own, shared"):
         MetaWorldEnv(renderer="gpu", **KW)
-    with pytest.raises(ConfigError, match="render_processes must be an integer >= 1"):
+    with pytest.raises(ConfigError, match="render_processes must be >= 1"):
         MetaWorldEnv(renderer="shared", render_processes=0, **KW)
 
 
@@ -227,8 +227,6 @@ def test_a_client_that_stops_after_its_header_is_dropped(monkeypatch):
     monkeypatch.setattr(rs, "PAYLOAD_WAIT_S", 0.2)
     server_end, client_end = Pipe()
     client_end.send_bytes(b'{"op": "render", "key": "x"}')
-    t0 = time.monotonic()
     with pytest.raises(ConnectionResetError):
         rs.RenderServer(mujoco).handle(server_end)
-    assert time.monotonic() - t0 < 5
     assert "no payload within" in wire.recv_header(client_end)["error"]

@@ -34,6 +34,11 @@ class RenderServiceError(RuntimeError):
     """The shared renderer refused a request (its message says why) or stayed unreachable."""
 
 
+def _require_ok(reply: dict) -> None:
+    if not reply.get("ok"):
+        raise RenderServiceError(f"shared renderer: {reply.get('error', reply)}")
+
+
 class RenderClient:
     def __init__(self, address: str):
         self.address = address[len(ADDRESS_PREFIX):] if address.startswith(ADDRESS_PREFIX) else address
@@ -63,14 +68,13 @@ class RenderClient:
         if reply.get("missing"):
             if key not in self._mjb:
                 raise RenderServiceError(f"model {key} was never registered with model_id()")
-            self._call({"op": "model", "key": key}, self._mjb[key], check=True)
+            _require_ok(self._call({"op": "model", "key": key}, self._mjb[key])[0])
             reply, pixels = self._call(head, payload)
-        if not reply.get("ok"):
-            raise RenderServiceError(f"shared renderer: {reply.get('error', reply)}")
+        _require_ok(reply)
         self.requests += 1
         return np.frombuffer(pixels, np.uint8).reshape(reply["shape"]).copy()
 
-    def _call(self, head: dict, payload: bytes, check: bool = False) -> tuple[dict, bytes]:
+    def _call(self, head: dict, payload: bytes) -> tuple[dict, bytes]:
         deadline = time.monotonic() + RECONNECT_S
         while True:
             try:
@@ -85,8 +89,6 @@ class RenderClient:
                     raise RenderServiceError(f"shared renderer at {self.address} unreachable for "
                                              f"{RECONNECT_S:.0f} s: {e}") from None
                 time.sleep(0.1)
-        if check and not reply.get("ok"):
-            raise RenderServiceError(f"shared renderer: {reply.get('error', reply)}")
         return reply, pixels
 
     def _connect(self):

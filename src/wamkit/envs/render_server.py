@@ -15,7 +15,6 @@ what is wrong and the server keeps serving; a client that goes away is dropped.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import threading
 import traceback
@@ -179,13 +178,3 @@ def serve(address: str, authkey: bytes, gl: dict[str, str | None], ready=None) -
             except (EOFError, OSError):
                 conns.remove(c)
                 c.close()
-
-
-def main() -> None:   # `python -m wamkit.envs.render_server SOCKET KEYFILE`: a server started by hand
-    address, keyfile = sys.argv[1], sys.argv[2]
-    with open(keyfile, "rb") as f:
-        serve(address, f.read().strip(), {})
-
-
-if __name__ == "__main__":
-    main()

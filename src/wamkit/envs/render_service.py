@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from wamkit.core.config import check_number
 from wamkit.core.errors import ConfigError
 
 RENDERERS = ("own", "shared")      # renderer: own (each env process renders in its own GL contexts) | shared
@@ -37,8 +38,7 @@ def check_renderer(renderer: Any, processes: Any) -> None:
     if not ok:
         raise ConfigError(f"renderer must be one of {', '.join(RENDERERS)} (or {ADDRESS_PREFIX}<socket>), "
                           f"got {renderer!r}")
-    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
-        raise ConfigError(f"render_processes must be an integer >= 1, got {processes!r}")
+    check_number("render_processes", processes, lo=1)
 
 
 def key_for(address: str) -> bytes:
