@@ -395,6 +395,35 @@ def test_compile_gives_the_same_actions(one_thread):
     assert comp.engine.prefix_pass._rope is not None and ref.engine.prefix_pass._rope is None
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("heads", [2, 4])   # K/V buffers with the kv heads as they are (folded) or repeated
+def test_compiled_block_writes_kv_into_its_slots_only(one_thread, heads):
+    """The compiled block before attention stores this step's K/V into the buffers' scratch slots itself (it is
+    handed views of just those slots): the same output and slots as the eager block, and every prefix slot of the
+    buffers left as it was, bit for bit."""
+    from wamkit.policies.wam_ref.model import GenBlock
+    torch.manual_seed(0)
+    hidden, kvh, hd, s, n = 32, 2, 8, 6, 3
+    blk = GenBlock(hidden, 64, 4, kvh, hd).eval()
+    for b in (1, 3):   # the second size recompiles with a dynamic batch dimension
+        x, tmod = torch.randn(b, n, hidden), torch.randn(b, 6, hidden)
+        cos, sin = torch.randn(b, n, hd), torch.randn(b, n, hd)
+        mask = torch.zeros(b, 1, 1, s + n)
+        base_k, base_v = torch.randn(b, heads, s + n, hd), torch.randn(b, heads, s + n, hd)
+        outs = {}
+        for compiled in (False, True):
+            blk.compiled = compiled
+            blk.fold_gqa = heads == kvh
+            k, v = base_k.clone(), base_v.clone()
+            outs[compiled] = (blk(x, tmod, cos, sin, k, v, mask, kv_room=True), k, v)
+        (ref, rk, rv), (out, k, v) = outs[False], outs[True]
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        for got, want, base in ((k, rk, base_k), (v, rv, base_v)):
+            torch.testing.assert_close(got[:, :, s:], want[:, :, s:], rtol=1e-4, atol=1e-5)
+            assert torch.equal(got[:, :, :s], base[:, :, :s])
+            assert not torch.equal(got[:, :, s:], base[:, :, s:])   # the slots were written
+
+
 def test_batched_vision_attention_matches_per_image_calls():
     """One SDPA call over all (equal-size) images = transformers' one call per image: same actions, and the
     vision tower's attention really is called once per layer, not once per image."""

@@ -68,14 +68,22 @@ def head_dim_of(text_config) -> int:
     return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
 
 
+def heads_slots(dst: torch.Tensor, b: int, kv_heads: int, start: int, length: int) -> torch.Tensor:
+    """The view of dst (B', heads, slots, hd) that a (b, kv_heads, length, hd) tensor fills at slots
+    start:start + length with its kv heads repeated up to dst's head count, kv-head-major (as
+    `repeat_interleave(heads // kv_heads, dim=1)` orders them): (b, kv_heads, heads // kv_heads, length, hd), written
+    as `view.copy_(src[:, :, None])`."""
+    heads, slots, hd = dst.shape[1], dst.shape[2], dst.shape[3]
+    if heads % kv_heads:
+        raise ValueError(f"heads {heads} is not a multiple of kv heads {kv_heads}")
+    return dst[:b].view(b, kv_heads, heads // kv_heads, slots, hd)[:, :, :, start:start + length]
+
+
 def write_heads(dst: torch.Tensor, src: torch.Tensor, start: int) -> None:
-    """dst[:B, :, start:start + L] = src (B, kv_heads, L, hd) with the kv heads repeated up to dst's head count,
-    kv-head-major (as `repeat_interleave(heads // kv_heads, dim=1)` orders them); in place, no allocation."""
-    b, kvh, length, hd = src.shape
-    heads, slots = dst.shape[1], dst.shape[2]
-    if heads % kvh:
-        raise ValueError(f"heads {heads} is not a multiple of kv heads {kvh}")
-    dst[:b].view(b, kvh, heads // kvh, slots, hd)[:, :, :, start:start + length].copy_(src[:, :, None])
+    """dst[:B, :, start:start + L] = src (B, kv_heads, L, hd), the kv heads repeated (see heads_slots); in place, no
+    allocation."""
+    b, kvh, length, _ = src.shape
+    heads_slots(dst, b, kvh, start, length).copy_(src[:, :, None])
 
 
 def kv_room_buffer(src: torch.Tensor, n: int, heads: int) -> torch.Tensor:
@@ -127,11 +135,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.T
 
 
 def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int,
-              head_dim: int, eps: float, gemm: str = "cublas"):
+              head_dim: int, eps: float, gemm: str = "cublas", k_slot=None, v_slot=None):
     """GenBlock up to attention: AdaLN modulation, q/k/v projections (w_qkv: (wq, wk, wv) or fused [wq; wk; wv]),
     q/k norms, rotary. modulation None: tmod already holds this block's modulation (denoise precomputes it for
     every step and block). Pure function of its tensors (weights passed in), so one torch.compile serves every
-    block (see GenBlock.compiled)."""
+    block (see GenBlock.compiled). k_slot/v_slot (inference): heads_slots views of the K/V buffers' scratch slots,
+    written here (compiled, the kernel that computes K and V stores them there: no copy after it, no other slot
+    touched); k and v are then returned as None."""
+    q, k, v, g1, sh2, sc2, g2 = _block_in_qkv(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads,
+                                              kv_heads, head_dim, eps, gemm)
+    if k_slot is not None:
+        k_slot.copy_(k[:, :, None])
+        v_slot.copy_(v[:, :, None])
+        k = v = None
+    return q, k, v, g1, sh2, sc2, g2
+
+
+def _block_in_qkv(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int,
+                  head_dim: int, eps: float, gemm: str):
     b, n, hidden = x.shape
     mod = tmod if modulation is None else tmod + modulation.to(tmod.dtype)
     sh1, sc1, g1, sh2, sc2, g2 = mod.unbind(1)  # each (B, hidden)
@@ -197,8 +218,9 @@ class GenBlock(nn.Module):
         # AdaLN-single: this block's learned offsets to the shared time modulation (shift, scale, gate) x 2
         self.modulation = nn.Parameter(torch.zeros(6, hidden))
         # inference speed option (WamRefPolicy compile=true): the code before and after attention runs as one
-        # compiled (fused) function each; the K/V slot writes and attention stay outside, so that compilation
-        # never copies the whole K/V buffer (Inductor writes mutated inputs back in full)
+        # compiled (fused) function each, attention between them. The one before attention writes this step's K/V
+        # into the scratch slots itself: it is handed views of just those slots (heads_slots), so the kernel that
+        # computes K and V stores them there (handed the whole buffer, Inductor would write it all back)
         self.compiled = False
         # which kernels run the GEMMs at inference (WamRefPolicy gemm=): cublas (F.linear) | triton (skinny.py's
         # kernel where rows <= skinny.MAX_ROWS) | autotune (the two functions compiled in Inductor's max-autotune)
@@ -221,12 +243,13 @@ class GenBlock(nn.Module):
             fin, fout = (_compiled("in"), _compiled("out")) if self.compiled else (_block_in, _block_out)
         w_qkv, w_gu = fused if fused is not None else (
             (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight), (self.gate_proj.weight, self.up_proj.weight))
+        # kv_room: this step's K/V go into the scratch slots, in place, written by fin itself
+        slots = ((heads_slots(prefix_k, b, self.kv_heads, prefix_k.shape[2] - n, n),
+                  heads_slots(prefix_v, b, self.kv_heads, prefix_v.shape[2] - n, n)) if kv_room else (None, None))
         q, k, v, g1, sh2, sc2, g2 = fin(x, tmod, None if own_mod else self.modulation, w_qkv, self.q_norm.weight,
                                         self.k_norm.weight, cos, sin, self.heads, self.kv_heads, self.head_dim,
-                                        self.eps, self.gemm)
-        if kv_room:  # this step's K/V into the scratch slots, in place
-            write_heads(prefix_k, k, prefix_k.shape[2] - n)
-            write_heads(prefix_v, v, prefix_v.shape[2] - n)
+                                        self.eps, self.gemm, *slots)
+        if kv_room:
             k, v = prefix_k, prefix_v
         else:
             k = torch.cat([prefix_k.to(k.dtype), k], dim=2)
