@@ -171,6 +171,10 @@ def test_the_report_says_where_an_envs_cycle_goes():
                      "server 23.6; outside the request 11.3: cohort, batch, dispatch)."]
     hosted = dict(row, host_cpu={"busy": 0.7234, "steal": 0.0412})   # bench eval's /proc/stat shares of the row
     assert cycle_lines([hosted]) == [lines[0][:-1] + "; host CPUs 72% busy, 4.1% stolen."]
+    client = dict(row, client={"loop_cpu": 0.431, "process_cpu": 0.9,
+                               "loop_lag_ms": {"p50": 0.84, "p99": 6.27, "max": 9.0, "n": 10}})
+    assert cycle_lines([client]) == [lines[0][:-1] + "; the client's loop 43% of a core, its timers late 0.8 ms "
+                                                     "(p99 6.3)."]
     row.update(episodes=4, episodes_per_hour=1.0, env_steps_per_s=1.0, inference_obs_per_s=1.0, mean_batch=1.0,
                ratio_steps=None, ratio_episodes=None)
     assert lines[0] in markdown({"rows": [row], "rounds": 1, "bound": {"bound_env_steps_per_s": None}})

@@ -80,6 +80,8 @@ def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     n_envs = int(next(a for a in mode_args if a.startswith("num_envs=")).split("=")[1])
     render = s["scheduler"]["env_render"]
     assert sum(render.values()) == n_envs, render
+    client = s["scheduler"]["client"]   # the evaluating process's loop, measured over the run (eval/loop_health.py)
+    assert 0 < client["loop_cpu"] <= client["process_cpu"] + 0.05 and client["loop_lag_ms"]["n"] > 0
     if "env_args.render_backend=osmesa" in mode_args:
         assert render == {"osmesa": n_envs}
     if "env_args.renderer=shared" in mode_args:   # every worker's frames from the render processes

@@ -90,6 +90,7 @@ def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
             "scene_loads": sch.get("scene_loads", 0), "scene_load_s": sch.get("scene_load_s", 0.0),
             "env_steps": th["env_steps"], "success_rate": s["success_rate"],
             "env_render": sch.get("env_render", {}),
+            **({"client": sch["client"]} if sch.get("client") else {}),
             **({"auto_shape": sch["auto_shape"]} if sch.get("auto_shape") else {})}
 
 
@@ -566,8 +567,10 @@ def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
                f"one (request {req:.1f}")
         txt += f", server {comp:.1f}" if comp else ""
         txt += f"; outside the request {wait - req:.1f}: cohort, batch, dispatch)"
-        host = x.get("host_cpu")
+        host, client = x.get("host_cpu"), x.get("client")
         txt += (f"; host CPUs {100 * host['busy']:.0f}% busy, {100 * host['steal']:.1f}% stolen" if host else "")
+        txt += (f"; the client's loop {100 * client['loop_cpu']:.0f}% of a core, its timers late "
+                f"{client['loop_lag_ms']['p50']:.1f} ms (p99 {client['loop_lag_ms']['p99']:.1f})" if client else "")
         out.append(txt + ".")
     return out
 

@@ -24,6 +24,7 @@ from wamkit.envs.render_backend import describe as describe_render
 from wamkit.eval.config import EvalConfig
 from wamkit.eval.inference import InProcessInference, ServerInference
 from wamkit.eval.journal import Journal
+from wamkit.eval.loop_health import LoopHealth
 from wamkit.eval.metrics import summarize
 from wamkit.eval.plan import plan_for_tasks
 from wamkit.eval.progress import rate_text
@@ -301,15 +302,19 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                 progress.update(bar, rate=what)
                 await asyncio.sleep(0.5)
 
+        health = LoopHealth()
+
         async def main():
             t_setup = time.time()
             await inference.start()
             clock["t0"] = time.time()
             clock["setup_s"] = clock["t0"] - t_setup
             status = asyncio.create_task(first_episode_status()) if cfg.progress and todo else None
+            health.start()
             try:
                 await sched.run()
             finally:
+                await health.stop()
                 if status is not None:
                     status.cancel()
                 await inference.close()
@@ -341,6 +346,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "compute_ms_mean": util.get("compute_ms_mean", 0.0),
                                 "sim_ms_mean": util.get("sim_ms_mean", 0.0),
                                 "env_wait_ms_mean": util.get("env_wait_ms_mean", 0.0),
+                                "client": health.summary(),
                                 "auto_shape": sched.batcher.shape_summary() if sched.batcher else None}})
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         write_report(out)   # timeline.png, report.md, report.html
