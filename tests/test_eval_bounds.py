@@ -178,3 +178,13 @@ def test_the_report_says_where_an_envs_cycle_goes():
     row.update(episodes=4, episodes_per_hour=1.0, env_steps_per_s=1.0, inference_obs_per_s=1.0, mean_batch=1.0,
                ratio_steps=None, ratio_episodes=None)
     assert lines[0] in markdown({"rows": [row], "rounds": 1, "bound": {"bound_env_steps_per_s": None}})
+
+
+def test_rounds_alternate_their_order():
+    """bench eval's rounds run the rows as listed, then reversed, and so on: a drift during a round (later rows
+    faster or slower) touches every row alike over an even number of rounds."""
+    from wamkit.eval.bench import round_order
+
+    rows = [("A", 1), ("B", 2), ("C", 3)]
+    assert [[n for n, _ in round_order(rows, k)] for k in range(4)] == [["A", "B", "C"], ["C", "B", "A"]] * 2
+    assert rows == [("A", 1), ("B", 2), ("C", 3)]   # the caller's list is left as it was
