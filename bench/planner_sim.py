@@ -116,6 +116,8 @@ class Regime:
     server_wait_s: float | None = None  # None: each request is its own batch. A number: the server batches like
                              # `wamkit serve`'s DynamicBatcher: requests queue, one batch runs at a time, and a batch
                              # takes every queued observation (up to max_batch) once its oldest has waited this long
+    req_s: float = 0.0    # the server's own host work per request (receive, decode, reply), one request at a time
+                          # (its one event loop): many small requests queue here, one large one pays it once
     slow: tuple[float, float, float] = ()  # (start_s, end_s, factor): chunks that start in that stretch of the run
                              # cost `factor` times more (a transient: the host busy with something else for a while)
 
@@ -179,6 +181,7 @@ class SimAccelerator(Inference):
         self.max_request_size = r.max_batch
         self.busy_s = 0.0
         self._lock: asyncio.Lock | None = None
+        self._intake: asyncio.Lock | None = None
         self._calls: dict[int, list] = {}   # id -> [work left, future]
         self._last = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -190,6 +193,11 @@ class SimAccelerator(Inference):
     async def _predict(self, observations, seeds):
         net = self.r.net_s + self.r.net_b * len(observations)
         await asyncio.sleep(net)
+        if self.r.req_s > 0:   # the server's event loop takes the request in, one at a time
+            if self._intake is None:
+                self._intake = asyncio.Lock()
+            async with self._intake:
+                await asyncio.sleep(self.r.req_s)
         t = self.r.infer_a + self.r.infer_b * len(observations)
         if self.r.server_wait_s is not None:
             await self._batched(len(observations))
@@ -424,6 +432,13 @@ REGIMES = {
     "gpu-metaworld-32-s16": Regime("gpu-metaworld-32-s16", 32, 16, 0.016, 0.013, 0.0004, net_s=0.003, jitter=0.3,
                                    chunks=31, episodes=500, server_wait_s=0.0,
                                    task_cost=(0.85, 1.05, 1.15, 0.95, 1.0, 0.9, 1.1, 0.8, 1.2, 1.0)),
+    # session 19's H100 rows at 32 envs (10 tasks x 40 episodes of 500 steps; the B=16, P=2 timelines): chunks 16.0
+    # ms on average, each task's own mean (deciles of the episodes' means / their mean, below) with ~4 ms of noise
+    # within an episode; server compute 21.7-22.5 ms at batches 12-16 (flat); ~3.4 ms from a request's send to its
+    # compute and ~1.7 ms from the compute's end to the reply (2.5 ms each way here). Real time scale
+    "gpu-metaworld-32-s19": Regime("gpu-metaworld-32-s19", 32, 16, 0.016, 0.0215, 0.00005, net_s=0.0025, jitter=0.4,
+                                   chunks=31, episodes=400, server_wait_s=0.0,
+                                   task_cost=(0.64, 0.69, 0.73, 0.78, 0.85, 0.93, 1.01, 1.1, 1.5, 1.72)),
     "gpu-metaworld-shared-16": Regime("gpu-metaworld-shared-16", 16, 16, 0.040, 0.0125, 0.0004, share_gain=0.5),
     # simulation-heavy: calls are cheap
     "sim-bound-8": Regime("sim-bound-8", 8, 8, 0.060, 0.004, 0.0002, episodes=48),

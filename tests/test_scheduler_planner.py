@@ -160,6 +160,20 @@ def test_the_model_server_batches_queued_requests_like_wamkit_serve():
     assert lone["episodes"] == r.episodes and lone["server_batches"] == []
 
 
+def test_the_servers_per_request_work_costs_many_small_requests_most():
+    """req_s models the server's host work per request (one at a time, its event loop): on session 19's regime (calls
+    cost more than chunks) it slows 32 single-observation pipelines far more than two requests of 16 a cycle, which
+    pay it twice; every episode still runs once."""
+    r = ps.REGIMES["gpu-metaworld-32-s19"]
+    slow = ps.with_(r, req_s=0.002)
+    small = [ps.run(x, "pipelines", 1, r.envs) for x in (r, slow)]
+    large = [ps.run(x, "pipelines", r.envs // 2, 2) for x in (r, slow)]
+    assert all(o["episodes"] == r.episodes for o in small + large)
+    small_loss = small[1]["env_steps_per_s"] / small[0]["env_steps_per_s"]
+    large_loss = large[1]["env_steps_per_s"] / large[0]["env_steps_per_s"]
+    assert small_loss < 0.9 and large_loss > small_loss + 0.05, (small_loss, large_loss)
+
+
 def test_envs_that_submit_at_the_same_instant_go_as_one_request():
     """Sixteen envs that reset at once (no reset cost) submit in the same instant: the planner decides once all of
     them have submitted, so the first request carries all sixteen (deciding on the first submit sent it alone and
