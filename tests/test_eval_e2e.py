@@ -68,7 +68,9 @@ def test_metaworld_results_contract(mw_serial, tmp_path):
     ("mode=auto", "num_envs=3", "inference=server", "server.replicas=2"),
     ("mode=auto", "num_envs=2", "inference=server", "server.reserve_cpus=1", "env_nice=5"),
     ("mode=auto", "num_envs=2", "env_args.renderer=shared", "env_args.render_processes=2"),
-], ids=["auto3", "B1P2", "B2P1", "auto-server", "auto-2servers", "auto-server-pinned", "auto-shared-renderer"])
+    ("mode=pipelines", "num_envs=2", "request_size=1", "pipelines=2", "inprocess_batching=true"),
+], ids=["auto3", "B1P2", "B2P1", "auto-server", "auto-2servers", "auto-server-pinned", "auto-shared-renderer",
+        "B1P2-inprocess-batching"])
 def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     from wamkit.eval.runner import run_eval
 

@@ -77,6 +77,9 @@ class EvalConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # the policy's device unless policy_args.device says; auto: GPU
                                             # when present (inference=server: resolved by each server, on its host)
     inference: Literal["inprocess", "server"] = "inprocess"  # policy in this process, or behind local/remote servers
+    inprocess_batching: bool = False        # inference=inprocess: merge requests in flight together into one policy
+                                            # call (wamkit serve's batcher, idle dispatch, server.max_batch_size and
+                                            # server.max_wait_ms), no transport; auto then measures merged shapes
     server: ServerOptions = field(default_factory=ServerOptions)
     mode: Literal["serial", "pipelines", "auto"] = "serial"  # scheduler (docs/evaluation.md); auto: the fastest
     num_envs: int = 1                       # env worker processes (mode=serial uses one, whatever this says)
@@ -136,6 +139,9 @@ class EvalConfig:
         check_number("server.max_batch_size", self.server.max_batch_size, 1)
         check_number("server.max_wait_ms", self.server.max_wait_ms, 0)
         check_number("server.startup_timeout_s", self.server.startup_timeout_s, 0, lo_open=True)
+        if self.inprocess_batching and self.inference != "inprocess":
+            raise ConfigError("inprocess_batching=true merges requests of inference=inprocess; with inference=server "
+                              "the server batches (server.max_batch_size, server.max_wait_ms)")
         if self.mode == "pipelines":
             if self.num_envs < self.pipelines:
                 raise ConfigError(f"num_envs ({self.num_envs}) must be >= pipelines ({self.pipelines})")

@@ -56,30 +56,61 @@ class Inference(abc.ABC):
 
 
 class InProcessInference(Inference):
-    """The policy in this process, on one worker thread (the event loop keeps scheduling envs meanwhile)."""
+    """The policy in this process, on one worker thread (the event loop keeps scheduling envs meanwhile).
+
+    batching=(max_batch_size, max_wait_ms) (`inprocess_batching=true`): requests in flight together are merged into
+    one policy call by wamkit serve's own DynamicBatcher (idle dispatch: a lone request goes at once; those that come
+    while a batch computes leave together after it), with no transport at all; auto then measures the shapes that rely
+    on merging (merges_requests). None: each request is its own call, one after another."""
 
     name = "inprocess"
 
-    def __init__(self, policy, timeline: Timeline | None = None):
+    def __init__(self, policy, timeline: Timeline | None = None, batching: tuple[int, float] | None = None):
         super().__init__(timeline)
         self.policy = policy
         self.max_request_size = int(policy.max_batch_size())
         policy.warmup(self.max_request_size)  # one-off work (e.g. CUDA graphs of every batch size) before any timing
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="policy")
+        self._batching = batching
+        self._batcher = None
+        self.merges_requests = batching is not None
+        self.calls: list[int] = []   # the observations of every policy call, in order
 
     def _run(self, observations, seeds):
         t0 = time.time()
         out = self.policy.predict(list(observations), list(seeds))
+        self.calls.append(len(observations))
         if self.timeline is not None:
             self.timeline.add("server", "compute", t0, time.time(), len(observations))
         return out
 
+    async def start(self) -> None:
+        if self._batching is not None and self._batcher is None:
+            from wamkit.serve.batcher import DynamicBatcher
+
+            max_batch, wait_ms = self._batching
+            self._batcher = DynamicBatcher(self._run, min(int(max_batch), self.max_request_size), wait_ms,
+                                           max_queue=1 << 30, idle_dispatch=True)
+            await self._batcher.start()
+
     async def _predict(self, observations, seeds):
+        if self._batcher is not None:
+            actions, _ = await self._batcher.submit(observations, seeds, [batch_key(o) for o in observations])
+            return actions
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._run, observations, seeds)
 
     async def close(self) -> None:
+        if self._batcher is not None:
+            await self._batcher.close()
         self._pool.shutdown(wait=True)
+
+
+def batch_key(obs: Observation) -> tuple:
+    """What observations must share to go in one policy call: their cameras' names, shapes and dtypes, and their
+    state's shape (tasks may differ)."""
+    cams = tuple(sorted((c, np.shape(a), np.asarray(a).dtype.str) for c, a in obs.images.items()))
+    return cams, None if obs.state is None else np.shape(obs.state)
 
 
 class ServerInference(Inference):

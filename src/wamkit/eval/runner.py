@@ -228,7 +228,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         todo = [ep for ep in plan if not journal.done(ep.key)]
         timeline = Timeline()
         if cfg.inference == "inprocess" and codec is None:
-            inference = InProcessInference(policy, timeline)
+            inference = InProcessInference(policy, timeline, batching=(
+                (cfg.server.max_batch_size, cfg.server.max_wait_ms) if cfg.inprocess_batching else None))
         else:
             inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=options, timeline=timeline,
                                         worker_factory=server_worker_factory, workers=server_workers, codec=codec)
