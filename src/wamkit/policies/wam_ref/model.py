@@ -140,8 +140,8 @@ def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: i
     q/k norms, rotary. modulation None: tmod already holds this block's modulation (denoise precomputes it for
     every step and block). Pure function of its tensors (weights passed in), so one torch.compile serves every
     block (see GenBlock.compiled). k_slot/v_slot (inference): heads_slots views of the K/V buffers' scratch slots,
-    written here (compiled, the kernel that computes K and V stores them there: no copy after it, no other slot
-    touched); k and v are then returned as None."""
+    written here, no other slot touched (compiled, Inductor stores K and V there itself: on the CPU inside the
+    kernel that computes them; the GPU's kernels are not profiled yet); k and v are then returned as None."""
     q, k, v, g1, sh2, sc2, g2 = _block_in_qkv(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads,
                                               kv_heads, head_dim, eps, gemm)
     if k_slot is not None:
@@ -219,8 +219,8 @@ class GenBlock(nn.Module):
         self.modulation = nn.Parameter(torch.zeros(6, hidden))
         # inference speed option (WamRefPolicy compile=true): the code before and after attention runs as one
         # compiled (fused) function each, attention between them. The one before attention writes this step's K/V
-        # into the scratch slots itself: it is handed views of just those slots (heads_slots), so the kernel that
-        # computes K and V stores them there (handed the whole buffer, Inductor would write it all back)
+        # into the scratch slots itself: it is handed views of just those slots (heads_slots), so Inductor stores K
+        # and V there, not an eager copy after it (handed the whole buffer, Inductor would write it all back)
         self.compiled = False
         # which kernels run the GEMMs at inference (WamRefPolicy gemm=): cublas (F.linear) | triton (skinny.py's
         # kernel where rows <= skinny.MAX_ROWS) | autotune (the two functions compiled in Inductor's max-autotune)
