@@ -11,7 +11,9 @@ import pytest
 
 from wamkit.core.config import ConfigError
 from wamkit.core.types import Observation
-from wamkit.eval.inference import InProcessInference, batch_key
+from wamkit.eval.inference import InProcessInference
+from wamkit.eval.timeline import Timeline
+from wamkit.protocol.messages import observation_key
 
 
 class _SlowPolicy:
@@ -46,7 +48,7 @@ def test_requests_in_flight_together_become_one_policy_call():
     pol = _SlowPolicy()
 
     async def main(batching):
-        inf = InProcessInference(pol, batching=batching)
+        inf = InProcessInference(pol, Timeline(), batching=batching)
         await inf.start()
         first = asyncio.create_task(inf.predict([_obs(0)], [0]))
         await asyncio.sleep(0.01)        # the first call is computing
@@ -58,7 +60,8 @@ def test_requests_in_flight_together_become_one_policy_call():
 
     inf, outs = asyncio.run(main((8, 2.0)))
     assert inf.merges_requests and sorted(pol.calls[1:]) == [2, 3] and pol.calls[0] == 1
-    assert inf.calls == pol.calls and inf.requests == 5 and inf.observations == 6
+    assert [x.n for x in inf.timeline.spans if x.kind == "compute"] == pol.calls   # each call on the timeline
+    assert inf.requests == 5 and inf.observations == 6
     for i, out in enumerate(outs[:4]):
         assert out.shape == (1, 4, 2) and np.all(out == i + 1000 * i)
     assert outs[4].shape == (2, 4, 2) and np.all(outs[4][0] == 4 + 4000) and np.all(outs[4][1] == 5 + 5000)
@@ -68,11 +71,11 @@ def test_requests_in_flight_together_become_one_policy_call():
     assert not inf.merges_requests and pol.calls == [1, 1, 1, 1, 2]
 
 
-def test_batch_key_separates_what_cannot_share_a_call():
-    assert batch_key(_obs(0)) == batch_key(_obs(1))
-    assert batch_key(_obs(0)) != batch_key(_obs(0, 16))
-    assert batch_key(_obs(0)) != batch_key(Observation(images={"image": np.zeros((8, 8, 3), np.uint8)}, state=None,
-                                                       task="t"))
+def test_observation_key_separates_what_cannot_share_a_call():
+    assert observation_key(_obs(0)) == observation_key(_obs(1))
+    assert observation_key(_obs(0)) != observation_key(_obs(0, 16))
+    stateless = Observation(images={"image": np.zeros((8, 8, 3), np.uint8)}, state=None, task="t")
+    assert observation_key(_obs(0)) != observation_key(stateless)
 
 
 def test_inprocess_batching_is_refused_with_a_server():

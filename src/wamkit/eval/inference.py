@@ -18,6 +18,7 @@ from wamkit.core.errors import UserError
 from wamkit.core.types import Observation
 from wamkit.eval.timeline import Timeline
 from wamkit.policies.base import RemoteCodec
+from wamkit.protocol.messages import observation_key
 
 class Inference(abc.ABC):
     max_request_size: int = 64   # the most observations one predict() may carry (the server's max batch size)
@@ -70,16 +71,15 @@ class InProcessInference(Inference):
         self.policy = policy
         self.max_request_size = int(policy.max_batch_size())
         policy.warmup(self.max_request_size)  # one-off work (e.g. CUDA graphs of every batch size) before any timing
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="policy")
+        # one worker thread: the batcher's own (batching), else this one
+        self._pool = None if batching is not None else ThreadPoolExecutor(1, thread_name_prefix="policy")
         self._batching = batching
         self._batcher = None
         self.merges_requests = batching is not None
-        self.calls: list[int] = []   # the observations of every policy call, in order
 
     def _run(self, observations, seeds):
         t0 = time.time()
         out = self.policy.predict(list(observations), list(seeds))
-        self.calls.append(len(observations))
         if self.timeline is not None:
             self.timeline.add("server", "compute", t0, time.time(), len(observations))
         return out
@@ -95,7 +95,7 @@ class InProcessInference(Inference):
 
     async def _predict(self, observations, seeds):
         if self._batcher is not None:
-            actions, _ = await self._batcher.submit(observations, seeds, [batch_key(o) for o in observations])
+            actions, _ = await self._batcher.submit(observations, seeds, [observation_key(o) for o in observations])
             return actions
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._run, observations, seeds)
@@ -103,14 +103,8 @@ class InProcessInference(Inference):
     async def close(self) -> None:
         if self._batcher is not None:
             await self._batcher.close()
-        self._pool.shutdown(wait=True)
-
-
-def batch_key(obs: Observation) -> tuple:
-    """What observations must share to go in one policy call: their cameras' names, shapes and dtypes, and their
-    state's shape (tasks may differ)."""
-    cams = tuple(sorted((c, np.shape(a), np.asarray(a).dtype.str) for c, a in obs.images.items()))
-    return cams, None if obs.state is None else np.shape(obs.state)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class ServerInference(Inference):

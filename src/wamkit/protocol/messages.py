@@ -83,10 +83,15 @@ class ActionRequest:
         return json.dumps(self.parameters, sort_keys=True, default=str)
 
     def group_key(self, i: int) -> tuple:
-        """Batch compatibility key of observation i: parameters (not seed) + camera names/shapes + state length."""
-        o = self.observations[i]
-        cams = tuple(sorted((k, tuple(v.shape)) for k, v in o.images.items()))
-        return (self.param_key(), cams, None if o.state is None else int(o.state.shape[0]))
+        """Batch compatibility key of observation i: parameters (not seed) + observation_key."""
+        return (self.param_key(), *observation_key(self.observations[i]))
+
+
+def observation_key(o: Observation) -> tuple:
+    """What observations must share to go in one policy call: camera names and shapes, state length (tasks may
+    differ)."""
+    cams = tuple(sorted((k, tuple(v.shape)) for k, v in o.images.items()))
+    return cams, None if o.state is None else int(o.state.shape[0])
 
 
 @dataclass
