@@ -424,6 +424,32 @@ def test_compiled_block_writes_kv_into_its_slots_only(one_thread, heads):
             assert not torch.equal(got[:, :, s:], base[:, :, s:])   # the slots were written
 
 
+@torch.no_grad()
+def test_compiled_block_returns_the_queries_folded(one_thread):
+    """With fold_q (kv_layout=folded), the compiled block before attention returns q already folded (each kv
+    head's query heads stacked along the query axis, contiguous: attention takes it with no copy in between), the
+    same values as folding the eager block's q; and the folded attention over it gives the unfolded one's output."""
+    from wamkit.policies.wam_ref import model as wm
+    torch.manual_seed(1)
+    hidden, heads, kvh, hd, s, n = 32, 4, 2, 8, 6, 3
+    blk = wm.GenBlock(hidden, 64, heads, kvh, hd).eval()
+    for b in (1, 3):
+        x, tmod = torch.randn(b, n, hidden), torch.randn(b, 6, hidden)
+        cos, sin = torch.randn(b, n, hd), torch.randn(b, n, hd)
+        args = (x, tmod, blk.modulation, (blk.q_proj.weight, blk.k_proj.weight, blk.v_proj.weight),
+                blk.q_norm.weight, blk.k_norm.weight, cos, sin, heads, kvh, hd, blk.eps)
+        q_ref = wm._block_in(*args)[0]
+        q_fold = wm._compiled("in")(*args, fold_q=True)[0]
+        assert q_fold.shape == (b, kvh, heads // kvh * n, hd) and q_fold.is_contiguous()
+        torch.testing.assert_close(q_fold, wm.fold_queries(q_ref, kvh), rtol=1e-4, atol=1e-5)
+        # query head j of group g sits at rows (j % (heads // kvh)) * n ... of kv head j // (heads // kvh)
+        torch.testing.assert_close(q_fold[:, 1, n:2 * n], q_ref[:, 3], rtol=1e-4, atol=1e-5)
+        k, v = torch.randn(b, kvh, s + n, hd), torch.randn(b, kvh, s + n, hd)
+        mask = torch.zeros(b, 1, 1, s + n)
+        torch.testing.assert_close(wm.attend_folded(q_fold, k, v, mask, heads),
+                                   wm.attend(q_ref, k, v, mask, fold=False), rtol=1e-4, atol=1e-5)
+
+
 def test_batched_vision_attention_matches_per_image_calls():
     """One SDPA call over all (equal-size) images = transformers' one call per image: same actions, and the
     vision tower's attention really is called once per layer, not once per image."""

@@ -186,6 +186,7 @@ def bench_predict(pol, b: int, reps: int, f: dict) -> dict:
         preps.append((time.perf_counter() - t0) * 1e3)
     prep_ms = statistics.median(preps)
     ph = phases(pol, inputs, seeds)
+    split = wall_split(pol, obs, seeds)
     m = pol.model
     with torch.no_grad():
         try:   # the vision tower alone, eager (transformers' get_image_features): only a split of the timing
@@ -200,7 +201,30 @@ def bench_predict(pol, b: int, reps: int, f: dict) -> dict:
             # the GPU's own rate (one sample()'s phases) and what the wall clock adds on top (host work, syncs)
             "device_tflops": b * f["total"] / (ph["prefix"] + ph["denoise"]) / 1e9,
             "host_ms": float(q[0]) - (ph["prefix"] + ph["denoise"]), **phase_tflops(f, b, ph["prefix"], ph["denoise"]),
-            "prefix_graph_errors": [str(e) for e in pol.engine.prefix_graph_errors.values()], "reps": reps}
+            "prefix_graph_errors": [str(e) for e in pol.engine.prefix_graph_errors.values()], "reps": reps,
+            "wall_split_ms": split}
+
+
+def wall_split(pol, obs, seeds, reps: int = 5) -> dict:
+    """Where predict's wall clock goes, each part synchronised before the next (median ms of `reps`): inputs
+    (prepare_inputs and their upload), sample (noise, the graph launches and the GPU's work, to the last kernel),
+    out (the actions' download and the inverse action pipeline). Against the phases' device time, sample's excess
+    is host work the GPU waits for."""
+    parts = {"inputs": [], "sample": [], "out": []}
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        inputs = pol.prepare_inputs([o.images for o in obs], [o.task for o in obs])
+        sync()
+        t1 = time.perf_counter()
+        a = pol.sample(inputs, seeds)
+        sync()
+        t2 = time.perf_counter()
+        pol.action_pipeline.inverse(a.cpu().numpy())
+        t3 = time.perf_counter()
+        for k, (u, w) in zip(parts, ((t0, t1), (t1, t2), (t2, t3))):
+            parts[k].append((w - u) * 1e3)
+    return {k: statistics.median(v) for k, v in parts.items()}
 
 
 # first match wins: attention before gemm (cuDNN's attention kernels are named cudnn_..._sdpa_sm90_flash_...)
@@ -502,7 +526,8 @@ def main(argv=None) -> int:
                    else "") + f"; GPU alone {r['device_tflops']:.0f} TFLOP/s, wall adds {r['host_ms']:.1f} ms) | "
                 f"prep {r['prep_ms']:.1f} (max {r['prep_ms_max']:.1f}) prefix {r['prefix_ms']:.1f} "
                 f"({r['prefix_tflops'] or 0:.0f} TFLOP/s; eager vision {r['vision_ms']:.1f}) loop "
-                f"{r['loop_ms']:.1f} ms ({r['loop_tflops'] or 0:.0f} TFLOP/s) | first call {r['first_call_ms']:.0f} ms")
+                f"{r['loop_ms']:.1f} ms ({r['loop_tflops'] or 0:.0f} TFLOP/s) | first call {r['first_call_ms']:.0f} ms"
+                f" | wall split: " + ", ".join(f"{k} {v:.1f}" for k, v in r["wall_split_ms"].items()) + " ms")
             save()
         res["gemm_tuning"] = {str(k): {"config": str(v.get("config")), "us": v.get("us")}
                               for k, v in pol.engine.gemm_tuning.items()}

@@ -115,39 +115,56 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.T
            fold: bool = False) -> torch.Tensor:
     """SDPA of q (B, H, n, hd) over k/v (B, Hkv, S, hd), H a multiple of Hkv (query head j reads kv head
     j // (H // Hkv), as enable_gqa orders them), with a mask over keys only ((B, 1, 1, S) or None: no causal
-    structure). fold=True computes grouped-query attention as plain attention over the Hkv heads, each group's
-    H // Hkv query heads stacked along the query axis ((B, Hkv, H // Hkv * n, hd)): exact because no query row
-    depends on another or on its position, and every SDPA kernel takes it (no enable_gqa): each group's K/V is
-    read once for all its query heads (a quarter of kv_layout=expanded's bytes at 32 / 8 heads) and a kernel's
-    query tile holds 4x the rows."""
-    b, h, n, hd = q.shape
-    kvh = k.shape[1]
+    structure). fold=True computes grouped-query attention as plain attention over the Hkv heads (see
+    fold_queries, attend_folded)."""
+    h, kvh = q.shape[1], k.shape[1]
     if kvh == h:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
     if not fold:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+    return attend_folded(fold_queries(q, kvh), k, v, attn_mask, h)
+
+
+def fold_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q (B, H, n, hd) -> (B, Hkv, H // Hkv * n, hd): each kv head's group of query heads stacked along the query
+    axis (a copy unless q is contiguous; the compiled block writes q in this layout itself, see _block_in)."""
+    b, h, n, hd = q.shape
+    return q.reshape(b, kv_heads, (h // kv_heads) * n, hd)
+
+
+def attend_folded(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                  heads: int) -> torch.Tensor:
+    """Grouped-query attention of folded queries qf (fold_queries) as plain attention over the Hkv heads; returns
+    (B, heads, n, hd). Exact because no query row depends on another or on its position, and every SDPA kernel
+    takes it (no enable_gqa): each group's K/V is read once for all its query heads (a quarter of
+    kv_layout=expanded's bytes at 32 / 8 heads) and a kernel's query tile holds 4x the rows."""
+    b, kvh, gn, hd = qf.shape
     if attn_mask is not None and attn_mask.shape[-2] != 1:
         raise ValueError(f"folded attention needs a mask over keys only, got mask shape {tuple(attn_mask.shape)}")
-    a = F.scaled_dot_product_attention(q.reshape(b, kvh, (h // kvh) * n, hd), k, v, attn_mask=attn_mask)
+    a = F.scaled_dot_product_attention(qf, k, v, attn_mask=attn_mask)
     # reshape, not view: the memory-efficient backend returns its output strided as (B, S, H, hd) transposed, which
     # cannot be viewed as (B, H, n, hd) (cuDNN's and math's are contiguous: there reshape is a view)
-    return a.reshape(b, h, n, hd)
+    return a.reshape(b, heads, gn * kvh // heads, hd)
 
 
 def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int,
-              head_dim: int, eps: float, gemm: str = "cublas", k_slot=None, v_slot=None):
+              head_dim: int, eps: float, gemm: str = "cublas", k_slot=None, v_slot=None, fold_q: bool = False):
     """GenBlock up to attention: AdaLN modulation, q/k/v projections (w_qkv: (wq, wk, wv) or fused [wq; wk; wv]),
     q/k norms, rotary. modulation None: tmod already holds this block's modulation (denoise precomputes it for
     every step and block). Pure function of its tensors (weights passed in), so one torch.compile serves every
     block (see GenBlock.compiled). k_slot/v_slot (inference): heads_slots views of the K/V buffers' scratch slots,
     written here, no other slot touched (compiled, Inductor stores K and V there itself: on the CPU inside the
-    kernel that computes them; the GPU's kernels are not profiled yet); k and v are then returned as None."""
+    kernel that computes them; the GPU's kernels are not profiled yet); k and v are then returned as None.
+    fold_q (kv_layout=folded): q is returned folded (fold_queries), so that compiled, the kernel that computes q
+    stores it in that layout instead of a strided copy before attention."""
     q, k, v, g1, sh2, sc2, g2 = _block_in_qkv(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads,
                                               kv_heads, head_dim, eps, gemm)
     if k_slot is not None:
         k_slot.copy_(k[:, :, None])
         v_slot.copy_(v[:, :, None])
         k = v = None
+    if fold_q:
+        q = fold_queries(q, kv_heads)
     return q, k, v, g1, sh2, sc2, g2
 
 
@@ -246,15 +263,17 @@ class GenBlock(nn.Module):
         # kv_room: this step's K/V go into the scratch slots, in place, written by fin itself
         slots = ((heads_slots(prefix_k, b, self.kv_heads, prefix_k.shape[2] - n, n),
                   heads_slots(prefix_v, b, self.kv_heads, prefix_v.shape[2] - n, n)) if kv_room else (None, None))
+        # folded attention over the kv-room buffers: fin returns q folded already (see _block_in)
+        fold_q = kv_room and self.fold_gqa and prefix_k.shape[1] == self.kv_heads < self.heads
         q, k, v, g1, sh2, sc2, g2 = fin(x, tmod, None if own_mod else self.modulation, w_qkv, self.q_norm.weight,
                                         self.k_norm.weight, cos, sin, self.heads, self.kv_heads, self.head_dim,
-                                        self.eps, self.gemm, *slots)
+                                        self.eps, self.gemm, *slots, fold_q=fold_q)
         if kv_room:
             k, v = prefix_k, prefix_v
         else:
             k = torch.cat([prefix_k.to(k.dtype), k], dim=2)
             v = torch.cat([prefix_v.to(v.dtype), v], dim=2)
-        a = attend(q, k, v, attn_mask, self.fold_gqa)
+        a = attend_folded(q, k, v, attn_mask, self.heads) if fold_q else attend(q, k, v, attn_mask, self.fold_gqa)
         return fout(x, a, g1, sh2, sc2, g2, self.o_proj.weight, w_gu, self.down_proj.weight, self.eps, self.gemm)
 
 
