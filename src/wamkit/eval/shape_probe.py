@@ -17,7 +17,13 @@ when the number of active envs falls well below what it was (the tail of a run) 
 fastest come within CLOSE of each other, one window each cannot tell them apart (on the H100 in session 13 greedy
 beat halves by 1.4% in the probe, while the fixed rows of those shapes differed by 5.5% the other way), so a *duel*
 follows: the two alternate for DUEL_LEGS more windows, and the one with the higher rate over all its windows is kept.
-It costs little: the shapes are within CLOSE of each other.
+It costs little: the shapes are within CLOSE of each other. How close is close comes from the real rows' own
+noise: in session 20's 16-env H100 rows, one shape's rate over a window of 0.4 s (this probe's usual window there)
+varied with a coefficient of variation of 7-11% along a row, and still 5-10% over 2 s windows (episode resets come in
+waves). Two single windows therefore cannot rank shapes 10% apart: that round measured halves at 420.6 obs/s and
+greedy at 391.1 (7% apart: no duel when CLOSE was 0.05), and kept halves, whose fixed row then ran at 358.9 against
+greedy's 391.1. So a duel now follows whenever the two fastest are within 15%, over 8 windows (five per shape with
+the round's), which brings a shape's pooled figure to ~4% at that noise.
 
 A round's windows are short, and a transient (the host slowing for a second or two) can fall in some of them: on the
 H100 in session 16, one round measured lockstep and halves ~40% below their other rounds (both cut short by the
@@ -95,8 +101,8 @@ class ShapeProbe:
     REPROBE_ACTIVE = 0.75     # measure again once active envs fall below this share of those at the last round
     REPROBE_S = 120.0         # ... or this long after it
     MAX_SHARE = 0.15          # a round starts only if it costs at most this share of the run's predicted rest
-    CLOSE = 0.05              # the two fastest this close: a duel decides (if it costs at most MAX_SHARE too)
-    DUEL_LEGS = 4             # ... of this many more windows, the two shapes alternating
+    CLOSE = 0.15              # the two fastest this close: a duel decides (if it costs at most MAX_SHARE too)
+    DUEL_LEGS = 8             # ... of this many more windows, the two shapes alternating
     CHECK_DROP = 0.10         # the kept shape's next window this far below its kept rate (and a rival cut short by
                               # the early stop): measure every shape again
     CHECK_NEEDS_CUT = True    # False: the drop alone sets off the recheck (bench_planner.py --transients compares)
