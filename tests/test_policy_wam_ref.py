@@ -433,15 +433,20 @@ def test_compiled_block_returns_the_queries_folded(one_thread):
     torch.manual_seed(1)
     hidden, heads, kvh, hd, s, n = 32, 4, 2, 8, 6, 3
     blk = wm.GenBlock(hidden, 64, heads, kvh, hd).eval()
-    for b in (1, 3):
+    w = (blk.q_proj.weight, blk.k_proj.weight, blk.v_proj.weight)
+    for b, w_qkv in ((1, w), (3, w), (2, torch.cat(w))):   # the training weights, then the fused inference ones
         x, tmod = torch.randn(b, n, hidden), torch.randn(b, 6, hidden)
         cos, sin = torch.randn(b, n, hd), torch.randn(b, n, hd)
-        args = (x, tmod, blk.modulation, (blk.q_proj.weight, blk.k_proj.weight, blk.v_proj.weight),
-                blk.q_norm.weight, blk.k_norm.weight, cos, sin, heads, kvh, hd, blk.eps)
-        q_ref = wm._block_in(*args)[0]
-        q_fold = wm._compiled("in")(*args, fold_q=True)[0]
-        assert q_fold.shape == (b, kvh, heads // kvh * n, hd) and q_fold.is_contiguous()
-        torch.testing.assert_close(q_fold, wm.fold_queries(q_ref, kvh), rtol=1e-4, atol=1e-5)
+        args = (x, tmod, blk.modulation, w_qkv, blk.q_norm.weight, blk.k_norm.weight, cos, sin, heads, kvh, hd,
+                blk.eps)
+        ref = wm._block_in(*args)
+        q_ref = ref[0]
+        for got in (wm._block_in(*args, fold_q=True), wm._compiled("in")(*args, fold_q=True)):
+            q_fold = got[0]
+            assert q_fold.shape == (b, kvh, heads // kvh * n, hd) and q_fold.is_contiguous()
+            torch.testing.assert_close(q_fold, wm.fold_queries(q_ref, kvh), rtol=1e-4, atol=1e-5)
+            for a, e in zip(got[1:], ref[1:]):   # k, v and the modulations as without the fold
+                torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
         # query head j of group g sits at rows (j % (heads // kvh)) * n ... of kv head j // (heads // kvh)
         torch.testing.assert_close(q_fold[:, 1, n:2 * n], q_ref[:, 3], rtol=1e-4, atol=1e-5)
         k, v = torch.randn(b, kvh, s + n, hd), torch.randn(b, kvh, s + n, hd)

@@ -35,8 +35,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (B, heads, L, hd); cos/sin (B, L, hd)
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+    # x (B, heads, L, hd) or (B, kv_heads, group, L, hd); cos/sin (B, L, hd)
+    at = (slice(None),) + (None,) * (x.dim() - 3)
+    return x * cos[at] + _rotate_half(x) * sin[at]
 
 
 @dataclass
@@ -127,7 +128,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.T
 
 def fold_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """q (B, H, n, hd) -> (B, Hkv, H // Hkv * n, hd): each kv head's group of query heads stacked along the query
-    axis (a copy unless q is contiguous; the compiled block writes q in this layout itself, see _block_in)."""
+    axis (a copy unless q's heads and tokens are laid out (group, n) contiguously; the block computes q in this
+    layout itself with fold_q, see _folded_queries)."""
     b, h, n, hd = q.shape
     return q.reshape(b, kv_heads, (h // kv_heads) * n, hd)
 
@@ -155,25 +157,41 @@ def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: i
     block (see GenBlock.compiled). k_slot/v_slot (inference): heads_slots views of the K/V buffers' scratch slots,
     written here, no other slot touched (compiled, Inductor stores K and V there itself: on the CPU inside the
     kernel that computes them; the GPU's kernels are not profiled yet); k and v are then returned as None.
-    fold_q (kv_layout=folded): q is returned folded (fold_queries), so that compiled, the kernel that computes q
-    stores it in that layout instead of a strided copy before attention."""
+    fold_q (kv_layout=folded): q is returned folded (fold_queries), normed and rotated in that layout (see
+    _folded_queries), so that compiled, the kernel that computes q stores it there: no copy before attention."""
     q, k, v, g1, sh2, sc2, g2 = _block_in_qkv(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads,
-                                              kv_heads, head_dim, eps, gemm)
+                                              kv_heads, head_dim, eps, gemm, fold_q)
     if k_slot is not None:
         k_slot.copy_(k[:, :, None])
         v_slot.copy_(v[:, :, None])
         k = v = None
-    if fold_q:
-        q = fold_queries(q, kv_heads)
     return q, k, v, g1, sh2, sc2, g2
 
 
+def _folded_queries(q: torch.Tensor, q_norm_w, cos, sin, kv_heads: int, head_dim: int, eps: float) -> torch.Tensor:
+    """q (B, n, heads * hd), a projection's output -> normed, rotated and folded (B, kv_heads, heads // kv_heads *
+    n, hd) (fold_queries' layout). The norm and the rotation run on the (B, kv_heads, group, n, hd) view, so their
+    result, contiguous in that shape, is the folded layout itself: compiled, the kernel that norms q writes it
+    where attention reads it. (q sliced from one tensor normed with k, as the unfolded path does, can be folded
+    only by a copy: its batch stride counts k's heads too.)"""
+    b, n, _ = q.shape
+    q = q.view(b, n, kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4)
+    q = _rope(F.rms_norm(q, (head_dim,), q_norm_w, eps), cos, sin)
+    return q.reshape(b, kv_heads, -1, head_dim)
+
+
 def _block_in_qkv(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int,
-                  head_dim: int, eps: float, gemm: str):
+                  head_dim: int, eps: float, gemm: str, fold_q: bool = False):
     b, n, hidden = x.shape
     mod = tmod if modulation is None else tmod + modulation.to(tmod.dtype)
     sh1, sc1, g1, sh2, sc2, g2 = mod.unbind(1)  # each (B, hidden)
     h = F.rms_norm(x, (hidden,), eps=eps) * (1 + sc1[:, None]) + sh1[:, None]
+    if fold_q:
+        q, k, v = _project(h, w_qkv, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), gemm)
+        k = F.rms_norm(k.view(b, n, kv_heads, head_dim), (head_dim,), k_norm_w, eps).transpose(1, 2)
+        v = v.view(b, n, kv_heads, head_dim).transpose(1, 2)
+        return (_folded_queries(q, q_norm_w, cos, sin, kv_heads, head_dim, eps), _rope(k, cos, sin), v,
+                g1, sh2, sc2, g2)
     if isinstance(w_qkv, torch.Tensor):
         # fused weights (inference): q and k normed and rotated as one tensor of heads + kv_heads heads, each head
         # with its own norm's weight (one kernel instead of two when compiled); v stays a view of the GEMM output
