@@ -72,6 +72,23 @@ def test_a_close_call_is_settled_by_a_duel_over_more_windows():
     assert spent[GREEDY] >= legs * window and "duel_obs_per_s" in p.summary()[0]
 
 
+def test_a_seven_percent_lead_in_one_window_is_dueled(monkeypatch):
+    """Session 20's 16-env round on an H100: halves' one window ran at 420/s and greedy's at 391/s (7% apart),
+    while over the row greedy's shape ran at ~410/s and halves' at ~385/s (a 0.4 s window varies 7-11% there). The
+    duel (any call within CLOSE = 15%) pools five windows per shape and keeps greedy; with the old CLOSE of 5% the
+    round's single windows would have kept halves."""
+    stream = {GREEDY: drifting(391.0, 410.0, 0.5), HALVES: drifting(420.0, 385.0, 1.1)}
+    p = ShapeProbe((GREEDY, HALVES))
+    drive(p, stream, until=8.0)
+    r = p.rounds[0]
+    assert r.rates[HALVES] > 1.05 * r.rates[GREEDY] and r.duel, p.summary()
+    assert r.chosen == GREEDY and p.current == GREEDY
+    monkeypatch.setattr(ShapeProbe, "CLOSE", 0.05)
+    p = ShapeProbe((GREEDY, HALVES))
+    drive(p, stream, until=8.0)
+    assert p.rounds[0].duel == {} and p.current == HALVES
+
+
 def slowed(rate: float, slow: float, start: float, end: float):
     """`rate` observations per second except `slow` in [start, end) (a transient: the host busy for a while)."""
     def count(t: float) -> int:
