@@ -23,7 +23,9 @@ varied with a coefficient of variation of 7-11% along a row, and still 5-10% ove
 waves). Two single windows therefore cannot rank shapes 10% apart: that round measured halves at 420.6 obs/s and
 greedy at 391.1 (7% apart: no duel when CLOSE was 0.05), and kept halves, whose fixed row then ran at 358.9 against
 greedy's 391.1. So a duel now follows whenever the two fastest are within 15%, over 8 windows (five per shape with
-the round's), which brings a shape's pooled figure to ~4% at that noise.
+the round's): at that noise ~4% per shape if the windows were independent, less well where slow waves span
+several of them (one call on an H100 in session 20: the duel reversed the round's order and auto ran at 0.990 of
+the best fixed row, against 0.956 the call before, on another card).
 
 A round's windows are short, and a transient (the host slowing for a second or two) can fall in some of them: on the
 H100 in session 16, one round measured lockstep and halves ~40% below their other rounds (both cut short by the

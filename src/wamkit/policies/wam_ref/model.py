@@ -156,7 +156,8 @@ def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: i
     every step and block). Pure function of its tensors (weights passed in), so one torch.compile serves every
     block (see GenBlock.compiled). k_slot/v_slot (inference): heads_slots views of the K/V buffers' scratch slots,
     written here, no other slot touched (compiled, Inductor stores K and V there itself: on the CPU inside the
-    kernel that computes them; the GPU's kernels are not profiled yet); k and v are then returned as None.
+    kernel that computes them, on an H200 in one kernel of its own per block, ~3.5 us at batch 64, where two ATen
+    copies ran before); k and v are then returned as None.
     fold_q (kv_layout=folded): q is returned folded (fold_queries), normed and rotated in that layout (see
     _folded_queries), so that compiled, the kernel that computes q stores it there: no copy before attention."""
     q, k, v, g1, sh2, sc2, g2 = _block_in_qkv(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads,
