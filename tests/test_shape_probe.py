@@ -345,6 +345,7 @@ def test_a_real_auto_eval_probes_switches_and_gets_the_lockstep_rows_episodes(tm
     monkeypatch.setattr(ShapeProbe, "WARM_ANSWERS", 1)
     monkeypatch.setattr(ShapeProbe, "WINDOW_CYCLES", 2.0)
     monkeypatch.setattr(ShapeProbe, "MIN_WINDOW_S", 0.05)
+    monkeypatch.setattr(ShapeProbe, "DUEL_LEGS", 2)   # a round (and a duel, if any) that ends well inside the run
     s = run_eval(cfg(tmp_path / "auto", "mode=auto"))
     shape = s["scheduler"]["auto_shape"]
     assert shape["probed"] and set(shape["rounds"][0]["rates_obs_per_s"]) == {PLAN, GREEDY, LOCKSTEP, HALVES}
