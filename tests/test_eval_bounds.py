@@ -149,6 +149,32 @@ def test_the_report_says_what_auto_measured_and_kept():
 
 
 
+def test_the_report_puts_auto_against_the_best_fixed_row_round_by_round():
+    """#19's measure in the report: each auto row's env steps/s over the best fixed (B, P) row's (A/B rows with
+    settings count as fixed rows), from the median rows and round by round (round k's rows against each other, not
+    the medians: the best fixed row can differ by round); nothing without fixed rows."""
+    from wamkit.eval.bench import auto_lines, auto_vs_best_fixed, markdown
+
+    rows = [{"row": "B=16, P=2", "env_steps_per_s": 100.0, "rounds": [100.0, 90.0, 110.0]},
+            {"row": "B=16, P=2 @ env_nice=10", "env_steps_per_s": 95.0, "rounds": [95.0, 96.0, 80.0]},
+            {"row": "auto", "env_steps_per_s": 99.0, "rounds": [99.0, 97.0, 88.0]},
+            {"row": "single-batch", "env_steps_per_s": 10.0, "rounds": [10.0, 10.0, 10.0]}]
+    got = auto_vs_best_fixed(rows)
+    assert set(got) == {"auto"} and got["auto"]["best_fixed"] == "B=16, P=2"
+    assert got["auto"]["ratio"] == pytest.approx(0.99)
+    assert got["auto"]["per_round"] == pytest.approx([0.99, 97.0 / 96.0, 0.8])
+    report = {"rows": [dict(x, episodes=1, episodes_per_hour=1.0, inference_obs_per_s=1.0, mean_batch=1.0,
+                            ratio_steps=None, ratio_episodes=None) for x in rows],
+              "rounds": 3, "bound": {"bound_env_steps_per_s": None}, "auto_vs_best_fixed": got}
+    assert auto_lines(report) == ["auto: 0.990 of the best fixed row (B=16, P=2); round by round 0.990, 1.010, "
+                                  "0.800."]
+    assert auto_lines(report)[0] in markdown(report)
+    one = [{"row": "B=1, P=16", "env_steps_per_s": 200.0}, {"row": "auto", "env_steps_per_s": 190.0}]
+    assert auto_vs_best_fixed(one) == {"auto": {"best_fixed": "B=1, P=16", "ratio": 0.95}}
+    assert auto_vs_best_fixed([{"row": "auto", "env_steps_per_s": 1.0}]) == {}
+    assert auto_lines({"rows": []}) == []
+
+
 def test_the_report_says_where_an_envs_cycle_goes():
     """timeline.env_cycle: per env lane, sim spans' mean and the mean gap from a sim's end to that lane's next span
     only when it is a sim (a reset after a sim ends the episode: no request between); cycle_lines puts it beside

@@ -386,6 +386,12 @@ def test_bench_eval_rounds_and_contended_bound(mw_serial, tmp_path):
     assert rep["bound"]["honest_env_steps_per_s"] == min(c["bound_env_steps_per_s"], lp["bound_env_steps_per_s"])
     assert all(r["of_honest_bound"] >= r["of_contended_bound"] for r in rep["rows"])
     assert "Loop bound" in markdown(rep)
+    fixed, auto = rep["rows"]           # auto against the one fixed row, over the medians and round by round
+    vs = rep["auto_vs_best_fixed"]["auto"]
+    assert vs["best_fixed"] == "B=2, P=1" and vs["ratio"] == pytest.approx(auto["env_steps_per_s"]
+                                                                           / fixed["env_steps_per_s"])
+    assert vs["per_round"] == pytest.approx([a / f for a, f in zip(auto["rounds"], fixed["rounds"])])
+    assert "of the best fixed row (B=2, P=1)" in markdown(rep)
     serial = {k: s for k, (s, _) in outcome_view(mw_serial).items()}
     for row in ("B2_P1", "auto"):
         for k in (1, 2):

@@ -496,7 +496,7 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
                                          "inference_batch": batch, "horizon": horizon,
                                          "bound_env_steps_per_s": bound, "contended": contended, "loop": loop,
                                          "honest_env_steps_per_s": honest_bound(bound, contended, loop)},
-              "rounds": rounds, "order": order,
+              "rounds": rounds, "order": order, "auto_vs_best_fixed": auto_vs_best_fixed(results),
               "plan": {"env": base.env, "suite": base.suite, "tasks": base.tasks, "trials": base.trials,
                        "num_envs": m, "max_steps": base.max_steps, "policy": base.policy,
                        "policy_args": base.policy_args,
@@ -505,7 +505,7 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     (out / "bench_eval.json").write_text(json.dumps(report, indent=2))
     (out / "bench_eval.md").write_text(markdown(report))
     console.print(table(report))
-    for line in probe_lines(results) + cycle_lines(results):
+    for line in auto_lines(report) + probe_lines(results) + cycle_lines(results):
         console.print(line)
     return report
 
@@ -586,6 +586,36 @@ def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def auto_vs_best_fixed(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each auto row (auto, auto+, auto-plan, with or without `@ key=value` settings) against the best fixed (B, P)
+    row of the same run (every `B=.., P=..` row, settings included): the ratio of their env steps/s and, over
+    several rounds, round by round (the rows of round k ran in round k, next to each other). {} without fixed rows."""
+    fixed = [x for x in rows if _row_parts(x["row"])[0].startswith("B=")]
+    if not fixed:
+        return {}
+    best = max(fixed, key=lambda x: x["env_steps_per_s"])
+    out = {}
+    for x in rows:
+        if not _row_parts(x["row"])[0].startswith("auto"):
+            continue
+        d: dict[str, Any] = {"best_fixed": best["row"], "ratio": x["env_steps_per_s"] / best["env_steps_per_s"]}
+        rounds = [f.get("rounds") for f in fixed]
+        if x.get("rounds") and all(r and len(r) == len(x["rounds"]) for r in rounds):
+            d["per_round"] = [a / max(r[k] for r in rounds) for k, a in enumerate(x["rounds"])]
+        out[x["row"]] = d
+    return out
+
+
+def auto_lines(report: dict[str, Any]) -> list[str]:
+    """One line per auto row: its share of the best fixed row (auto_vs_best_fixed). [] without both."""
+    out = []
+    for row, d in (report.get("auto_vs_best_fixed") or {}).items():
+        per = d.get("per_round")
+        out.append(f"{row}: {d['ratio']:.3f} of the best fixed row ({d['best_fixed']})"
+                   + (f"; round by round {', '.join(f'{v:.3f}' for v in per)}" if per else "") + ".")
+    return out
+
+
 def probe_lines(rows: list[dict[str, Any]]) -> list[str]:
     """What auto measured and kept (summary.scheduler.auto_shape), one line per auto row: each probe round's rates,
     after a close call its duel, the kept shape's check window, and whether a failed check started the round; the
@@ -639,7 +669,7 @@ def markdown(report: dict[str, Any]) -> str:
     render = render_line(report["rows"])
     if render:
         lines += [render, ""]
-    probes = probe_lines(report["rows"])
+    probes = auto_lines(report) + probe_lines(report["rows"])
     if probes:
         lines += probes + [""]
     cycles = cycle_lines(report["rows"])
