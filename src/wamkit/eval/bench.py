@@ -607,9 +607,11 @@ def auto_vs_best_fixed(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def auto_lines(report: dict[str, Any]) -> list[str]:
-    """One line per auto row: its share of the best fixed row (auto_vs_best_fixed). [] without both."""
+    """One line per auto row: its share of the best fixed row (auto_vs_best_fixed; computed from the rows for a
+    report written before it was recorded). [] without both."""
     out = []
-    for row, d in (report.get("auto_vs_best_fixed") or {}).items():
+    vs = report.get("auto_vs_best_fixed")
+    for row, d in (auto_vs_best_fixed(report.get("rows") or []) if vs is None else vs).items():
         per = d.get("per_round")
         out.append(f"{row}: {d['ratio']:.3f} of the best fixed row ({d['best_fixed']})"
                    + (f"; round by round {', '.join(f'{v:.3f}' for v in per)}" if per else "") + ".")
