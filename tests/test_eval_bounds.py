@@ -159,7 +159,7 @@ def test_the_report_puts_auto_against_the_best_fixed_row_round_by_round():
             {"row": "B=16, P=2 @ env_nice=10", "env_steps_per_s": 95.0, "rounds": [95.0, 96.0, 80.0]},
             {"row": "auto", "env_steps_per_s": 99.0, "rounds": [99.0, 97.0, 88.0]},
             {"row": "single-batch", "env_steps_per_s": 10.0, "rounds": [10.0, 10.0, 10.0]}]
-    got = auto_vs_best_fixed(rows)
+    got = auto_vs_best_fixed(rows + [{"row": "auto+", "env_steps_per_s": 150.0}])   # auto+: another workload
     assert set(got) == {"auto"} and got["auto"]["best_fixed"] == "B=16, P=2"
     assert got["auto"]["ratio"] == pytest.approx(0.99)
     assert got["auto"]["per_round"] == pytest.approx([0.99, 97.0 / 96.0, 0.8])

@@ -587,16 +587,17 @@ def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def auto_vs_best_fixed(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each auto row (auto, auto+, auto-plan, with or without `@ key=value` settings) against the best fixed (B, P)
-    row of the same run (every `B=.., P=..` row, settings included): the ratio of their env steps/s and, over
-    several rounds, round by round (the rows of round k ran in round k, next to each other). {} without fixed rows."""
+    """Each auto row (auto, auto-plan, with or without `@ key=value` settings; not auto+, whose episodes end at
+    success while the fixed rows run to max_steps) against the best fixed (B, P) row of the same run (every
+    `B=.., P=..` row, settings included): the ratio of their env steps/s and, over several rounds, round by round
+    (the rows of round k ran in round k, next to each other). {} without fixed rows."""
     fixed = [x for x in rows if _row_parts(x["row"])[0].startswith("B=")]
     if not fixed:
         return {}
     best = max(fixed, key=lambda x: x["env_steps_per_s"])
     out = {}
     for x in rows:
-        if not _row_parts(x["row"])[0].startswith("auto"):
+        if _row_parts(x["row"])[0] not in ("auto", "auto-plan"):
             continue
         d: dict[str, Any] = {"best_fixed": best["row"], "ratio": x["env_steps_per_s"] / best["env_steps_per_s"]}
         rounds = [f.get("rounds") for f in fixed]

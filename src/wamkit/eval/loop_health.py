@@ -36,7 +36,7 @@ class LagHistogram:
 
     def __init__(self):
         self._log_ratio = math.log(self.RATIO)
-        self.counts = np.zeros(2 + int(np.log(self.CEIL_S / self.FLOOR_S) / self._log_ratio), np.int64)
+        self.counts = np.zeros(2 + int(math.log(self.CEIL_S / self.FLOOR_S) / self._log_ratio), np.int64)
         self.n = 0
         self.max = 0.0
 
