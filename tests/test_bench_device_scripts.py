@@ -94,6 +94,21 @@ def test_bench_nano_kernel_time_split_by_phase():
 
 
 
+def test_bench_nano_lists_the_loops_kernels_per_block_and_step():
+    """The denoising loop's kernels launched at least once per block and step (2 blocks x 3 steps here), with
+    launches per block-step and time per launch; the prefix's kernels and the loop's rarer ones are left out."""
+    nano = _load("bench_nano")
+    spans = [("prefix", 0.0, 100.0), ("denoise", 100.0, 1000.0)]
+    kernels = ([("gemm_a", 10.0, 60.0)]                                           # the prefix's
+               + [("gemm_b", 100.0 + 20 * i, 110.0 + 20 * i) for i in range(12)]  # twice per block-step, 10 us
+               + [("copy_q", 400.0 + 10 * i, 404.0 + 10 * i) for i in range(6)]   # once, 4 us
+               + [("final_norm", 900.0, 950.0)])                                  # once per call
+    got = nano.block_step_kernels(spans, kernels, 2 * 3)
+    assert got == [{"kernel": "gemm_b", "per_block_step": 2.0, "us": 10.0, "ms": 0.12},
+                   {"kernel": "copy_q", "per_block_step": 1.0, "us": 4.0, "ms": 0.024}]
+    assert nano.block_step_kernels([("prefix", 0.0, 100.0)], kernels, 6) == []
+
+
 def test_bench_lanes_runs_the_eval_rows_policy():
     """bench_lanes.py's lanes are the eval server's policy (eval_metaworld.yaml's policy_args, CUDA graphs on), not a
     copy of it: session 15's copy lacked cuda_graphs and timed eager calls the eval never makes."""

@@ -252,12 +252,13 @@ def profile(pol, b: int, rows: int = 25) -> dict:
     pol.sample(inputs, seeds)        # capture / compile outside the profile
     ph = phases(pol, inputs, seeds)
     sync()
-    events, kinds, kernels, by_phase = _trace(pol, inputs, seeds)
+    events, kinds, kernels, by_phase, per_block = _trace(pol, inputs, seeds,
+                                                         len(pol.model.gen.blocks) * pol.num_inference_steps)
     out = {"batch": b, "mode": {"cuda_graphs": pol.cuda_graphs, "prefix_graphs": pol.prefix_graphs,
                                 "fused": pol.fused, "compile": pol.compile, "kv_layout": pol.kv_layout,
                                 "gemm": pol.gemm},
            "phases_ms": ph, "kernel_ms_by_kind": kinds, "kernel_ms_total": round(sum(kinds.values()), 3),
-           "kernel_launches": kernels, "kernel_ms_by_phase": by_phase,
+           "kernel_launches": kernels, "kernel_ms_by_phase": by_phase, "loop_kernels_per_block_step": per_block,
            # device time of the phases not covered by kernels: launch gaps, host work between graph replays
            "idle_ms": round(sum(ph.values()) - sum(kinds.values()), 3) if on_cuda() else None,
            "table": events.table(sort_by="cuda_time_total" if on_cuda() else "cpu_time_total", row_limit=rows,
@@ -266,7 +267,7 @@ def profile(pol, b: int, rows: int = 25) -> dict:
         pol.cuda_graphs = False
         try:
             pol.sample(inputs, seeds)
-            ev, out["kernel_ms_by_kind_eager"], out["kernel_launches_eager"], out["kernel_ms_by_phase_eager"] = \
+            ev, out["kernel_ms_by_kind_eager"], out["kernel_launches_eager"], out["kernel_ms_by_phase_eager"], _ = \
                 _trace(pol, inputs, seeds)
             out["table_eager"] = ev.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
         finally:
@@ -287,6 +288,22 @@ def kinds_by_phase(spans, kernels) -> dict[str, dict[str, float]]:
     return {ph: {k: round(v, 3) for k, v in sorted(kinds.items())} for ph, kinds in sorted(out.items())}
 
 
+def block_step_kernels(spans, kernels, block_steps: int) -> list[dict]:
+    """The denoising loop's kernels that run at least once per block and step (launched >= block_steps times in the
+    denoise range: layers x steps), by name: launches per block and step, us per launch and ms in all, the most
+    time first. What a change to the compiled blocks adds or removes shows here as a line gained or lost."""
+    rng = next(((a, b) for ph, a, b in spans if ph == "denoise"), None)
+    if rng is None or block_steps <= 0:
+        return []
+    per: dict[str, list[float]] = {}
+    for name, t0, t1 in kernels:
+        if rng[0] <= 0.5 * (t0 + t1) <= rng[1]:
+            per.setdefault(name, []).append(t1 - t0)
+    rows = [{"kernel": k, "per_block_step": round(len(v) / block_steps, 2), "us": round(sum(v) / len(v), 2),
+             "ms": round(sum(v) / 1e3, 3)} for k, v in per.items() if len(v) >= block_steps]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
 def _device_spans(raw_events):
     """(phase spans, kernels) from torch.profiler's raw events: the device-side events only."""
     spans, kernels = [], []
@@ -301,9 +318,9 @@ def _device_spans(raw_events):
     return spans, kernels
 
 
-def _trace(pol, inputs, seeds):
+def _trace(pol, inputs, seeds, block_steps: int = 0):
     """torch.profiler over one sample(): (key averages, device kernel ms by kind, kernel launches, device kernel ms
-    by phase and kind: {} off CUDA)."""
+    by phase and kind, the loop's kernels per block and step (block_step_kernels): {} and [] off CUDA)."""
     from torch.profiler import ProfilerActivity, profile as prof
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda() else [])
@@ -321,8 +338,10 @@ def _trace(pol, inputs, seeds):
             ms = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / 1e3
             kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + ms
             kernels += e.count
-    by_phase = kinds_by_phase(*_device_spans(p.events())) if on_cuda() else {}
-    return events, {k: round(v, 3) for k, v in sorted(kinds.items())}, kernels, by_phase
+    spans = _device_spans(p.events()) if on_cuda() else None
+    by_phase = kinds_by_phase(*spans) if spans else {}
+    per_block = block_step_kernels(*spans, block_steps) if spans else []
+    return events, {k: round(v, 3) for k, v in sorted(kinds.items())}, kernels, by_phase, per_block
 
 
 def check(pol, batches: list[int]) -> dict:
@@ -542,7 +561,9 @@ def main(argv=None) -> int:
             pr = res["profile"][str(b)] = profile(pol, b)
             log(f"--- profile sample() b={b} {pr['mode']}: phases {pr['phases_ms']} kernels by kind "
                 f"{pr['kernel_ms_by_kind']} ({pr['kernel_launches']} launches); by phase "
-                f"{pr['kernel_ms_by_phase']}\n" + pr["table"])
+                f"{pr['kernel_ms_by_phase']}\n" + pr["table"] + "\nthe loop's kernels per block and step:\n"
+                + "\n".join(f"  {r['per_block_step']:5.2f} x {r['us']:8.2f} us = {r['ms']:8.3f} ms  {r['kernel'][:90]}"
+                            for r in pr["loop_kernels_per_block_step"]))
         except Exception as e:
             log(f"profile b={b} FAILED: {type(e).__name__}: {e}")
         save()
