@@ -187,13 +187,7 @@ def _block_in_qkv(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, head
     mod = tmod if modulation is None else tmod + modulation.to(tmod.dtype)
     sh1, sc1, g1, sh2, sc2, g2 = mod.unbind(1)  # each (B, hidden)
     h = F.rms_norm(x, (hidden,), eps=eps) * (1 + sc1[:, None]) + sh1[:, None]
-    if fold_q:
-        q, k, v = _project(h, w_qkv, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), gemm)
-        k = F.rms_norm(k.view(b, n, kv_heads, head_dim), (head_dim,), k_norm_w, eps).transpose(1, 2)
-        v = v.view(b, n, kv_heads, head_dim).transpose(1, 2)
-        return (_folded_queries(q, q_norm_w, cos, sin, kv_heads, head_dim, eps), _rope(k, cos, sin), v,
-                g1, sh2, sc2, g2)
-    if isinstance(w_qkv, torch.Tensor):
+    if isinstance(w_qkv, torch.Tensor) and not fold_q:
         # fused weights (inference): q and k normed and rotated as one tensor of heads + kv_heads heads, each head
         # with its own norm's weight (one kernel instead of two when compiled); v stays a view of the GEMM output
         qkv = _linear(h, w_qkv, gemm)
@@ -203,11 +197,15 @@ def _block_in_qkv(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, head
         qk = _rope((F.rms_norm(qk, (head_dim,), eps=eps) * w_qk).transpose(1, 2), cos, sin)
         v = qkv[..., nqk * head_dim:].view(b, n, kv_heads, head_dim).transpose(1, 2)
         return qk[:, :heads], qk[:, heads:], v, g1, sh2, sc2, g2
+    # one projection each (the training weights), or fold_q: q normed apart from k, in the folded layout
     q, k, v = _project(h, w_qkv, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), gemm)
-    q = F.rms_norm(q.view(b, n, heads, head_dim), (head_dim,), q_norm_w, eps).transpose(1, 2)
+    if fold_q:
+        q = _folded_queries(q, q_norm_w, cos, sin, kv_heads, head_dim, eps)
+    else:
+        q = _rope(F.rms_norm(q.view(b, n, heads, head_dim), (head_dim,), q_norm_w, eps).transpose(1, 2), cos, sin)
     k = F.rms_norm(k.view(b, n, kv_heads, head_dim), (head_dim,), k_norm_w, eps).transpose(1, 2)
     v = v.view(b, n, kv_heads, head_dim).transpose(1, 2)
-    return _rope(q, cos, sin), _rope(k, cos, sin), v, g1, sh2, sc2, g2
+    return q, _rope(k, cos, sin), v, g1, sh2, sc2, g2
 
 
 def _block_out(x, a, g1, sh2, sc2, g2, wo, w_gu, wd, eps: float, gemm: str = "cublas"):
