@@ -177,16 +177,10 @@ def bench_predict(pol, b: int, reps: int, f: dict) -> dict:
         t0 = time.perf_counter()
         pol.predict(obs, seeds)
         lat.append((time.perf_counter() - t0) * 1e3)
+    # predict's wall clock in parts (its inputs part is the host preprocessing + uploads, median of 5), then the
     # device-time split of one sample() in this mode: prefix pass vs denoising loop (CUDA events at the boundary)
-    preps = []   # host preprocessing (+ its uploads), which predict runs before the GPU work: median of 5
-    for _ in range(5):
-        t0 = time.perf_counter()
-        inputs = pol.prepare_inputs([o.images for o in obs], [o.task for o in obs])
-        sync()
-        preps.append((time.perf_counter() - t0) * 1e3)
-    prep_ms = statistics.median(preps)
+    split, inputs = wall_split(pol, obs, seeds)
     ph = phases(pol, inputs, seeds)
-    split = wall_split(pol, obs, seeds)
     m = pol.model
     with torch.no_grad():
         try:   # the vision tower alone, eager (transformers' get_image_features): only a split of the timing
@@ -195,8 +189,8 @@ def bench_predict(pol, b: int, reps: int, f: dict) -> dict:
             vision_ms = float("nan")
     q = np.percentile(lat, [50, 99])
     return {"batch": b, "p50_ms": float(q[0]), "p99_ms": float(q[1]), "mean_ms": float(np.mean(lat)),
-            "obs_s": b / (float(q[0]) / 1e3), "first_call_ms": first_ms, "prep_ms": prep_ms,
-            "prep_ms_max": max(preps), "prefix_ms": ph["prefix"], "vision_ms": vision_ms, "loop_ms": ph["denoise"],
+            "obs_s": b / (float(q[0]) / 1e3), "first_call_ms": first_ms, "prep_ms": split["inputs"],
+            "prep_ms_max": split.pop("inputs_max"), "prefix_ms": ph["prefix"], "vision_ms": vision_ms, "loop_ms": ph["denoise"],
             "sample_ms": ph["prefix"] + ph["denoise"],
             # the GPU's own rate (one sample()'s phases) and what the wall clock adds on top (host work, syncs)
             "device_tflops": b * f["total"] / (ph["prefix"] + ph["denoise"]) / 1e9,
@@ -205,11 +199,11 @@ def bench_predict(pol, b: int, reps: int, f: dict) -> dict:
             "wall_split_ms": split}
 
 
-def wall_split(pol, obs, seeds, reps: int = 5) -> dict:
+def wall_split(pol, obs, seeds, reps: int = 5) -> tuple[dict, dict]:
     """Where predict's wall clock goes, each part synchronised before the next (median ms of `reps`): inputs
-    (prepare_inputs and their upload), sample (noise, the graph launches and the GPU's work, to the last kernel),
-    out (the actions' download and the inverse action pipeline). Against the phases' device time, sample's excess
-    is host work the GPU waits for."""
+    (prepare_inputs and their upload; also inputs_max), sample (noise, the graph launches and the GPU's work, to
+    the last kernel), out (the actions' download and the inverse action pipeline). Against the phases' device time,
+    sample's excess is host work the GPU waits for. Returns (that split, the last model inputs)."""
     parts = {"inputs": [], "sample": [], "out": []}
     for _ in range(reps):
         sync()
@@ -224,7 +218,7 @@ def wall_split(pol, obs, seeds, reps: int = 5) -> dict:
         t3 = time.perf_counter()
         for k, (u, w) in zip(parts, ((t0, t1), (t1, t2), (t2, t3))):
             parts[k].append((w - u) * 1e3)
-    return {k: statistics.median(v) for k, v in parts.items()}
+    return {**{k: statistics.median(v) for k, v in parts.items()}, "inputs_max": max(parts["inputs"])}, inputs
 
 
 # first match wins: attention before gemm (cuDNN's attention kernels are named cudnn_..._sdpa_sm90_flash_...)
