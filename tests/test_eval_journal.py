@@ -93,6 +93,7 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
     import collections
     import time
 
+    from wamkit.eval.affinity import TaskAffinity
     from wamkit.eval.scheduler import RequestPlanner
 
     class Inf:
@@ -100,7 +101,7 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
         latencies: list = []
 
     def deadline(a, started_ago, s0=1.0, waited=0.0, slot_free_ago=None, about_to_start=False, resetting=None,
-                 first=False):
+                 first=False, loading=None):
         sched = type("S", (), {})()
         sched.inference = Inf()
         sched.inference.latencies = [(n, a + 0.001 * n) for n in (1, 2, 4)]
@@ -112,9 +113,14 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
         sched.simulating = 0 if about_to_start else 1
         sched.active_envs = 2
         sched.reset_started, sched.reset_samples = {}, collections.deque()
+        sched.affinity = TaskAffinity({})
         if resetting is not None:             # the other env is resetting: started `resetting[0]` ago, resets take [1]
             sched.sim_started, sched.simulating = {}, 1
             sched.reset_started, sched.reset_samples = {1: now - resetting[0]}, collections.deque([resetting[1]] * 3)
+            if loading is not None:           # ... and builds another task's scene, loads taking `loading` s
+                sched.affinity = TaskAffinity({}, loading)
+                sched.affinity.reset_begun(1, 0)
+                sched.affinity._loading[1] = now - resetting[0]
         if first:
             sched.inference.latencies = []
         ab = RequestPlanner(sched)
@@ -138,6 +144,10 @@ def test_auto_waits_for_the_next_env_only_when_that_beats_another_call():
     assert deadline(a=0.8, started_ago=0, resetting=(0.2, 0.5)) == pytest.approx(min(0.3 + m * 1.0 + 0.005, w),
                                                                                  abs=0.02)
     assert deadline(a=0.8, started_ago=0, resetting=(0.0, 2.0)) <= 0.01        # 2 s away: send now
+    # a reset that builds another task's scene ends as long as the loads done took, whatever the soft resets take
+    assert deadline(a=0.8, started_ago=0, resetting=(0.2, 0.5), loading=2.0) <= 0.01
+    assert deadline(a=0.8, started_ago=0, resetting=(0.0, 2.0), loading=0.3) == pytest.approx(
+        min(0.3 + m * 1.0 + 0.005, w), abs=0.02)
     # the very first request (no call measured yet) waits for the other env's first reset
     assert deadline(a=0.8, started_ago=0, resetting=(0.0, 0.9), first=True) > 0.85
     # waiting for a request slot is not waiting to batch: the budget counts from when the slot came free

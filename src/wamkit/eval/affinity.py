@@ -135,9 +135,21 @@ class TaskAffinity:
             return time.monotonic() - min(self._loading.values())
         return None
 
-    def reset_begun(self, i: int, task: int) -> None:
+    def reset_begun(self, i: int, task: int) -> bool:
+        """Env i starts its reset to `task`: True where it loads a scene (another task than the one it has built)."""
         if self.scene.get(i) != task:
             self._loading[i] = time.monotonic()
+            return True
+        return False
+
+    def loads_under_way(self) -> dict[int, float]:
+        """env -> when its scene load under way is predicted to end (monotonic: its start + the median load done so
+        far); empty until a load has been measured (or hinted by the workers: a fresh run's first loads all start
+        together, and nothing says yet how long they take)."""
+        if not self.load_samples or not self._loading:
+            return {}
+        load = statistics.median(self.load_samples)
+        return {i: t0 + load for i, t0 in self._loading.items()}
 
     def reset_done(self, i: int, task: int, seconds: float) -> None:
         self._loading.pop(i, None)

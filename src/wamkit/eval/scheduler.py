@@ -184,7 +184,9 @@ class Scheduler:
         t0 = time.time()
         self.simulating += 1
         self.reset_started[i] = m0 = time.monotonic()
-        self.affinity.reset_begun(i, ep.task_id)
+        if self.affinity.reset_begun(i, ep.task_id) and self.batcher is not None:
+            # a scene load: what waits for this env may go without it (joinable_soon)
+            asyncio.get_running_loop().call_soon(self.batcher.poke)
         try:
             obs = await self._call(i, "reset", self.envs[i].reset(ep.task_id, ep.trial))
             dt = time.monotonic() - m0
@@ -355,6 +357,18 @@ class Scheduler:
             await asyncio.gather(*(step(i, chunks[i]) for i in active))
 
 
+def joinable_soon(p: "RequestPlanner") -> int:
+    """The planner's joinable envs, less those loading a scene predicted to end more than a call from now: the
+    lockstep and halves shapes send without them, and they join a later request. A load takes ~0.3 s on MetaWorld
+    (~15 calls) and seconds on LIBERO: in session 21's 32-env H100 rows auto's lockstep waited out each of the row's
+    scene loads with every other env idle, 1.9 s of its 26.2 s, about what it lost to the B=16, P=2 row."""
+    loads = p.s.affinity.loads_under_way()
+    if not loads:
+        return p._joinable()
+    soon = time.monotonic() + p._median_call(50, default=0.0)
+    return p._joinable() - sum(1 for end in loads.values() if end > soon)
+
+
 def send_by_shape(p: "RequestPlanner") -> None:
     """Dispatch what the planner's current shape, one of the measured shapes other than the plan, sends now (the
     shapes: RequestPlanner.shape)."""
@@ -362,13 +376,13 @@ def send_by_shape(p: "RequestPlanner") -> None:
         while p.pending and p.in_flight < max(1, p.s.active_envs):
             p._dispatch(p.cap)
     elif p.shape == LOCKSTEP:
-        while p.pending and p._joinable() <= 0:
+        while p.pending and joinable_soon(p) <= 0:
             p._dispatch(p.cap)
     elif p.shape == HALVES:
         active = max(1, p.s.active_envs)
         half = min(p.cap, math.ceil(active / 2))
         depth = math.ceil(active / half)
-        while p.pending and p.in_flight < depth and (len(p.pending) >= half or p._joinable() <= 0):
+        while p.pending and p.in_flight < depth and (len(p.pending) >= half or joinable_soon(p) <= 0):
             p._dispatch(half)
 
 
@@ -551,8 +565,9 @@ class RequestPlanner:
         if joinable > self.s.simulating:          # envs that got their actions and are about to simulate
             arrivals.append(now + chunk)
         if self.s.reset_started and self.s.reset_samples:   # resets end about as long as the last ones took
-            reset = statistics.median(self.s.reset_samples)
-            arrivals += [t + reset for t in self.s.reset_started.values()]
+            reset = statistics.median(self.s.reset_samples)   # (a scene load: as long as the loads done took)
+            loads = self.s.affinity.loads_under_way()
+            arrivals += [loads.get(i, t + reset) for i, t in self.s.reset_started.items()]
             if not self.inf.latencies:
                 # the first request: nothing measured about calls yet, and the envs' first resets started together
                 wait = max(wait, reset)
