@@ -291,6 +291,37 @@ def test_halves_under_a_request_cap_keeps_every_env_served(monkeypatch, planners
     assert max(n for n, _ in pl.decisions) == 4 and max(k for _, k in pl.decisions) == 4
 
 
+def test_an_env_loading_a_scene_is_waited_for_only_when_its_load_ends_within_a_call():
+    """joinable_soon: of two envs that could join (neither waiting nor in flight), the one loading a scene counts
+    only while its load (predicted from the loads done: 0.3 s) ends within a call (20 ms) from now; a load past
+    its predicted end is not waited for; nothing is discounted before a load has been measured."""
+    import time
+
+    from wamkit.eval.affinity import TaskAffinity
+
+    class Planner:
+        def __init__(self, affinity):
+            self.s = type("S", (), {"affinity": affinity})()
+
+        def _joinable(self):
+            return 2
+
+        def _median_call(self, last, default):
+            return 0.02
+
+    def joinable(started_ago, hint=0.3):
+        aff = TaskAffinity({}, hint)
+        assert aff.reset_begun(1, 3)                  # env 1 builds task 3's scene
+        assert not TaskAffinity({1: 3}).reset_begun(1, 3)   # the scene it has: a soft reset, no load
+        aff._loading[1] = time.monotonic() - started_ago
+        return scheduler_mod.joinable_soon(Planner(aff))
+
+    assert joinable(0.0) == 1                         # 0.3 s to go: not waited for
+    assert joinable(0.29) == 2                        # ~10 ms to go: within a call, waited for
+    assert joinable(0.5) == 1                         # past its predicted end: not waited for
+    assert joinable(0.0, hint=None) == 2              # no load measured yet: no prediction, every env counts
+
+
 @pytest.mark.parametrize("shape", [LOCKSTEP, HALVES])
 def test_lockstep_and_halves_do_not_hold_a_request_for_an_env_loading_a_scene(monkeypatch, shape):
     """Session 21's 32-env H100 rows: auto's lockstep waited out each mid-run scene load (~0.3 s on MetaWorld) with

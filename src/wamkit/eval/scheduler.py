@@ -361,12 +361,14 @@ def joinable_soon(p: "RequestPlanner") -> int:
     """The planner's joinable envs, less those loading a scene predicted to end more than a call from now: the
     lockstep and halves shapes send without them, and they join a later request. A load takes ~0.3 s on MetaWorld
     (~15 calls) and seconds on LIBERO: in session 21's 32-env H100 rows auto's lockstep waited out each of the row's
-    scene loads with every other env idle, 1.9 s of its 26.2 s, about what it lost to the B=16, P=2 row."""
+    scene loads with every other env idle, 1.9 s of its 26.2 s, about what it lost to the B=16, P=2 row. A load
+    past its predicted end is not waited for either: when it ends is no longer known (LIBERO's vary 5-10 s)."""
     loads = p.s.affinity.loads_under_way()
     if not loads:
         return p._joinable()
-    soon = time.monotonic() + p._median_call(50, default=0.0)
-    return p._joinable() - sum(1 for end in loads.values() if end > soon)
+    now = time.monotonic()
+    soon = now + p._median_call(50, default=0.0)
+    return p._joinable() - sum(1 for end in loads.values() if not now <= end <= soon)
 
 
 def send_by_shape(p: "RequestPlanner") -> None:
