@@ -420,6 +420,49 @@ def test_a_real_auto_eval_probes_switches_and_gets_the_lockstep_rows_episodes(tm
     assert off == {"shape": PLAN, "probed": False, "why": "probe off", "rounds": []}
 
 
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_a_real_lockstep_sends_while_an_env_loads_a_scene_and_gets_the_fixed_rows_episodes(tmp_path, monkeypatch):
+    """MetaWorld's scripted expert behind a local `wamkit serve`, 2 envs on 3 tasks, auto held to the lockstep shape:
+    the env whose task runs out first (reach's episodes end sooner than drawer-open's) loads the third task's scene
+    while the other env still runs, and a request goes without it (before session 21 it waited for the load);
+    every episode's outcome and executed actions equal the fixed lockstep row's."""
+    import json
+
+    from wamkit.core.config import load_config
+    from wamkit.eval.config import EvalConfig
+    from wamkit.eval.metrics import outcome_view
+    from wamkit.eval.runner import run_eval
+
+    def cfg(out, *extra):
+        return load_config(EvalConfig, None, ["env=metaworld", "suite=mt",
+                                              "env_args.tasks=reach-v3,drawer-open-v3,pick-place-v3", "trials=2",
+                                              "image_size=32", "policy=metaworld-expert", "horizon=4",
+                                              "max_steps=80", "progress=false", "num_envs=2", "inference=server",
+                                              f"out={out}", *extra])
+
+    def episodes(out):
+        rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+        digests = {r["key"]: r["actions_digest"] for r in rows}
+        return {k: (*v, digests[k]) for k, v in outcome_view(rows).items()}
+
+    run_eval(cfg(tmp_path / "lockstep", "mode=pipelines", "request_size=2", "pipelines=1"))
+    monkeypatch.setattr(scheduler_mod, "ShapeProbe", lambda: ShapeProbe((LOCKSTEP,)))
+    sent_during_loads = []
+    dispatch = scheduler_mod.RequestPlanner._dispatch
+
+    def logged(self, n):
+        if self.s.affinity.loads_under_way():
+            sent_during_loads.append(len(self.pending))
+        dispatch(self, n)
+
+    monkeypatch.setattr(scheduler_mod.RequestPlanner, "_dispatch", logged)
+    s = run_eval(cfg(tmp_path / "auto", "mode=auto"))
+    assert s["scheduler"]["auto_shape"]["shape"] == LOCKSTEP and s["scheduler"]["scene_loads"] >= 3
+    assert sent_during_loads and min(sent_during_loads) == 1, sent_during_loads   # the other env's, alone
+    assert s["episodes"] == 6 and episodes(tmp_path / "auto") == episodes(tmp_path / "lockstep")
+
+
 def test_the_rest_of_the_run_is_bounded_before_any_episode_ends_and_estimated_after():
     """Before an episode has ended, every queued one will outlast the run so far (a lower bound: 40 queued over 4
     envs after 2 s is >= 20 s); after, episodes left x the mean episode / active envs."""
