@@ -371,9 +371,12 @@ def test_eval_default_protocol_on_a_local_server_is_the_websocket_and_matches_ht
     from wamkit.eval.inference import LOCAL_SERVE_PROTOCOL
     from wamkit.eval.runner import run_eval
 
-    s = run_eval(mw_cfg(tmp_path / "auto"))
+    # a header deadline far shorter than the run: the websockets must outlive it (until session 21 each was closed
+    # when it came, and every request in flight then was retried on a new connection)
+    s = run_eval(mw_cfg(tmp_path / "auto", "server.serve_args.header_timeout_s=0.5"))
     assert LOCAL_SERVE_PROTOCOL == "sglang-ws" and s["scheduler"]["server_protocol"] == "sglang-ws"
     assert s["config"]["server"]["protocol"] == "auto"
+    assert s["throughput"]["wall_s"] > 2.0 and s["scheduler"]["request_retries"] == 0, s["scheduler"]
     # the arrays went through shared memory (server.shm_arrays, on by default for the servers eval starts)
     assert s["config"]["server"]["shm_arrays"] is True and s["scheduler"]["server_shm_arrays"] is True
     assert s["episodes"] == 4 and episodes(tmp_path / "auto") == mw_http
@@ -404,3 +407,27 @@ def test_eval_sglang_ws_against_a_running_server_url_matches_http(mw_http, tmp_p
         m = httpx.get(w.url + "/metrics", headers={"authorization": f"Bearer {TOKEN}"}).json()
     assert s["episodes"] == 4 and episodes(tmp_path / "rt") == mw_http
     assert m["counts"]["ws_connections"] >= 1 and m["counts"]["observations"] > 0
+
+
+@pytest.mark.parametrize("route", ["/v1/actions/realtime", "/openpi/policy"])
+def test_a_websocket_outlives_the_header_deadline(route):
+    """The header deadline (header_timeout_s) guards an HTTP request's headers. A connection upgraded to a websocket
+    is past its headers: it must not be closed when the deadline comes (until session 21 it was, 10 s after it
+    opened by default, and the client's retries hid it: on the GPU machine every in-flight request stalled
+    0.2-0.5 s every 10 s). Here the deadline is 1 s and the connection serves a request 2 s after it opened."""
+    import time
+
+    el = libero_element(5)
+    with WamkitServerWorker("fixed-cost", LIBERO_ARGS, max_batch_size=8, max_wait_ms=2, token=TOKEN,
+                            extra_args={"header_timeout_s": 1}) as w:
+        with connect(f"ws://{w.host}:{w.port}{route}", additional_headers={"Authorization": f"Bearer {TOKEN}"},
+                     max_size=None) as ws:
+            ws.recv()                                             # the metadata frame
+            time.sleep(2.0)
+            o = as_observation(el)
+            ws.send(packb({"input": {"images": [o.images], "state": [o.state], "task": [o.task]},
+                           "parameters": {"seed": [5]}}))
+            reply = msgpack.unpackb(ws.recv(), raw=False)
+            assert reply["server_timing"]["batch_size"] == 1, reply
+        m = httpx.get(w.url + "/metrics", headers={"authorization": f"Bearer {TOKEN}"}).json()
+    assert m["counts"].get("closed_header_timeout", 0) == 0, m["counts"]

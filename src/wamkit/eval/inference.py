@@ -133,6 +133,8 @@ class ServerInference(Inference):
         self.attached = list(workers or [])
         self.workers: list = []
         self._starts0: list[int] = []
+        # requests answered only after a retry (a dropped connection, a 503...): each cost a backoff and a resend
+        self.request_retries = 0
         self.clients: list = []
         self.in_flight: list[int] = []           # observations in flight per server
         self.served: list[int] = []              # requests answered per server
@@ -200,6 +202,7 @@ class ServerInference(Inference):
                         f"sglang-ws")
 
     def _on_timing(self, rec: dict) -> None:
+        self.request_retries += max(0, int(rec.get("attempts", 1)) - 1)
         t = rec.get("server") or {}
         if self.timeline is not None and "t_start" in t:
             self.timeline.add("server", "compute", float(t["t_start"]), float(t["t_end"]),

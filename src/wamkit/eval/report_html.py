@@ -126,7 +126,8 @@ def _throughput(s: dict[str, Any]) -> str:
               "env_busy": "env busy (share of env time)", "inference_busy": "inference busy (share of wall time)",
               "requests": "inference requests", "mean_batch": "mean batch", "request_ms_mean": "request (ms, mean)",
               "compute_ms_mean": "server compute (ms, mean)", "env_restarts": "env restarts",
-              "env_timeouts": "env timeouts", "server_restarts": "server restarts"}
+              "env_timeouts": "env timeouts", "server_restarts": "server restarts",
+              "request_retries": "requests retried"}
     for k, label in labels.items():
         if k in sch:
             v = sch[k]

@@ -339,6 +339,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "server_shm_arrays": any(getattr(c, "shm_used", False)
                                                          for c in getattr(inference, "clients", []) or []),
                                 "server_restarts": getattr(inference, "restarts", 0),
+                                "request_retries": getattr(inference, "request_retries", 0),
                                 "server_requests": list(getattr(inference, "served", [])),
                                 "requests": inference.requests,
                                 "mean_batch": inference.observations / max(inference.requests, 1),
