@@ -331,6 +331,7 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     assert omp == [b"PASSIVE"]   # a row pins it: started so that its OpenMP threads never spin (core/cpu_pinning.py)
     assert [r["row"] for r in rep["rows"]] == ["serial", "auto", pinned_row, shared_row]
     assert rep["bound"]["inference_obs_per_s"] > 0
+    assert all(r["request_retries"] == 0 for r in rep["rows"])   # every request answered at its first attempt
     server_cpus, env_cpus = split_cpus(1)
     assert pins[:3] == [None, None, server_cpus] and all(p is None for p in pins[3:])   # that row only
     pinned = json.loads((tmp_path / "bench" / "auto__server-reserve_cpus1__env_nice3" / "summary.json").read_text())

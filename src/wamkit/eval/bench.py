@@ -88,6 +88,7 @@ def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
             "request_ms_mean": sch.get("request_ms_mean", 0.0), "compute_ms_mean": sch.get("compute_ms_mean", 0.0),
             "sim_ms_mean": sch.get("sim_ms_mean", 0.0), "env_wait_ms_mean": sch.get("env_wait_ms_mean", 0.0),
             "scene_loads": sch.get("scene_loads", 0), "scene_load_s": sch.get("scene_load_s", 0.0),
+            "request_retries": sch.get("request_retries", 0),
             "env_steps": th["env_steps"], "success_rate": s["success_rate"],
             "env_render": sch.get("env_render", {}),
             **({"client": sch["client"]} if sch.get("client") else {}),
