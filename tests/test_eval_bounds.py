@@ -203,6 +203,14 @@ def test_the_report_says_where_an_envs_cycle_goes():
                                "loop_lag_ms": {"p50": 0.84, "p99": 6.27, "max": 9.0, "n": 10}})
     assert cycle_lines([client]) == [lines[0][:-1] + "; the client's loop 43% of a core, its timers late 0.8 ms "
                                                      "(p99 6.3)."]
+    client["client"]["stalls"] = [{"ms": 318.2, "at_s": 4.07, "where": ["journal.py:101 append", "runner.py:281 x"]},
+                                  {"ms": 120.0, "at_s": 9.0, "where": []}]
+    assert cycle_lines([client]) == [lines[0][:-1] + "; the client's loop 43% of a core, its timers late 0.8 ms "
+                                                     "(p99 6.3), its longest stall 318 ms at 4.1 s in journal.py:101 "
+                                                     "append."]
+    client["client"]["stalls"][0]["where"] = ["selectors.py:468 select", "base_events.py:1884 _run_once"]
+    assert cycle_lines([client])[0].endswith("its longest stall 318 ms at 4.1 s in select past its timer (the host "
+                                             "did not run the process).")
     row.update(episodes=4, episodes_per_hour=1.0, env_steps_per_s=1.0, inference_obs_per_s=1.0, mean_batch=1.0,
                ratio_steps=None, ratio_episodes=None)
     assert lines[0] in markdown({"rows": [row], "rounds": 1, "bound": {"bound_env_steps_per_s": None}})

@@ -60,3 +60,35 @@ def test_the_lag_histogram_keeps_percentiles_within_its_bins_in_fixed_memory():
     big = LagHistogram()
     big.add(5e3)      # above the last bin's edge: counted there, the maximum exact
     assert big.max == 5e3 and big.percentile(50) == 5e3
+
+
+def test_a_stall_is_kept_with_when_it_began_and_where_the_loop_was():
+    """A function that holds the loop for 150 ms (sleeping: the watchdog thread can run) is named as the stall's
+    innermost frame, its length at least the block's and its start after the run's first 50 ms; a 10 ms block is no
+    stall; a garbage collection on the loop's thread is timed; stop() ends the watchdog and the gc hook."""
+    import gc
+
+    h = LoopHealth(period_s=0.002, stall_s=0.05)
+
+    def blocking_step():
+        time.sleep(0.15)
+
+    async def main() -> None:
+        h.start()
+        await asyncio.sleep(0.06)
+        time.sleep(0.01)                   # short: not a stall
+        await asyncio.sleep(0.02)
+        blocking_step()
+        await asyncio.sleep(0.02)
+        gc.collect()
+        await asyncio.sleep(0.01)
+        await h.stop()
+
+    asyncio.run(main())
+    s = h.summary()
+    assert len(s["stalls"]) == 1, s["stalls"]
+    stall = s["stalls"][0]
+    assert stall["ms"] >= 150.0 - 2.0 and 0.05 <= stall["at_s"] <= 0.3
+    assert stall["where"] and "blocking_step" in stall["where"][0], stall["where"]   # the innermost Python frame
+    assert s["gc_max_ms"] > 0.0
+    assert h._watchdog is None and h._on_gc not in gc.callbacks

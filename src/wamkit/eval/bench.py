@@ -583,6 +583,13 @@ def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
         txt += (f"; host CPUs {100 * host['busy']:.0f}% busy, {100 * host['steal']:.1f}% stolen" if host else "")
         txt += (f"; the client's loop {100 * client['loop_cpu']:.0f}% of a core, its timers late "
                 f"{client['loop_lag_ms']['p50']:.1f} ms (p99 {client['loop_lag_ms']['p99']:.1f})" if client else "")
+        stalls = (client or {}).get("stalls")
+        if stalls:   # the longest time the loop did not run, and where its thread was (eval/loop_health.py)
+            stall = stalls[0]
+            where = (stall.get("where") or [""])[0]
+            txt += (f", its longest stall {stall['ms']:.0f} ms at {stall['at_s']:.1f} s"
+                    + (" in select past its timer (the host did not run the process)" if where.startswith("selectors.py")
+                       else f" in {where}" if where else ""))
         out.append(txt + ".")
     return out
 
