@@ -86,9 +86,10 @@ def test_a_stall_is_kept_with_when_it_began_and_where_the_loop_was():
 
     asyncio.run(main())
     s = h.summary()
-    assert len(s["stalls"]) == 1, s["stalls"]
-    stall = s["stalls"][0]
-    assert stall["ms"] >= 150.0 - 2.0 and 0.05 <= stall["at_s"] <= 0.3
-    assert stall["where"] and "blocking_step" in stall["where"][0], stall["where"]   # the innermost Python frame
+    # (a full collection in a process this size can be a stall of its own: kept too, named by the gc hook's frame)
+    mine = [x for x in s["stalls"] if x["where"] and "blocking_step" in x["where"][0]]   # the innermost frame
+    assert len(mine) == 1 and all(x["ms"] >= 50.0 for x in s["stalls"]), s["stalls"]
+    assert mine[0]["ms"] >= 150.0 - 2.0 and 0.05 <= mine[0]["at_s"] <= 0.3
+    assert not [x for x in s["stalls"] if x["at_s"] < 0.075]    # the 10 ms block is no stall
     assert s["gc_max_ms"] > 0.0
     assert h._watchdog is None and h._on_gc not in gc.callbacks

@@ -431,3 +431,31 @@ def test_a_websocket_outlives_the_header_deadline(route):
             assert reply["server_timing"]["batch_size"] == 1, reply
         m = httpx.get(w.url + "/metrics", headers={"authorization": f"Bearer {TOKEN}"}).json()
     assert m["counts"].get("closed_header_timeout", 0) == 0, m["counts"]
+
+
+def test_websockets_count_against_the_connection_cap_and_leave_room_for_health():
+    """max_connections=8: websockets (which no longer close at the header deadline) may hold 6 of the 8 (the cap
+    less its reserve for plain HTTP, a quarter here); the 7th upgrade is answered 503 while /health still answers,
+    and once one websocket closes another may open."""
+    url = None
+    with WamkitServerWorker("fixed-cost", LIBERO_ARGS, max_batch_size=8, max_wait_ms=2, token=TOKEN,
+                            extra_args={"max_connections": 8}) as w:
+        url = f"ws://{w.host}:{w.port}/openpi/policy"
+        hdr = {"Authorization": f"Bearer {TOKEN}"}
+        opened = [connect(url, additional_headers=hdr) for _ in range(6)]
+        try:
+            for ws in opened:
+                assert unpackb(ws.recv())["output"]["action_horizon"] == 16
+            with pytest.raises(InvalidStatus) as e:
+                connect(url, additional_headers=hdr)
+            assert e.value.response.status_code == 503
+            assert httpx.get(w.url + "/health").status_code == 200
+            opened.pop().close()
+            again = connect(url, additional_headers=hdr)
+            opened.append(again)
+            assert unpackb(again.recv())["output"]["action_dim"] == 7
+        finally:
+            for ws in opened:
+                ws.close()
+        m = httpx.get(w.url + "/metrics", headers={"authorization": f"Bearer {TOKEN}"}).json()
+    assert m["counts"].get("closed_websocket_cap", 0) == 1 and url

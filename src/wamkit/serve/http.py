@@ -8,9 +8,10 @@ idle clients (uvicorn alone closes idle keep-alive connections only).
     headers must arrive within header_timeout_s, else the socket is closed (slowloris, idle sockets, a body that
     never comes for a route that does not read it); a connection upgraded to a websocket is past its headers, and
     the deadline ends with the upgrade;
-  * a connection cap: past max_connections open sockets, the oldest one still waiting for headers is dropped (the new
-    one when every open socket is busy with a request), so a flood of idle sockets can neither exhaust file
-    descriptors nor lock out /health.
+  * a connection cap: past max_connections open sockets (websockets included), the oldest one still waiting for
+    headers is dropped (the new one when every open socket is busy with a request), so a flood of idle sockets can
+    neither exhaust file descriptors nor lock out /health; websockets never take the cap's last _WS_RESERVE
+    connections (an upgrade past that is answered 503).
   The body deadline (body_timeout_s, 408) lives in the app, which reads the body.
 - connection_limits(): the connection cap and listen backlog that fit the open-file limit.
 - tune_malloc(): large request buffers from malloc's heap, not a fresh mmap (and page faults) per copy.
@@ -32,6 +33,7 @@ from wamkit.serve.config import ServeConfig
 log = logging.getLogger("wamkit.serve")
 _FD_RESERVE = 64   # file descriptors kept for everything that is not a client socket (logs, libraries, the policy)
 _BACKLOG = 2048    # uvicorn's default listen backlog
+_WS_RESERVE = 16   # connections of the cap never taken by websockets (plain HTTP, /health), at most a quarter of it
 
 
 MALLOC_MMAP_THRESHOLD = 32 * 1024 * 1024    # glibc's largest: request bodies and their copies come from the heap
@@ -112,6 +114,13 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, counters: An
         if counters is not None:
             counters.count(name)
 
+    upgraded: set = set()    # the transports of the connections upgraded to websockets (they leave h11's set)
+    ws_cap = max(1, max_connections - min(_WS_RESERVE, max_connections // 4))
+
+    def open_websockets() -> int:
+        upgraded.difference_update([t for t in upgraded if t.is_closing()])
+        return len(upgraded)
+
     class GuardedH11Protocol(H11Protocol):
         _hdr_timer = None
         _hdr_cycle = None
@@ -120,7 +129,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, counters: An
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
-            if len(self.connections) > max_connections:
+            if len(self.connections) > max_connections:     # (uvicorn's websocket protocols are in it too)
                 self._drop_one()
 
         def _arm(self) -> None:
@@ -143,8 +152,18 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, counters: An
             # the headers are complete and the socket is the websocket's from now on: the deadline (and this
             # protocol's hold on the transport) ends here; left armed, it closed every websocket header_timeout_s
             # after it opened (session 21: requests in flight stalled 0.2-0.5 s every 10 s while the client
-            # reconnected and retried)
+            # reconnected and retried). Websockets still count against the cap, and never take its last
+            # _WS_RESERVE connections: past that, the upgrade is answered 503
             self._disarm()
+            if open_websockets() >= ws_cap:
+                count("closed_websocket_cap")
+                body = (b'{"error": {"message": "too many open websockets (max_connections=%d)", "code": 503}}'
+                        % max_connections)
+                self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                                     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+                self.transport.close()
+                return
+            upgraded.add(self.transport)
             super().handle_websocket_upgrade(event)
 
         def on_response_complete(self) -> None:
