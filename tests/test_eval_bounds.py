@@ -199,6 +199,11 @@ def test_the_report_says_where_an_envs_cycle_goes():
                      "server 23.6; outside the request 11.3: cohort, batch, dispatch)."]
     hosted = dict(row, host_cpu={"busy": 0.7234, "steal": 0.0412})   # bench eval's /proc/stat shares of the row
     assert cycle_lines([hosted]) == [lines[0][:-1] + "; host CPUs 72% busy, 4.1% stolen."]
+    quota = dict(row, host_cpu={"busy": 0.7234, "steal": 0.0412, "throttled": {"periods": 7, "seconds": 0.412}})
+    assert cycle_lines([quota]) == [lines[0][:-1] + "; host CPUs 72% busy, 4.1% stolen, throttled 0.41 s in 7 "
+                                                    "periods."]
+    quota["host_cpu"]["throttled"] = {"periods": 0, "seconds": 0.0}      # a quota that never stopped it: not said
+    assert cycle_lines([quota]) == cycle_lines([hosted])
     client = dict(row, client={"loop_cpu": 0.431, "process_cpu": 0.9,
                                "loop_lag_ms": {"p50": 0.84, "p99": 6.27, "max": 9.0, "n": 10}})
     assert cycle_lines([client]) == [lines[0][:-1] + "; the client's loop 43% of a core, its timers late 0.8 ms "

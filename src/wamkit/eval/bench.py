@@ -34,7 +34,7 @@ from wamkit.core.config import load_config
 from wamkit.core.cpu_pinning import can_lower_nice
 from wamkit.core.errors import ConfigError
 from wamkit.eval.config import EvalConfig
-from wamkit.eval.host_load import cpu_times, shares
+from wamkit.eval.host_load import cgroup_throttling, cpu_times, shares, throttled
 
 # keys a row may set for itself (`ROW @ key=value ...`): settings that act per run, with the env workers and the
 # servers the rows share (a key that changes the plan or what the servers run cannot be per row); the env_args keys
@@ -464,12 +464,15 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
             cfg = r(cfg, out=str(out / slug))
             console.print(f"[bold]bench eval[/] {name}{'' if rounds == 1 else f' (round {k + 1}/{rounds})'}: "
                           f"mode={cfg.mode} envs={cfg.num_envs} B={cfg.request_size} P={cfg.pipelines}")
-            before = cpu_times()
+            before, quota0 = cpu_times(), cgroup_throttling()
             s = _run(cfg, console, runtime)
             runs[name].append(_row(name, s, horizon))
             host = shares(before, cpu_times())   # this host's CPUs over the row (a Ray run's other nodes: not seen)
             if host:
                 runs[name][-1]["host_cpu"] = host
+                quota = throttled(quota0, cgroup_throttling())   # the container's CPU quota stopping it
+                if quota:
+                    host["throttled"] = quota
             # rows so far, in case the run is cut short (bound and ratios come at the end)
             (out / "bench_eval.partial.json").write_text(json.dumps({"rows": [x for v in runs.values() for x in v]},
                                                                     indent=2))
@@ -581,14 +584,18 @@ def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
         txt += f"; outside the request {wait - req:.1f}: cohort, batch, dispatch)"
         host, client = x.get("host_cpu"), x.get("client")
         txt += (f"; host CPUs {100 * host['busy']:.0f}% busy, {100 * host['steal']:.1f}% stolen" if host else "")
+        quota = (host or {}).get("throttled")
+        if quota and quota["periods"]:   # the container's CPU quota stopped every process for a while
+            txt += f", throttled {quota['seconds']:.2f} s in {quota['periods']} periods"
         txt += (f"; the client's loop {100 * client['loop_cpu']:.0f}% of a core, its timers late "
                 f"{client['loop_lag_ms']['p50']:.1f} ms (p99 {client['loop_lag_ms']['p99']:.1f})" if client else "")
         stalls = (client or {}).get("stalls")
         if stalls:   # the longest time the loop did not run, and where its thread was (eval/loop_health.py)
             stall = stalls[0]
             where = (stall.get("where") or [""])[0]
+            waited = where.startswith("selectors.py")   # the loop was waiting, not running: the host did not run it
             txt += (f", its longest stall {stall['ms']:.0f} ms at {stall['at_s']:.1f} s"
-                    + (" in select past its timer (the host did not run the process)" if where.startswith("selectors.py")
+                    + (" in select past its timer (the host did not run the process)" if waited
                        else f" in {where}" if where else ""))
         out.append(txt + ".")
     return out
