@@ -399,3 +399,31 @@ def test_bench_eval_rounds_and_contended_bound(mw_serial, tmp_path):
         for k in (1, 2):
             got = outcome_view(results(tmp_path / "bench" / row / f"round{k}"))
             assert {key: s for key, (s, _) in got.items()} == serial
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_episode_videos_are_written_off_the_loop_and_journaled_after_them(mw_serial, tmp_path, monkeypatch):
+    """Videos of every episode with an encoder slowed to 0.3 s each: the evaluating loop never stalls on it (before
+    session 21 each video held every env for its encoding: 121 ms a LIBERO episode in `make demo`); every episode
+    is journaled once, with its video on disk, and the outcomes equal the serial run's."""
+    import time as time_mod
+
+    from wamkit.eval import video
+    from wamkit.eval.runner import run_eval
+
+    real = video.write_mp4
+
+    def slow_write_mp4(*a, **kw):
+        time_mod.sleep(0.3)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(video, "write_mp4", slow_write_mp4)
+    s = run_eval(mw_cfg(tmp_path, "v", "mode=auto", "num_envs=2", "save_videos=4"))
+    recs = results(tmp_path / "v")
+    assert len(recs) == 4 and len({r["key"] for r in recs}) == 4 and s["episodes"] == 4
+    assert all((tmp_path / "v" / r["video"]).stat().st_size > 0 for r in recs)
+    assert outcome_view(recs) == outcome_view(mw_serial)
+    stalls = s["scheduler"]["client"]["stalls"]
+    assert not [x for x in stalls if any("slow_write_mp4" in w or "write_mp4" in w for w in x["where"])], stalls
+    assert not [x for x in stalls if x["ms"] >= 250.0], stalls   # no stall the length of an encoding

@@ -264,6 +264,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                     else "starting ...")
         bar = progress.add_task("eval", total=len(plan), completed=len(journal.records), succ="-", rate=starting)
         videos_dir = out / "videos"
+        videos: set[asyncio.Task] = set()   # episodes whose video is being written (recorded once it is on disk)
 
         def on_done(o: EpisodeOutcome) -> None:
             ep = o.episode
@@ -272,12 +273,26 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                    "wall_s": round(o.wall_s, 3), "env_index": o.env_index, "attempts": o.attempts,
                    "actions_digest": o.actions_digest,
                    "run_id": run_id}
-            if o.frames:
-                from wamkit.eval.video import write_mp4
+            if not o.frames:
+                record(o, rec)
+                return
+            from wamkit.eval.video import write_mp4
 
-                name = f"ep{ep.index:04d}_task{ep.task_id}_trial{ep.trial}_{'success' if o.success else 'fail'}.mp4"
-                write_mp4(videos_dir / name, o.frames, fps=spec.control_hz)
-                rec["video"] = f"videos/{name}"
+            name = f"ep{ep.index:04d}_task{ep.task_id}_trial{ep.trial}_{'success' if o.success else 'fail'}.mp4"
+            rec["video"] = f"videos/{name}"
+
+            async def write_then_record() -> None:
+                # encoded off the event loop (x264 took 121 ms for a LIBERO episode in `make demo`, every env
+                # waiting meanwhile); the episode goes to the journal once its video is on disk, so a run killed
+                # during the write re-runs it rather than pointing at half a file
+                await asyncio.to_thread(write_mp4, videos_dir / name, o.frames, fps=spec.control_hz)
+                record(o, rec)
+
+            task = asyncio.get_running_loop().create_task(write_then_record())
+            videos.add(task)
+            task.add_done_callback(videos.discard)
+
+        def record(o: EpisodeOutcome, rec: dict) -> None:
             journal.append(rec)
             stats["done"] += 1
             stats["succ"] += int(o.success)
@@ -314,6 +329,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
             health.start()
             try:
                 await sched.run()
+                while videos:   # the last episodes' videos (their records follow them)
+                    await asyncio.gather(*list(videos))
             finally:
                 await health.stop()
                 if status is not None:
