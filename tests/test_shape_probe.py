@@ -322,6 +322,22 @@ def test_an_env_loading_a_scene_is_waited_for_only_when_its_load_ends_within_a_c
     assert joinable(0.0, hint=None) == 2              # no load measured yet: no prediction, every env counts
 
 
+def held_to(monkeypatch, shape: str) -> list[int]:
+    """auto held to one shape (no probe round: there is nothing to compare), and a list that fills with the number
+    of observations waiting at each request sent while an env was loading a scene."""
+    monkeypatch.setattr(scheduler_mod, "ShapeProbe", lambda: ShapeProbe((shape,)))
+    sent = []
+    dispatch = scheduler_mod.RequestPlanner._dispatch
+
+    def logged(self, n):
+        if self.s.affinity.loads_under_way():
+            sent.append(len(self.pending))
+        dispatch(self, n)
+
+    monkeypatch.setattr(scheduler_mod.RequestPlanner, "_dispatch", logged)
+    return sent
+
+
 @pytest.mark.parametrize("shape", [LOCKSTEP, HALVES])
 def test_lockstep_and_halves_do_not_hold_a_request_for_an_env_loading_a_scene(monkeypatch, shape):
     """Session 21's 32-env H100 rows: auto's lockstep waited out each mid-run scene load (~0.3 s on MetaWorld) with
@@ -330,16 +346,7 @@ def test_lockstep_and_halves_do_not_hold_a_request_for_an_env_loading_a_scene(mo
     from now, they join a later one, every episode runs once, and the row ends sooner than holding for them."""
     r = ps.Regime("loads", 16, 8, 0.0135, 0.0185, 0.00003, net_s=0.0025, jitter=0.4, chunks=12, episodes=96,
                   server_wait_s=0.0, load_s=0.3, task_cost=(0.7, 0.9, 1.1, 1.3, 0.8, 1.2))
-    monkeypatch.setattr(scheduler_mod, "ShapeProbe", lambda: ShapeProbe((shape,)))
-    sent_during_loads = []
-    dispatch = scheduler_mod.RequestPlanner._dispatch
-
-    def logged(self, n):
-        if self.s.affinity.loads_under_way():
-            sent_during_loads.append(len(self.pending))
-        dispatch(self, n)
-
-    monkeypatch.setattr(scheduler_mod.RequestPlanner, "_dispatch", logged)
+    sent_during_loads = held_to(monkeypatch, shape)
     out = ps.run_tasks(r, 6, 16, "auto")
     assert out["episodes"] == 96 and len({o.episode.key for o in out["done"]}) == 96
     assert out["loads"] > 16                      # task switches after the first loads
@@ -379,29 +386,39 @@ def test_a_fixed_depth_is_not_probed(planners):
 
 
 # ------------------------------------------------------------------ a real evaluation, probe forced
+def mw_auto_cfg(out, tasks: str, trials: int, *extra):
+    """A real evaluation behind a local `wamkit serve` (websocket): MetaWorld's scripted expert, 2 envs."""
+    from wamkit.core.config import load_config
+    from wamkit.eval.config import EvalConfig
+
+    return load_config(EvalConfig, None, ["env=metaworld", "suite=mt", f"env_args.tasks={tasks}", f"trials={trials}",
+                                          "image_size=32", "policy=metaworld-expert", "horizon=4", "max_steps=80",
+                                          "progress=false", "num_envs=2", "inference=server", f"out={out}", *extra])
+
+
+def mw_episodes(out) -> dict:
+    """Each episode's outcome view and the digest of the actions it executed."""
+    import json
+
+    from wamkit.eval.metrics import outcome_view
+
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    digests = {r["key"]: r["actions_digest"] for r in rows}
+    return {k: (*v, digests[k]) for k, v in outcome_view(rows).items()}
+
+
 @pytest.mark.slow
 @pytest.mark.metaworld
 def test_a_real_auto_eval_probes_switches_and_gets_the_lockstep_rows_episodes(tmp_path, monkeypatch):
     """MetaWorld's scripted expert behind a local `wamkit serve` (websocket), 2 envs, auto with a probe round forced
     early (the run is far too short to pay for one otherwise): the shapes are measured and switched mid-episode,
     and every episode's outcome and executed actions equal the lockstep row's."""
-    import json
-
-    from wamkit.core.config import load_config
-    from wamkit.eval.config import EvalConfig
-    from wamkit.eval.metrics import outcome_view
     from wamkit.eval.runner import run_eval
 
     def cfg(out, *extra):
-        return load_config(EvalConfig, None, ["env=metaworld", "suite=mt", "env_args.tasks=reach-v3,drawer-open-v3",
-                                              "trials=3", "image_size=32", "policy=metaworld-expert", "horizon=4",
-                                              "max_steps=80", "progress=false", "num_envs=2", "inference=server",
-                                              f"out={out}", *extra])
+        return mw_auto_cfg(out, "reach-v3,drawer-open-v3", 3, *extra)
 
-    def episodes(out):
-        rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-        digests = {r["key"]: r["actions_digest"] for r in rows}
-        return {k: (*v, digests[k]) for k, v in outcome_view(rows).items()}
+    episodes = mw_episodes
 
     run_eval(cfg(tmp_path / "lockstep", "mode=pipelines", "request_size=2", "pipelines=1"))
     monkeypatch.setattr(ShapeProbe, "MAX_SHARE", 1e9)
@@ -427,36 +444,15 @@ def test_a_real_lockstep_sends_while_an_env_loads_a_scene_and_gets_the_fixed_row
     the env whose task runs out first (reach's episodes end sooner than drawer-open's) loads the third task's scene
     while the other env still runs, and a request goes without it (before session 21 it waited for the load);
     every episode's outcome and executed actions equal the fixed lockstep row's."""
-    import json
-
-    from wamkit.core.config import load_config
-    from wamkit.eval.config import EvalConfig
-    from wamkit.eval.metrics import outcome_view
     from wamkit.eval.runner import run_eval
 
     def cfg(out, *extra):
-        return load_config(EvalConfig, None, ["env=metaworld", "suite=mt",
-                                              "env_args.tasks=reach-v3,drawer-open-v3,pick-place-v3", "trials=2",
-                                              "image_size=32", "policy=metaworld-expert", "horizon=4",
-                                              "max_steps=80", "progress=false", "num_envs=2", "inference=server",
-                                              f"out={out}", *extra])
+        return mw_auto_cfg(out, "reach-v3,drawer-open-v3,pick-place-v3", 2, *extra)
 
-    def episodes(out):
-        rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-        digests = {r["key"]: r["actions_digest"] for r in rows}
-        return {k: (*v, digests[k]) for k, v in outcome_view(rows).items()}
+    episodes = mw_episodes
 
     run_eval(cfg(tmp_path / "lockstep", "mode=pipelines", "request_size=2", "pipelines=1"))
-    monkeypatch.setattr(scheduler_mod, "ShapeProbe", lambda: ShapeProbe((LOCKSTEP,)))
-    sent_during_loads = []
-    dispatch = scheduler_mod.RequestPlanner._dispatch
-
-    def logged(self, n):
-        if self.s.affinity.loads_under_way():
-            sent_during_loads.append(len(self.pending))
-        dispatch(self, n)
-
-    monkeypatch.setattr(scheduler_mod.RequestPlanner, "_dispatch", logged)
+    sent_during_loads = held_to(monkeypatch, LOCKSTEP)
     s = run_eval(cfg(tmp_path / "auto", "mode=auto"))
     assert s["scheduler"]["auto_shape"]["shape"] == LOCKSTEP and s["scheduler"]["scene_loads"] >= 3
     assert sent_during_loads and min(sent_during_loads) == 1, sent_during_loads   # the other env's, alone
