@@ -148,7 +148,7 @@ class TaskAffinity:
         together, and nothing says yet how long they take)."""
         if not self.load_samples or not self._loading:
             return {}
-        load = statistics.median(self.load_samples)
+        load = self.load_estimate()   # the median of the loads done
         return {i: t0 + load for i, t0 in self._loading.items()}
 
     def reset_done(self, i: int, task: int, seconds: float) -> None:

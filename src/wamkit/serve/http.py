@@ -29,6 +29,7 @@ from typing import Any
 
 from wamkit.core.errors import UserError
 from wamkit.serve.config import ServeConfig
+from wamkit.serve.errors import error_response
 
 log = logging.getLogger("wamkit.serve")
 _FD_RESERVE = 64   # file descriptors kept for everything that is not a client socket (logs, libraries, the policy)
@@ -157,8 +158,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, counters: An
             self._disarm()
             if open_websockets() >= ws_cap:
                 count("closed_websocket_cap")
-                body = (b'{"error": {"message": "too many open websockets (max_connections=%d)", "code": 503}}'
-                        % max_connections)
+                body = error_response(503, f"too many open websockets (max_connections={max_connections})").body
                 self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
                                      b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
                 self.transport.close()
