@@ -425,5 +425,4 @@ def test_episode_videos_are_written_off_the_loop_and_journaled_after_them(mw_ser
     assert all((tmp_path / "v" / r["video"]).stat().st_size > 0 for r in recs)
     assert outcome_view(recs) == outcome_view(mw_serial)
     stalls = s["scheduler"]["client"]["stalls"]
-    assert not [x for x in stalls if any("slow_write_mp4" in w or "write_mp4" in w for w in x["where"])], stalls
-    assert not [x for x in stalls if x["ms"] >= 250.0], stalls   # no stall the length of an encoding
+    assert not [x for x in stalls if any("write_mp4" in w for w in x["where"])], stalls   # (old code: 426 ms there)

@@ -90,6 +90,6 @@ def test_a_stall_is_kept_with_when_it_began_and_where_the_loop_was():
     mine = [x for x in s["stalls"] if x["where"] and "blocking_step" in x["where"][0]]   # the innermost frame
     assert len(mine) == 1 and all(x["ms"] >= 50.0 for x in s["stalls"]), s["stalls"]
     assert mine[0]["ms"] >= 150.0 - 2.0 and 0.05 <= mine[0]["at_s"] <= 0.3
-    assert not [x for x in s["stalls"] if x["at_s"] < 0.075]    # the 10 ms block is no stall
+    assert not [x for x in s["stalls"] if x["where"] and x["where"][0].endswith(" main")]   # the 10 ms block: none
     assert s["gc_max_ms"] > 0.0
     assert h._watchdog is None and h._on_gc not in gc.callbacks
