@@ -2,6 +2,7 @@
 
     python3 bench/device/bench_attention.py --out $OUT/attention.json [--size nano-shape] [--batches 1,64]
         [--layouts expanded,room,folded] [--pads 0,4,12] [--backends auto,cudnn,efficient,flash,math] [--reps 20]
+        [--masks mask,none]
     python3 bench/device/bench_attention.py --out /tmp/a.json --device cpu --batches 1,2 --reps 2   # CPU smoke run
 
 Why: at batch 64 the nano-shape loop takes ~30.5 ms a step against ~18.4 ms for its GEMMs alone (bench_gemm), and
@@ -13,7 +14,9 @@ device: no weights). On CUDA, one CUDA graph per configuration holds `layers` ca
 as the loop's graph replays it); its replays are timed with CUDA events (median of --reps) -> microseconds per call
 and milliseconds per step. Each configuration's output is compared with expanded / no pad / the default backend
 (max abs difference: the folded layout's numerics on the GPU). A backend that refuses a configuration is recorded
-with its error, not fatal.
+with its error, not fatal. --masks none also times each configuration with no mask at all (attn_mask=None, every
+key attended: what a batch without padded keys could run, and the only case the flash backend takes); those rows
+are compared with the first no-mask configuration, not with the masked reference.
 """
 
 from __future__ import annotations
@@ -77,11 +80,14 @@ def inputs(sh: dict, b: int, layout: str, pad: int, dtype, device, seed: int = 0
     return q, k, v, additive_mask(keep.to(device), dtype)
 
 
-def run_one(sh: dict, b: int, layout: str, pad: int, backend: str, reps: int, dtype, device) -> dict:
+def run_one(sh: dict, b: int, layout: str, pad: int, backend: str, reps: int, dtype, device,
+            masked: bool = True) -> dict:
     q, k, v, mask = inputs(sh, b, layout, pad, dtype, device)
+    if not masked:
+        mask = None
     fold = layout == "folded"
     kv_bytes = 2 * k.numel() * k.element_size()
-    row = {"batch": b, "layout": layout, "pad": pad, "keys": k.shape[2], "backend": backend,
+    row = {"batch": b, "layout": layout, "pad": pad, "keys": k.shape[2], "backend": backend, "masked": masked,
            "kv_mb_per_call": kv_bytes / 1e6}
     try:
         with backend_ctx(backend):
@@ -118,6 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pads", default="0,4,12", help="extra masked key slots (276 keys + 4 = 280, + 12 = 288)")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--masks", default="mask", help="mask (the loop's additive key mask), none (no mask), or both")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
@@ -127,26 +134,29 @@ def main(argv=None) -> int:
     res = {"args": vars(args), "shapes": sh, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "rows": []}
     print(f"shapes {sh}", flush=True)
-    ref: dict[int, torch.Tensor] = {}
-    for b in [int(x) for x in args.batches.split(",") if x]:
-        for layout in [x for x in args.layouts.split(",") if x]:
-            for pad in [int(x) for x in args.pads.split(",") if x]:
-                for backend in [x for x in args.backends.split(",") if x]:
-                    row = run_one(sh, b, layout, pad, backend, args.reps, dtype, device)
-                    out = row.pop("out", None)
-                    if out is not None:
-                        if b not in ref:   # the first configuration that ran: expanded, no pad, auto by default
-                            ref[b] = out
-                            row["reference"] = True
-                        row["max_abs_diff"] = float((out - ref[b]).abs().max())
-                    res["rows"].append(row)
-                    if "error" in row:
-                        print(f"b={b:3d} {layout:9s} pad={pad:2d} {backend:9s} refused: {row['error']}", flush=True)
-                    else:
-                        print(f"b={b:3d} {layout:9s} pad={pad:2d} {backend:9s} {row['us_per_call']:8.1f} us/call "
-                              f"{row['ms_per_step']:7.3f} ms/step  K/V {row['kv_mb_per_call']:8.2f} MB "
-                              f"{row['kv_tb_s']:5.2f} TB/s  max|diff| {row['max_abs_diff']:.2e}", flush=True)
-                    Path(args.out).write_text(json.dumps(res, indent=2))
+    ref: dict[tuple[int, bool], torch.Tensor] = {}
+    grid = [(b, layout, pad, backend, m) for b in [int(x) for x in args.batches.split(",") if x]
+            for m in [x != "none" for x in args.masks.split(",") if x]
+            for layout in [x for x in args.layouts.split(",") if x]
+            for pad in [int(x) for x in args.pads.split(",") if x]
+            for backend in [x for x in args.backends.split(",") if x]]
+    for b, layout, pad, backend, masked in grid:
+        row = run_one(sh, b, layout, pad, backend, args.reps, dtype, device, masked)
+        out = row.pop("out", None)
+        if out is not None:
+            if (b, masked) not in ref:   # the first configuration that ran: expanded, no pad, auto
+                ref[b, masked] = out
+                row["reference"] = True
+            row["max_abs_diff"] = float((out - ref[b, masked]).abs().max())
+        res["rows"].append(row)
+        tag = f"b={b:3d} {layout:9s} pad={pad:2d} {backend:9s}{'' if masked else ' nomask'}"
+        if "error" in row:
+            print(f"{tag} refused: {row['error']}", flush=True)
+        else:
+            print(f"{tag} {row['us_per_call']:8.1f} us/call "
+                  f"{row['ms_per_step']:7.3f} ms/step  K/V {row['kv_mb_per_call']:8.2f} MB "
+                  f"{row['kv_tb_s']:5.2f} TB/s  max|diff| {row['max_abs_diff']:.2e}", flush=True)
+        Path(args.out).write_text(json.dumps(res, indent=2))
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"wrote {args.out}", flush=True)
     return 0
