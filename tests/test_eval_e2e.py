@@ -85,6 +85,7 @@ def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     client = s["scheduler"]["client"]   # the evaluating process's loop, measured over the run (eval/loop_health.py)
     assert 0 < client["loop_cpu"] <= client["process_cpu"] + 0.05 and client["loop_lag_ms"]["n"] > 0
     assert len(client["stalls"]) <= 5 and all(x["ms"] >= 50.0 for x in client["stalls"]) and client["gc_max_ms"] >= 0
+    assert s["scheduler"]["gc_frozen_objects"] > 10_000   # the heap setup built, frozen for the run (gc_freeze)
     if "env_args.render_backend=osmesa" in mode_args:
         assert render == {"osmesa": n_envs}
     if "env_args.renderer=shared" in mode_args:   # every worker's frames from the render processes

@@ -63,6 +63,7 @@ def _watch_parent(pid: int, server) -> None:
 def main(argv: list[str]) -> int:
     path, overrides = split_args(argv)
     cfg = load_config(ServeConfig, path, overrides)
+    from wamkit.core.heap import freeze_heap
     from wamkit.serve.app import create_app
     from wamkit.serve.http import bind_socket, tune_malloc, uvicorn_config
 
@@ -71,6 +72,7 @@ def main(argv: list[str]) -> int:
     sock = bind_socket(cfg.host, cfg.port)   # before the policy is built: a taken port fails at once
     port = sock.getsockname()[1]
     app = create_app(cfg)
+    freeze_heap()   # the policy is built and warm: full collections from now on skip it (core/heap.py)
     srv = app.state.server
     server = _server_class()(uvicorn_config(app, cfg, srv.metrics))
     server.action_server = srv

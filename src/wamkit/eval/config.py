@@ -104,6 +104,10 @@ class EvalConfig:
     env_nice: int = 0                       # > 0: the local env workers run at this niceness (1..19, Linux), so that
                                             # the servers' and this process's short host work per request does not
                                             # wait behind simulators for a CPU (core/cpu_pinning.py); 0: as started
+    gc_freeze: bool = True                  # freeze the heap setup built before the episodes start (gc.freeze): a
+                                            # full garbage collection then walks only what the run allocates
+                                            # (core/heap.py; on the GPU machine such collections
+                                            # held every env 90-247 ms, once or twice a 30 s row)
     max_episode_retries: int = 3            # re-runs of an episode whose env worker crashed (or stalled)
     # a stalled env worker (hung simulator, SIGSTOP) is killed and restarted, its episode re-run, once a call takes
     # longer than max(env_timeout_min_s, env_timeout_factor x the slowest such call so far); a worker's first reset

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from wamkit.core.config import to_dict
 from wamkit.core.cpu_pinning import split_cpus
 from wamkit.core.errors import UserError
+from wamkit.core.heap import frozen_heap
 from wamkit.core.versions import versions
 from wamkit.envs.base import env_class
 from wamkit.envs.render_backend import describe as describe_render
@@ -323,19 +324,21 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         async def main():
             t_setup = time.time()
             await inference.start()
-            clock["t0"] = time.time()
-            clock["setup_s"] = clock["t0"] - t_setup
-            status = asyncio.create_task(first_episode_status()) if cfg.progress and todo else None
-            health.start()
-            try:
-                await sched.run()
-                while videos:   # the last episodes' videos (their records follow them)
-                    await asyncio.gather(*list(videos))
-            finally:
-                await health.stop()
-                if status is not None:
-                    status.cancel()
-                await inference.close()
+            with frozen_heap(cfg.gc_freeze) as frozen:   # full collections then skip what setup built
+                clock["gc_frozen"] = frozen
+                clock["t0"] = time.time()
+                clock["setup_s"] = clock["t0"] - t_setup
+                status = asyncio.create_task(first_episode_status()) if cfg.progress and todo else None
+                health.start()
+                try:
+                    await sched.run()
+                    while videos:   # the last episodes' videos (their records follow them)
+                        await asyncio.gather(*list(videos))
+                finally:
+                    await health.stop()
+                    if status is not None:
+                        status.cancel()
+                    await inference.close()
 
         with progress:
             asyncio.run(main())
@@ -366,6 +369,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "sim_ms_mean": util.get("sim_ms_mean", 0.0),
                                 "env_wait_ms_mean": util.get("env_wait_ms_mean", 0.0),
                                 "client": health.summary(),
+                                "gc_frozen_objects": clock.get("gc_frozen", 0),
                                 "auto_shape": sched.batcher.shape_summary() if sched.batcher else None}})
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         write_report(out)   # timeline.png, report.md, report.html

@@ -35,6 +35,7 @@ import numpy as np
 
 from wamkit.core.cpu_pinning import torch_threads as resolved_threads
 from wamkit.core.errors import UserError
+from wamkit.core.heap import freeze_heap
 from wamkit.core.types import Observation
 from wamkit.policies.base import Policy
 
@@ -113,6 +114,7 @@ def _child(conn, name: str, kwargs: dict[str, Any], torch_threads: int) -> None:
             import torch
 
             torch.set_num_threads(resolved_threads(torch_threads))
+        freeze_heap()   # the policy is built: full collections from now on skip it (core/heap.py)
         conn.send(("ok", (policy.spec, int(policy.max_batch_size()))))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("user" if isinstance(e, UserError) else "error", f"{type(e).__name__}: {e}" if not
@@ -136,6 +138,7 @@ def _child(conn, name: str, kwargs: dict[str, Any], torch_threads: int) -> None:
                     out: Any = np.asarray(policy.predict(_unpack(mm, layout), seeds), np.float32)
                 else:
                     out = policy.warmup(msg[1])
+                    freeze_heap()   # and what warm-up built (compiled graphs)
                 conn.send(("ok", out))
             except Exception as e:  # noqa: BLE001 - the request fails, the child keeps serving
                 conn.send(("error", f"{type(e).__name__}: {e}"))
