@@ -279,8 +279,9 @@ class SimAccelerator(Inference):
         await fut
 
 
-def run(r: Regime, mode: str, batch: int = 1, pipelines: int = 1) -> dict:
-    """One evaluation of the regime's plan under one schedule: env steps/s, mean batch, episodes done."""
+def run(r: Regime, mode: str, batch: int = 1, pipelines: int = 1, shapes: tuple[str, ...] | None = None) -> dict:
+    """One evaluation of the regime's plan under one schedule: env steps/s, mean batch, episodes done (shapes: the
+    ones auto measures, SchedulerOptions.shapes; None: all)."""
 
     async def go():
         cores = asyncio.Semaphore(r.cores)
@@ -289,7 +290,7 @@ def run(r: Regime, mode: str, batch: int = 1, pipelines: int = 1) -> dict:
         inf = SimAccelerator(r)
         done = []
         opts = SchedulerOptions(mode=mode, request_size=batch, pipelines=pipelines, cores=r.cores,
-                                run_to_max_steps=True, env_timeout_min_s=600)
+                                run_to_max_steps=True, env_timeout_min_s=600, **({"shapes": shapes} if shapes else {}))
         sched = Scheduler(envs, inf, make_plan("sim", list(range(len(r.task_cost))),
                                                   r.episodes // len(r.task_cost)), opts, done.append)
         loop = asyncio.get_running_loop()
@@ -299,7 +300,8 @@ def run(r: Regime, mode: str, batch: int = 1, pipelines: int = 1) -> dict:
         steps = sum(o.env_steps for o in done)
         return {"mode": mode, "batch": batch, "pipelines": pipelines, "episodes": len(done), "wall_s": wall,
                 "env_steps_per_s": steps / wall, "mean_batch": inf.observations / max(1, inf.requests),
-                "accelerator_busy": inf.busy_s / wall, "server_batches": list(inf.batch_sizes)}
+                "accelerator_busy": inf.busy_s / wall, "server_batches": list(inf.batch_sizes),
+                "auto_shape": sched.batcher.shape_summary() if sched.batcher is not None else None}
 
     return run_virtual(go())
 

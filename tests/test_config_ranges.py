@@ -33,6 +33,8 @@ def _one_line_exit_2(capsys, argv, key):
     (["eval", "server.max_wait_ms=nan"], "server.max_wait_ms"),
     (["eval", "env_timeout_min_s=0"], "env_timeout_min_s"),
     (["eval", "seed=-1"], "seed"),
+    (["eval", "auto_shapes=greedy,fastest"], "auto_shapes"),
+    (["eval", "auto_shapes=halves,halves"], "auto_shapes"),
     (["train", "lr=nan"], "lr"),
     (["train", "lr=-1"], "lr"),
     (["train", "fps=0"], "fps"),

@@ -69,8 +69,9 @@ def test_metaworld_results_contract(mw_serial, tmp_path):
     ("mode=auto", "num_envs=2", "inference=server", "server.reserve_cpus=1", "env_nice=5"),
     ("mode=auto", "num_envs=2", "env_args.renderer=shared", "env_args.render_processes=2"),
     ("mode=pipelines", "num_envs=2", "request_size=1", "pipelines=2", "inprocess_batching=true"),
+    ("mode=auto", "num_envs=3", "inference=server", "auto_shapes=greedy"),
 ], ids=["auto3", "B1P2", "B2P1", "auto-server", "auto-2servers", "auto-server-pinned", "auto-shared-renderer",
-        "B1P2-inprocess-batching"])
+        "B1P2-inprocess-batching", "auto-server-greedy"])
 def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     from wamkit.eval.runner import run_eval
 
@@ -86,6 +87,9 @@ def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     assert 0 < client["loop_cpu"] <= client["process_cpu"] + 0.05 and client["loop_lag_ms"]["n"] > 0
     assert len(client["stalls"]) <= 5 and all(x["ms"] >= 50.0 for x in client["stalls"]) and client["gc_max_ms"] >= 0
     assert s["scheduler"]["gc_frozen_objects"] > 10_000   # the heap setup built, frozen for the run (gc_freeze)
+    if "auto_shapes=greedy" in mode_args:   # held to greedy: unprobed, one observation per request
+        assert s["scheduler"]["auto_shape"]["shape"] == "greedy" and not s["scheduler"]["auto_shape"]["probed"]
+        assert s["scheduler"]["mean_batch"] == 1.0 and s["scheduler"]["requests"] > 0
     if "env_args.render_backend=osmesa" in mode_args:
         assert render == {"osmesa": n_envs}
     if "env_args.renderer=shared" in mode_args:   # every worker's frames from the render processes

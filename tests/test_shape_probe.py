@@ -284,11 +284,25 @@ def test_halves_under_a_request_cap_keeps_every_env_served(monkeypatch, planners
     with as many out as it takes to cover every env (4), so no env waits for a slot that never comes; every episode
     runs once."""
     r = ps.with_(ps.REGIMES["gpu-metaworld-16-s10"], max_batch=4, episodes=48)
-    monkeypatch.setattr(scheduler_mod, "ShapeProbe", lambda: ShapeProbe((HALVES,)))
-    out = ps.run(r, "auto")
+    out = ps.run(r, "auto", shapes=(HALVES,))
     pl = planners[-1]
     assert pl.shape == HALVES and out["episodes"] == r.episodes
     assert max(n for n, _ in pl.decisions) == 4 and max(k for _, k in pl.decisions) == 4
+
+
+def test_auto_held_to_greedy_by_config_sends_each_observation_alone(planners):
+    """auto_shapes=greedy (SchedulerOptions.shapes): no probe round, and every observation goes as a request of its
+    own the moment it waits, as the B=1, P=envs row sends them (session 22, 32 envs on H100s: in the 3 of 6 rounds
+    where auto kept greedy, whose requests then packed whoever waited, it ran 3-6% below that row). On the model
+    the two send the same requests: every request one observation, the same rate, every episode once."""
+    r = ps.REGIMES["gpu-metaworld-32-s19"]
+    auto = ps.run(r, "auto", shapes=(GREEDY,))
+    fixed = ps.run(r, "pipelines", 1, r.envs)
+    pl = planners[-1]
+    assert auto["auto_shape"] == {"shape": GREEDY, "probed": False, "rounds": []}
+    assert {n for n, _ in pl.decisions} == {1} and auto["mean_batch"] == 1.0
+    assert auto["episodes"] == fixed["episodes"] == r.episodes
+    assert auto["env_steps_per_s"] == pytest.approx(fixed["env_steps_per_s"], rel=0.02)
 
 
 def test_an_env_loading_a_scene_is_waited_for_only_when_its_load_ends_within_a_call():
@@ -325,7 +339,7 @@ def test_an_env_loading_a_scene_is_waited_for_only_when_its_load_ends_within_a_c
 def held_to(monkeypatch, shape: str) -> list[int]:
     """auto held to one shape (no probe round: there is nothing to compare), and a list that fills with the number
     of observations waiting at each request sent while an env was loading a scene."""
-    monkeypatch.setattr(scheduler_mod, "ShapeProbe", lambda: ShapeProbe((shape,)))
+    monkeypatch.setattr(scheduler_mod, "ShapeProbe", lambda *_: ShapeProbe((shape,)))
     sent = []
     dispatch = scheduler_mod.RequestPlanner._dispatch
 

@@ -39,7 +39,7 @@ from wamkit.eval.host_load import cgroup_throttling, cpu_times, shares, throttle
 # keys a row may set for itself (`ROW @ key=value ...`): settings that act per run, with the env workers and the
 # servers the rows share (a key that changes the plan or what the servers run cannot be per row); the env_args keys
 # give the row env workers of their own (KeptEnvs keeps a set per env configuration, warmed like the bench's)
-ROW_KEYS = ("server.reserve_cpus", "env_nice", "auto_probe", "max_request_size", "env_args.renderer",
+ROW_KEYS = ("server.reserve_cpus", "env_nice", "auto_probe", "auto_shapes", "max_request_size", "env_args.renderer",
             "env_args.render_processes")
 
 

@@ -92,6 +92,9 @@ class EvalConfig:
                                             # whatever waits at once", lockstep and halves for a few env cycles
                                             # each, keep the fastest, measure again in the run's tail
                                             # (scheduler.auto_shape)
+    auto_shapes: list[str] | None = None    # auto_probe: the shapes it measures (plan, greedy, lockstep, halves;
+                                            # None = all four); one shape: auto runs it all along, unprobed
+                                            # (e.g. `ROW @ auto_shapes=greedy` beside that shape's fixed row)
     group_by_task: bool | None = None       # order auto's requests by task (None: for SGLang, whose requests the
                                             # client splits per prompt and sends at once)
     run_to_max_steps: bool = False          # the reference's semantics: keep stepping after success
@@ -143,6 +146,13 @@ class EvalConfig:
         check_number("server.max_batch_size", self.server.max_batch_size, 1)
         check_number("server.max_wait_ms", self.server.max_wait_ms, 0)
         check_number("server.startup_timeout_s", self.server.startup_timeout_s, 0, lo_open=True)
+        if self.auto_shapes is not None:
+            from wamkit.eval.shape_probe import SHAPES
+
+            bad = [x for x in self.auto_shapes if x not in SHAPES]
+            if bad or not self.auto_shapes or len(set(self.auto_shapes)) != len(self.auto_shapes):
+                raise ConfigError(f"auto_shapes={','.join(self.auto_shapes)!r}: one or more of {', '.join(SHAPES)}, "
+                                  "each once")
         if self.inprocess_batching and self.inference != "inprocess":
             raise ConfigError("inprocess_batching=true merges requests of inference=inprocess; with inference=server "
                               "the server batches (server.max_batch_size, server.max_wait_ms)")

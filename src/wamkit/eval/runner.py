@@ -31,6 +31,7 @@ from wamkit.eval.plan import plan_for_tasks
 from wamkit.eval.progress import rate_text
 from wamkit.eval.report import write_report
 from wamkit.eval.scheduler import EpisodeOutcome, Scheduler, SchedulerOptions
+from wamkit.eval.shape_probe import SHAPES
 from wamkit.eval.timeline import Timeline
 from wamkit.policies.registry import is_export_dir, make_policy, policy_class
 
@@ -239,6 +240,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         group = cfg.group_by_task if cfg.group_by_task is not None else sglang
         opts = SchedulerOptions(mode=cfg.mode, request_size=cfg.request_size, pipelines=cfg.pipelines, depth=cfg.depth,
                                 max_request_size=cfg.max_request_size, probe=cfg.auto_probe, group_by_task=group,
+                                shapes=tuple(cfg.auto_shapes or SHAPES),
                                 run_to_max_steps=cfg.run_to_max_steps,
                                 render_every_step=cfg.render_every_step,
                                 video_episodes=frozenset(ep.index for ep in plan[:cfg.save_videos]

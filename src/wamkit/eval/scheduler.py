@@ -37,7 +37,7 @@ from wamkit.core.types import ChunkResult, Observation
 from wamkit.eval.affinity import TaskAffinity
 from wamkit.eval.inference import Inference
 from wamkit.eval.plan import Episode, step_seed
-from wamkit.eval.shape_probe import GREEDY, HALVES, LOCKSTEP, PLAN, ShapeProbe
+from wamkit.eval.shape_probe import GREEDY, HALVES, LOCKSTEP, PLAN, SHAPES, ShapeProbe
 from wamkit.eval.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class SchedulerOptions:
     depth: int = 0
     max_request_size: int = 0
     probe: bool = True          # auto: measure the model's plan against other shapes (eval/shape_probe.py)
+    shapes: tuple[str, ...] = SHAPES   # ... those it measures (one: that shape, unprobed)
     group_by_task: bool = False
     run_to_max_steps: bool = False
     render_every_step: bool = False
@@ -374,9 +375,9 @@ def joinable_soon(p: "RequestPlanner") -> int:
 def send_by_shape(p: "RequestPlanner") -> None:
     """Dispatch what the planner's current shape, one of the measured shapes other than the plan, sends now (the
     shapes: RequestPlanner.shape)."""
-    if p.shape == GREEDY:
+    if p.shape == GREEDY:   # one request per observation, as the B = 1, P = envs row (session 22: packing ran slower)
         while p.pending and p.in_flight < max(1, p.s.active_envs):
-            p._dispatch(p.cap)
+            p._dispatch(1)
     elif p.shape == LOCKSTEP:
         while p.pending and joinable_soon(p) <= 0:
             p._dispatch(p.cap)
@@ -436,12 +437,14 @@ class RequestPlanner:
         # a fixed depth is the user's plan: nothing to measure it against
         # (and sending at once only pays where the server merges what arrives together)
         merges = bool(getattr(self.inf, "merges_requests", False))
-        self.probe = ShapeProbe() if merges and self.fixed_depth == 0 and sched.opts.probe else None
+        self.probe = (ShapeProbe(tuple(sched.opts.shapes)) if merges and self.fixed_depth == 0 and sched.opts.probe
+                      else None)
 
     @property
     def shape(self) -> str:
-        """plan: the cost model's (batch, depth) and straggler rule; greedy: whatever waits goes at once, as one
-        request, with as many in flight as there are envs (a batching server merges them); lockstep: one request of
+        """plan: the cost model's (batch, depth) and straggler rule; greedy: every observation goes at once, as a
+        request of its own (the B = 1, P = envs row's pattern), as many in flight as there are envs (a batching
+        server merges them); lockstep: one request of
         every env's observation once no env could still join (B = envs, P = 1); halves: requests of half the
         active envs (at most the cap), at most two out at once (more where half exceeds the cap), each sent once
         half the envs wait (whichever envs they are) or no env could still join (B = envs / 2, P = 2 without fixed
