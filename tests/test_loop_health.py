@@ -93,4 +93,3 @@ def test_a_stall_is_kept_with_when_it_began_and_where_the_loop_was():
     assert not [x for x in s["stalls"] if x["where"] and x["where"][0].endswith(" main")]   # the 10 ms block: none
     assert s["gc_max_ms"] > 0.0
     assert h._watchdog is None and h._on_gc not in gc.callbacks
-

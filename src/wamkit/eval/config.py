@@ -89,7 +89,7 @@ class EvalConfig:
     max_request_size: int = 0               # auto: cap on observations per request (0 = the server's max batch
                                             # size; was `max_batch`)
     auto_probe: bool = True                 # auto, with a batching server: run the cost model's plan, "send
-                                            # whatever waits at once", lockstep and halves for a few env cycles
+                                            # each observation at once", lockstep and halves for a few env cycles
                                             # each, keep the fastest, measure again in the run's tail
                                             # (scheduler.auto_shape)
     auto_shapes: list[str] | None = None    # auto_probe: the shapes it measures (plan, greedy, lockstep, halves;
@@ -109,8 +109,8 @@ class EvalConfig:
                                             # wait behind simulators for a CPU (core/cpu_pinning.py); 0: as started
     gc_freeze: bool = True                  # freeze the heap setup built before the episodes start (gc.freeze): a
                                             # full garbage collection then walks only what the run allocates
-                                            # (core/heap.py; on the GPU machine such collections
-                                            # held every env 90-247 ms, once or twice a 30 s row)
+                                            # (core/heap.py; on the GPU machine such collections held every
+                                            # env 90-247 ms, once or twice a 30 s row)
     max_episode_retries: int = 3            # re-runs of an episode whose env worker crashed (or stalled)
     # a stalled env worker (hung simulator, SIGSTOP) is killed and restarted, its episode re-run, once a call takes
     # longer than max(env_timeout_min_s, env_timeout_factor x the slowest such call so far); a worker's first reset

@@ -375,7 +375,7 @@ def joinable_soon(p: "RequestPlanner") -> int:
 def send_by_shape(p: "RequestPlanner") -> None:
     """Dispatch what the planner's current shape, one of the measured shapes other than the plan, sends now (the
     shapes: RequestPlanner.shape)."""
-    if p.shape == GREEDY:   # one request per observation, as the B = 1, P = envs row (session 22: packing ran slower)
+    if p.shape == GREEDY:   # one request per observation, as the B = 1, P = envs row (see RequestPlanner.shape)
         while p.pending and p.in_flight < max(1, p.s.active_envs):
             p._dispatch(1)
     elif p.shape == LOCKSTEP:
@@ -444,7 +444,8 @@ class RequestPlanner:
     def shape(self) -> str:
         """plan: the cost model's (batch, depth) and straggler rule; greedy: every observation goes at once, as a
         request of its own (the B = 1, P = envs row's pattern), as many in flight as there are envs (a batching
-        server merges them); lockstep: one request of
+        server merges them; until session 22 greedy packed whoever waited into one request, and where auto kept it
+        at 32 envs on H100s it ran 3-6% below that row, for a cause not established); lockstep: one request of
         every env's observation once no env could still join (B = envs, P = 1); halves: requests of half the
         active envs (at most the cap), at most two out at once (more where half exceeds the cap), each sent once
         half the envs wait (whichever envs they are) or no env could still join (B = envs / 2, P = 2 without fixed

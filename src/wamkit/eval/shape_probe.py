@@ -1,5 +1,5 @@
-"""auto's measured choice of request shape: the cost model's plan, every waiting observation sent at once, every
-env's observation in one request, or two requests of half the envs each.
+"""auto's measured choice of request shape: the cost model's plan, every observation sent at once (a request each),
+every env's observation in one request, or two requests of half the envs each.
 
 The RequestPlanner's cost model (scheduler.py) picks a batch size and a number of requests in flight from measured
 chunk and call times. It cannot see everything that decides the rate on a real machine: a server that merges
