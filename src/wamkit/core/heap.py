@@ -2,7 +2,7 @@
 
 A full collection walks every object the collector tracks. After imports, a model built and warmed up (torch,
 transformers, compiled graphs) or an evaluation's setup, that is hundreds of thousands of objects, and one full
-collection then holds the thread that triggered it for 100-250 ms (session 22, GPU machine: the evaluating
+collection then holds the thread that triggered it for 90-250 ms (session 22, GPU machine: the evaluating
 process's loop, every env waiting on it, once or twice a 30 s row). Almost all of them live until the process ends.
 gc.freeze moves every object alive into a permanent generation that collections skip; what is allocated later is
 collected as before, and reference counting frees frozen objects that die as always (only a cycle among them waits

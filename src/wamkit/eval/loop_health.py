@@ -16,7 +16,7 @@ summary (`scheduler.client`):
 - gc_max_ms: the longest garbage collection of the run on the loop's thread (a full one over a large heap holds the
   loop too).
 
-What it found on the GPU machine (session 22): in 9 of 12 rows of 32 envs the loop's longest stall, 90-247 ms, was
+What it found on the GPU machine (session 22): in 7 of 12 rows of 32 envs the loop's longest stall, 90-247 ms, was
 a full garbage collection (`gc_max_ms` the same figure; `where` in a weakref callback or this module's gc hook),
 one or two a row, while every env waited. The heap was what setup had built (torch, the envs' handles) and a
 full collection walks all of it, so the run now freezes that heap first (core/heap.py, `EvalConfig.gc_freeze`):
