@@ -87,6 +87,8 @@ def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     assert 0 < client["loop_cpu"] <= client["process_cpu"] + 0.05 and client["loop_lag_ms"]["n"] > 0
     assert len(client["stalls"]) <= 5 and all(x["ms"] >= 50.0 for x in client["stalls"]) and client["gc_max_ms"] >= 0
     assert s["scheduler"]["gc_frozen_objects"] > 10_000   # the heap setup built, frozen for the run (gc_freeze)
+    # the env processes' own time per chunk, inside the chunk's span as this process saw it
+    assert 0 < s["scheduler"]["sim_worker_ms_mean"] <= s["scheduler"]["sim_ms_mean"]
     if "auto_shapes=greedy" in mode_args:   # held to greedy: unprobed, one observation per request
         assert s["scheduler"]["auto_shape"]["shape"] == "greedy" and not s["scheduler"]["auto_shape"]["probed"]
         assert s["scheduler"]["mean_batch"] == 1.0 and s["scheduler"]["requests"] > 0

@@ -39,3 +39,5 @@ class ChunkResult:
     steps: int
     episode_steps: int
     frames: list[np.ndarray] = field(default_factory=list)  # per-step frames when recording video
+    worker_s: float | None = None  # seconds the env's own process spent on the call (stepping, rendering, packing
+                                   # the reply): what the caller's span adds beyond it is transport and its own wait

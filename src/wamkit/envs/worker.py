@@ -123,10 +123,12 @@ def _worker_main(conn, env_name: str, env_kwargs: dict, index: int) -> None:
                     obs = env.reset(msg[1], msg[2])
                     conn.send(("ok", _pack_obs(obs, layout, buf)))
                 elif cmd == "execute":
+                    t0 = time.perf_counter()
                     r = env.execute(msg[1], render_every_step=msg[2], run_to_max_steps=msg[3])
-                    conn.send(("ok", {"obs": _pack_obs(r.obs, layout, buf), "success": bool(r.success),
-                                      "done": bool(r.done), "steps": int(r.steps),
-                                      "episode_steps": int(r.episode_steps), "frames": r.frames}))
+                    reply = {"obs": _pack_obs(r.obs, layout, buf), "success": bool(r.success), "done": bool(r.done),
+                             "steps": int(r.steps), "episode_steps": int(r.episode_steps), "frames": r.frames}
+                    reply["worker_s"] = time.perf_counter() - t0
+                    conn.send(("ok", reply))
                 elif cmd == "ping":
                     conn.send(("ok", os.getpid()))
                 else:
@@ -396,4 +398,4 @@ class EnvWorker(StartClosingContext):
 
     def _unpack_chunk(self, d) -> ChunkResult:
         return ChunkResult(obs=self._unpack_obs(d["obs"]), success=d["success"], done=d["done"], steps=d["steps"],
-                           episode_steps=d["episode_steps"], frames=list(d["frames"]))
+                           episode_steps=d["episode_steps"], frames=list(d["frames"]), worker_s=d.get("worker_s"))

@@ -87,6 +87,7 @@ def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
             "env_busy": sch.get("env_busy", 0.0), "inference_busy": sch.get("inference_busy", 0.0),
             "request_ms_mean": sch.get("request_ms_mean", 0.0), "compute_ms_mean": sch.get("compute_ms_mean", 0.0),
             "sim_ms_mean": sch.get("sim_ms_mean", 0.0), "env_wait_ms_mean": sch.get("env_wait_ms_mean", 0.0),
+            "sim_worker_ms_mean": sch.get("sim_worker_ms_mean"),
             "scene_loads": sch.get("scene_loads", 0), "scene_load_s": sch.get("scene_load_s", 0.0),
             "request_retries": sch.get("request_retries", 0),
             "env_steps": th["env_steps"], "success_rate": s["success_rate"],
@@ -578,8 +579,10 @@ def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
         if not sim or wait is None:
             continue
         req, comp = x.get("request_ms_mean") or 0.0, x.get("compute_ms_mean") or 0.0
-        txt = (f"{x['row']}: an env's cycle {sim + wait:.1f} ms = chunk {sim:.1f} + waiting {wait:.1f} for the next "
-               f"one (request {req:.1f}")
+        worker = x.get("sim_worker_ms_mean")
+        txt = (f"{x['row']}: an env's cycle {sim + wait:.1f} ms = chunk {sim:.1f}"
+               + (f" (in the env's process {worker:.1f})" if worker else "")
+               + f" + waiting {wait:.1f} for the next one (request {req:.1f}")
         txt += f", server {comp:.1f}" if comp else ""
         txt += f"; outside the request {wait - req:.1f}: cohort, batch, dispatch)"
         host, client = x.get("host_cpu"), x.get("client")

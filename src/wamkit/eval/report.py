@@ -41,7 +41,7 @@ def utilization(out: str | Path, summary: dict) -> dict | None:
     sch = summary.get("scheduler", {})
     if "env_busy" in sch:
         return {k: sch[k] for k in ("env_busy", "inference_busy", "mean_batch", "sim_ms_mean", "env_wait_ms_mean",
-                                    "request_ms_mean") if k in sch}
+                                    "request_ms_mean", "sim_worker_ms_mean") if sch.get(k) is not None}
     tl = Path(out) / "timeline.json"
     if tl.exists():
         from wamkit.eval.timeline import Timeline
@@ -55,8 +55,10 @@ def utilization_line(u: dict) -> str:
     line = (f"env busy {u['env_busy']:.0%} of env time, inference busy {u['inference_busy']:.0%} of wall time, "
             f"mean batch {u.get('mean_batch', 0.0):.1f}")
     if u.get("sim_ms_mean"):
+        worker = u.get("sim_worker_ms_mean")
         line += (f"; an env's cycle {u['sim_ms_mean'] + u.get('env_wait_ms_mean', 0.0):.1f} ms = chunk "
-                 f"{u['sim_ms_mean']:.1f} + waiting {u.get('env_wait_ms_mean', 0.0):.1f} for actions (request "
+                 f"{u['sim_ms_mean']:.1f}" + (f" (in the env's process {worker:.1f})" if worker else "")
+                 + f" + waiting {u.get('env_wait_ms_mean', 0.0):.1f} for actions (request "
                  f"{u.get('request_ms_mean', 0.0):.1f})")
     return line
 

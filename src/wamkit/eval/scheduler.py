@@ -142,6 +142,7 @@ class Scheduler:
         self.simulating = 0
         self.active_envs = 0
         self.sim_samples: deque[tuple[float, int]] = deque(maxlen=200)   # (seconds, concurrent sims)
+        self.worker_chunk_s = [0.0, 0]   # seconds the envs' own processes reported for their chunks, and how many
         self.sim_started: dict[int, float] = {}   # env index -> monotonic start of the chunk it is simulating
         self.reset_started: dict[int, float] = {}  # env index -> monotonic start of the reset under way
         self.reset_samples: deque[float] = deque(maxlen=50)   # seconds of the resets done
@@ -207,8 +208,12 @@ class Scheduler:
         self.sim_started[i] = time.monotonic()
         render = self.opts.render_every_step or ep.index in self.opts.video_episodes
         try:
-            return await self._call(i, "execute+render" if render else "execute", self.envs[i].execute(
+            res = await self._call(i, "execute+render" if render else "execute", self.envs[i].execute(
                 chunk, render_every_step=render, run_to_max_steps=self.opts.run_to_max_steps))
+            if res.worker_s is not None:
+                self.worker_chunk_s[0] += res.worker_s
+                self.worker_chunk_s[1] += 1
+            return res
         finally:
             self.simulating -= 1
             self.sim_started.pop(i, None)
