@@ -279,6 +279,12 @@ class SimAccelerator(Inference):
         await fut
 
 
+def _options(r: Regime, mode: str, batch: int, pipelines: int, shapes: tuple[str, ...] | None) -> SchedulerOptions:
+    """The scheduler's options for a modelled run (episodes run to max steps, no deadline the model could hit)."""
+    return SchedulerOptions(mode=mode, request_size=batch, pipelines=pipelines, cores=r.cores, run_to_max_steps=True,
+                            env_timeout_min_s=600, **({"shapes": shapes} if shapes else {}))
+
+
 def run(r: Regime, mode: str, batch: int = 1, pipelines: int = 1, shapes: tuple[str, ...] | None = None) -> dict:
     """One evaluation of the regime's plan under one schedule: env steps/s, mean batch, episodes done (shapes: the
     ones auto measures, SchedulerOptions.shapes; None: all)."""
@@ -289,10 +295,8 @@ def run(r: Regime, mode: str, batch: int = 1, pipelines: int = 1, shapes: tuple[
         envs = [SimEnv(i, r, cores) for i in range(n)]
         inf = SimAccelerator(r)
         done = []
-        opts = SchedulerOptions(mode=mode, request_size=batch, pipelines=pipelines, cores=r.cores,
-                                run_to_max_steps=True, env_timeout_min_s=600, **({"shapes": shapes} if shapes else {}))
-        sched = Scheduler(envs, inf, make_plan("sim", list(range(len(r.task_cost))),
-                                                  r.episodes // len(r.task_cost)), opts, done.append)
+        sched = Scheduler(envs, inf, make_plan("sim", list(range(len(r.task_cost))), r.episodes // len(r.task_cost)),
+                          _options(r, mode, batch, pipelines, shapes), done.append)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await sched.run()
@@ -329,9 +333,9 @@ def affinity_rule(cls):
 
 
 def run_tasks(r: Regime, tasks: int, trials: int, mode: str = "auto", batch: int = 1, pipelines: int = 1,
-              loaded: dict[int, int] | None = None) -> dict:
+              loaded: dict[int, int] | None = None, shapes: tuple[str, ...] | None = None) -> dict:
     """The regime over a plan of `tasks` x `trials` (task-major), envs starting with `loaded` scenes: env steps/s,
-    scene loads, which env ran what."""
+    scene loads, which env ran what (shapes: as in run)."""
 
     async def go():
         cores = asyncio.Semaphore(r.cores)
@@ -340,9 +344,8 @@ def run_tasks(r: Regime, tasks: int, trials: int, mode: str = "auto", batch: int
             envs[i].loaded_task, envs[i].load_s = t, float(r.load_s + r.reset_s)   # loaded before the run
         inf = SimAccelerator(r)
         done = []
-        opts = SchedulerOptions(mode=mode, request_size=batch, pipelines=pipelines, cores=r.cores,
-                                run_to_max_steps=True, env_timeout_min_s=600)
-        sched = Scheduler(envs, inf, make_plan("sim", list(range(tasks)), trials), opts, done.append)
+        sched = Scheduler(envs, inf, make_plan("sim", list(range(tasks)), trials),
+                          _options(r, mode, batch, pipelines, shapes), done.append)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await sched.run()

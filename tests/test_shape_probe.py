@@ -336,10 +336,9 @@ def test_an_env_loading_a_scene_is_waited_for_only_when_its_load_ends_within_a_c
     assert joinable(0.0, hint=None) == 2              # no load measured yet: no prediction, every env counts
 
 
-def held_to(monkeypatch, shape: str) -> list[int]:
-    """auto held to one shape (no probe round: there is nothing to compare), and a list that fills with the number
-    of observations waiting at each request sent while an env was loading a scene."""
-    monkeypatch.setattr(scheduler_mod, "ShapeProbe", lambda *_: ShapeProbe((shape,)))
+def sent_while_loading(monkeypatch) -> list[int]:
+    """A list that fills with the number of observations waiting at each request sent while an env was loading a
+    scene (auto is held to one shape by its options: auto_shapes / SchedulerOptions.shapes)."""
     sent = []
     dispatch = scheduler_mod.RequestPlanner._dispatch
 
@@ -360,15 +359,15 @@ def test_lockstep_and_halves_do_not_hold_a_request_for_an_env_loading_a_scene(mo
     from now, they join a later one, every episode runs once, and the row ends sooner than holding for them."""
     r = ps.Regime("loads", 16, 8, 0.0135, 0.0185, 0.00003, net_s=0.0025, jitter=0.4, chunks=12, episodes=96,
                   server_wait_s=0.0, load_s=0.3, task_cost=(0.7, 0.9, 1.1, 1.3, 0.8, 1.2))
-    sent_during_loads = held_to(monkeypatch, shape)
-    out = ps.run_tasks(r, 6, 16, "auto")
+    sent_during_loads = sent_while_loading(monkeypatch)
+    out = ps.run_tasks(r, 6, 16, "auto", shapes=(shape,))
     assert out["episodes"] == 96 and len({o.episode.key for o in out["done"]}) == 96
     assert out["loads"] > 16                      # task switches after the first loads
     assert sent_during_loads and max(sent_during_loads) >= 8, sent_during_loads
     held = list(sent_during_loads)
     sent_during_loads.clear()
     monkeypatch.setattr(scheduler_mod, "joinable_soon", lambda p: p._joinable())
-    before = ps.run_tasks(r, 6, 16, "auto")       # the rule before: every env that could join is waited for
+    before = ps.run_tasks(r, 6, 16, "auto", shapes=(shape,))   # the rule before: every env that could join waited
     assert before["episodes"] == 96
     assert len(sent_during_loads) < len(held)
     # sooner by at least a sixth of one load (modelled: lockstep 0.12 s of its 5.5 s, halves 0.08 s of 4.4 s)
@@ -466,8 +465,8 @@ def test_a_real_lockstep_sends_while_an_env_loads_a_scene_and_gets_the_fixed_row
     episodes = mw_episodes
 
     run_eval(cfg(tmp_path / "lockstep", "mode=pipelines", "request_size=2", "pipelines=1"))
-    sent_during_loads = held_to(monkeypatch, LOCKSTEP)
-    s = run_eval(cfg(tmp_path / "auto", "mode=auto"))
+    sent_during_loads = sent_while_loading(monkeypatch)
+    s = run_eval(cfg(tmp_path / "auto", "mode=auto", f"auto_shapes={LOCKSTEP}"))
     assert s["scheduler"]["auto_shape"]["shape"] == LOCKSTEP and s["scheduler"]["scene_loads"] >= 3
     assert sent_during_loads and min(sent_during_loads) == 1, sent_during_loads   # the other env's, alone
     assert s["episodes"] == 6 and episodes(tmp_path / "auto") == episodes(tmp_path / "lockstep")

@@ -35,6 +35,7 @@ from wamkit.core.cpu_pinning import can_lower_nice
 from wamkit.core.errors import ConfigError
 from wamkit.eval.config import EvalConfig
 from wamkit.eval.host_load import cgroup_throttling, cpu_times, shares, throttled
+from wamkit.eval.report import chunk_text
 
 # keys a row may set for itself (`ROW @ key=value ...`): settings that act per run, with the env workers and the
 # servers the rows share (a key that changes the plan or what the servers run cannot be per row); the env_args keys
@@ -579,10 +580,8 @@ def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
         if not sim or wait is None:
             continue
         req, comp = x.get("request_ms_mean") or 0.0, x.get("compute_ms_mean") or 0.0
-        worker = x.get("sim_worker_ms_mean")
-        txt = (f"{x['row']}: an env's cycle {sim + wait:.1f} ms = chunk {sim:.1f}"
-               + (f" (in the env's process {worker:.1f})" if worker else "")
-               + f" + waiting {wait:.1f} for the next one (request {req:.1f}")
+        txt = (f"{x['row']}: an env's cycle {sim + wait:.1f} ms = {chunk_text(sim, x.get('sim_worker_ms_mean'))} + "
+               f"waiting {wait:.1f} for the next one (request {req:.1f}")
         txt += f", server {comp:.1f}" if comp else ""
         txt += f"; outside the request {wait - req:.1f}: cohort, batch, dispatch)"
         host, client = x.get("host_cpu"), x.get("client")

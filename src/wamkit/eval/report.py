@@ -50,16 +50,20 @@ def utilization(out: str | Path, summary: dict) -> dict | None:
     return None
 
 
+def chunk_text(sim_ms: float, worker_ms: float | None) -> str:
+    """An env's mean chunk as the evaluating process saw it, with the env process's own part where the run has it
+    (summary `sim_worker_ms_mean`): 'chunk 18.7' or 'chunk 18.7 (in the env's process 16.2)'."""
+    return f"chunk {sim_ms:.1f}" + (f" (in the env's process {worker_ms:.1f})" if worker_ms else "")
+
+
 def utilization_line(u: dict) -> str:
     """The run's utilization, and where an env's cycle went (timeline.env_cycle) when the run recorded it."""
     line = (f"env busy {u['env_busy']:.0%} of env time, inference busy {u['inference_busy']:.0%} of wall time, "
             f"mean batch {u.get('mean_batch', 0.0):.1f}")
     if u.get("sim_ms_mean"):
-        worker = u.get("sim_worker_ms_mean")
-        line += (f"; an env's cycle {u['sim_ms_mean'] + u.get('env_wait_ms_mean', 0.0):.1f} ms = chunk "
-                 f"{u['sim_ms_mean']:.1f}" + (f" (in the env's process {worker:.1f})" if worker else "")
-                 + f" + waiting {u.get('env_wait_ms_mean', 0.0):.1f} for actions (request "
-                 f"{u.get('request_ms_mean', 0.0):.1f})")
+        line += (f"; an env's cycle {u['sim_ms_mean'] + u.get('env_wait_ms_mean', 0.0):.1f} ms = "
+                 f"{chunk_text(u['sim_ms_mean'], u.get('sim_worker_ms_mean'))} + waiting "
+                 f"{u.get('env_wait_ms_mean', 0.0):.1f} for actions (request {u.get('request_ms_mean', 0.0):.1f})")
     return line
 
 

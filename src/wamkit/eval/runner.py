@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import time
 import uuid
 from pathlib import Path
@@ -369,8 +370,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "request_ms_mean": util.get("request_ms_mean", 0.0),
                                 "compute_ms_mean": util.get("compute_ms_mean", 0.0),
                                 "sim_ms_mean": util.get("sim_ms_mean", 0.0),
-                                "sim_worker_ms_mean": (1000.0 * sched.worker_chunk_s[0] / sched.worker_chunk_s[1]
-                                                       if sched.worker_chunk_s[1] else None),
+                                "sim_worker_ms_mean": (1000.0 * statistics.fmean(sched.worker_chunk_s)
+                                                       if sched.worker_chunk_s else None),
                                 "env_wait_ms_mean": util.get("env_wait_ms_mean", 0.0),
                                 "client": health.summary(),
                                 "gc_frozen_objects": clock.get("gc_frozen", 0),

@@ -142,7 +142,7 @@ class Scheduler:
         self.simulating = 0
         self.active_envs = 0
         self.sim_samples: deque[tuple[float, int]] = deque(maxlen=200)   # (seconds, concurrent sims)
-        self.worker_chunk_s = [0.0, 0]   # seconds the envs' own processes reported for their chunks, and how many
+        self.worker_chunk_s: list[float] = []   # seconds each chunk took in its env's own process (where reported)
         self.sim_started: dict[int, float] = {}   # env index -> monotonic start of the chunk it is simulating
         self.reset_started: dict[int, float] = {}  # env index -> monotonic start of the reset under way
         self.reset_samples: deque[float] = deque(maxlen=50)   # seconds of the resets done
@@ -211,8 +211,7 @@ class Scheduler:
             res = await self._call(i, "execute+render" if render else "execute", self.envs[i].execute(
                 chunk, render_every_step=render, run_to_max_steps=self.opts.run_to_max_steps))
             if res.worker_s is not None:
-                self.worker_chunk_s[0] += res.worker_s
-                self.worker_chunk_s[1] += 1
+                self.worker_chunk_s.append(res.worker_s)
             return res
         finally:
             self.simulating -= 1
