@@ -119,16 +119,18 @@ fi
 
 if part eval; then
   for sc in ${EVALSCALES//,/ }; do
-    # EVAL_NTASKS (default 4, at most 10) x 50 init states cap the plan's episodes: 6 tasks (MetaWorld's default
-    # list in wamkit) let 16-env rows of 500-step episodes last ~30 s on the GPU; 32-env rows need ~8 (300 episodes
-    # ran 23-24 s in session 13). Beyond 6, four more V3 tasks join the list (env_args.tasks).
+    # EVAL_NTASKS (default 4, at most 16) x 50 init states cap the plan's episodes: 6 tasks (MetaWorld's default
+    # list in wamkit) let 16-env rows of 500-step episodes last ~30 s on the GPU; 32-env rows need ~13 (500
+    # episodes of 10 tasks ran 24-30 s in session 22). Beyond 6, ten more V3 tasks join the list (env_args.tasks),
+    # in this order (the last six since session 23: 700 episodes of 14 tasks, ~35 s rows at 32 envs)
     NT=${EVAL_NTASKS:-4}; ENVS=${sc%x*}; EPS=${sc#*x}; TRIALS=$(( EPS / NT ))
-    [ "$NT" -gt 10 ] && { echo "EVAL_NTASKS=$NT: at most 10"; exit 2; }
+    [ "$NT" -gt 16 ] && { echo "EVAL_NTASKS=$NT: at most 16"; exit 2; }
     TASKARG="tasks=$(seq -s, 0 $(( NT - 1 )))"
     EXTRA_TASKS=()
-    if [ "$NT" -gt 6 ]; then   # wamkit's default list (envs/metaworld.py DEFAULT_TASKS), then four more
+    if [ "$NT" -gt 6 ]; then   # wamkit's default list (envs/metaworld.py DEFAULT_TASKS), then ten more
       EXTRA_TASKS=("env_args.tasks=$(python3 -c 'from wamkit.envs.metaworld import DEFAULT_TASKS as D
-print(",".join(D + ("window-open-v3", "drawer-close-v3", "button-press-v3", "reach-wall-v3")))')")
+print(",".join(D + ("window-open-v3", "drawer-close-v3", "button-press-v3", "reach-wall-v3", "window-close-v3",
+                  "door-close-v3", "plate-slide-v3", "handle-press-v3", "coffee-button-v3", "dial-turn-v3")))')")
     fi
     # eval_args come last on the command line, so a max_steps= there wins: say that one
     STEPS=$EVAL_STEPS; for w in $EVAL_ARGS; do case $w in max_steps=*) STEPS=${w#max_steps=};; esac; done
