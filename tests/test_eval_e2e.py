@@ -401,6 +401,16 @@ def test_bench_eval_rounds_and_contended_bound(mw_serial, tmp_path):
                                                                            / fixed["env_steps_per_s"])
     assert vs["per_round"] == pytest.approx([a / f for a, f in zip(auto["rounds"], fixed["rounds"])])
     assert "of the best fixed row (B=2, P=1)" in markdown(rep)
+    for row in ("B2_P1", "auto"):       # each round's pace over time: every chunk its timeline holds, once
+        for k in (1, 2):
+            run = tmp_path / "bench" / row / f"round{k}"
+            pr = json.loads((run / "summary.json").read_text())["scheduler"]["progress"]
+            spans = json.loads((run / "timeline.json").read_text())["spans"]
+            assert sum(pr["chunks"]) == sum(s["kind"] == "sim" for s in spans) > 0
+            assert 0 < pr["tail_from_s"] < pr["wall_s"]
+    assert [p["chunks"] for p in auto["progress_rounds"]] == [
+        json.loads((tmp_path / "bench" / "auto" / f"round{k}" / "summary.json").read_text())["scheduler"]
+        ["progress"]["chunks"] for k in (1, 2)]
     serial = {k: s for k, (s, _) in outcome_view(mw_serial).items()}
     for row in ("B2_P1", "auto"):
         for k in (1, 2):

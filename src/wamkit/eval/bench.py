@@ -36,6 +36,7 @@ from wamkit.core.errors import ConfigError
 from wamkit.eval.config import EvalConfig
 from wamkit.eval.host_load import cgroup_throttling, cpu_times, shares, throttled
 from wamkit.eval.report import chunk_text
+from wamkit.eval.steady import steady_lines, steady_vs_best_fixed
 
 # keys a row may set for itself (`ROW @ key=value ...`): settings that act per run, with the env workers and the
 # servers the rows share (a key that changes the plan or what the servers run cannot be per row); the env_args keys
@@ -94,7 +95,8 @@ def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
             "env_steps": th["env_steps"], "success_rate": s["success_rate"],
             "env_render": sch.get("env_render", {}),
             **({"client": sch["client"]} if sch.get("client") else {}),
-            **({"auto_shape": sch["auto_shape"]} if sch.get("auto_shape") else {})}
+            **({"auto_shape": sch["auto_shape"]} if sch.get("auto_shape") else {}),
+            **({"progress": sch["progress"]} if sch.get("progress") else {})}
 
 
 def grid(num_envs: int) -> list[tuple[int, int]]:
@@ -358,8 +360,11 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     med["env_steps_per_s"] = statistics.median(rates)
     med["episodes_per_hour"] = statistics.median(x["episodes_per_hour"] for x in runs)
     med["rounds"] = rates
-    if any("auto_shape" in x for x in runs):   # the shape auto kept in each round
+    if any("auto_shape" in x for x in runs):   # the shape auto kept in each round, and what its probe measured
         med["auto_shapes"] = [x.get("auto_shape", {}).get("shape") for x in runs]
+        med["auto_shape_rounds"] = [x.get("auto_shape") for x in runs]
+    if any("progress" in x for x in runs):     # each round's pace over time (steady.py compares rows round by round)
+        med["progress_rounds"] = [x.get("progress") for x in runs]
     if any("host_cpu" in x for x in runs):     # the host's CPUs in each round (the median run's stays host_cpu)
         med["host_cpu_rounds"] = [x.get("host_cpu") for x in runs]
     med["spread"] = (max(rates) - min(rates)) / med["env_steps_per_s"] if med["env_steps_per_s"] else 0.0
@@ -498,11 +503,13 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
         loop = loop_bound(m, horizon, sim_steps, (runtime or {}).get("cores") or os.cpu_count() or 1, call_s,
                           row_chunks_s=[(x.get("sim_ms_mean") or 0.0) / 1000.0 for x in results])
     add_ratios(results, bound, contended, loop)
+    vs_best = auto_vs_best_fixed(results)
     report = {"rows": results, "bound": {"sim_env_steps_per_s": sim_steps, "inference_obs_per_s": inf_obs,
                                          "inference_batch": batch, "horizon": horizon,
                                          "bound_env_steps_per_s": bound, "contended": contended, "loop": loop,
                                          "honest_env_steps_per_s": honest_bound(bound, contended, loop)},
-              "rounds": rounds, "order": order, "auto_vs_best_fixed": auto_vs_best_fixed(results),
+              "rounds": rounds, "order": order, "auto_vs_best_fixed": vs_best,
+              "steady_vs_best_fixed": steady_vs_best_fixed(results, {k: v["best_fixed"] for k, v in vs_best.items()}),
               "plan": {"env": base.env, "suite": base.suite, "tasks": base.tasks, "trials": base.trials,
                        "num_envs": m, "max_steps": base.max_steps, "policy": base.policy,
                        "policy_args": base.policy_args,
@@ -511,7 +518,8 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     (out / "bench_eval.json").write_text(json.dumps(report, indent=2))
     (out / "bench_eval.md").write_text(markdown(report))
     console.print(table(report))
-    for line in auto_lines(report) + probe_lines(results) + cycle_lines(results):
+    for line in auto_lines(report) + steady_lines(report["steady_vs_best_fixed"]) + probe_lines(results) \
+            + cycle_lines(results):
         console.print(line)
     return report
 
@@ -689,7 +697,7 @@ def markdown(report: dict[str, Any]) -> str:
     render = render_line(report["rows"])
     if render:
         lines += [render, ""]
-    probes = auto_lines(report) + probe_lines(report["rows"])
+    probes = auto_lines(report) + steady_lines(report.get("steady_vs_best_fixed") or {}) + probe_lines(report["rows"])
     if probes:
         lines += probes + [""]
     cycles = cycle_lines(report["rows"])

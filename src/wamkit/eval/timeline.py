@@ -7,6 +7,10 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+PROGRESS_BINS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)   # Timeline.progress's bin widths, in order
+PROGRESS_MAX_BINS = 400
 
 
 @dataclass
@@ -91,6 +95,25 @@ class Timeline:
                     waits.append(max(b.t0 - a.t1, 0.0))
             sims += [s.t1 - s.t0 for s in spans if s.kind == "sim"]
         return {"sim_ms_mean": _mean_of(sims), "env_wait_ms_mean": _mean_of(waits)}
+
+    def progress(self) -> dict[str, Any]:
+        """The run's pace over time, from its first span: the chunks simulated (sim spans, by their end) in each bin
+        of `bin_s` seconds (the smallest of PROGRESS_BINS_S giving at most PROGRESS_MAX_BINS bins), and `tail_from_s`,
+        when its last episode began (the last reset's start): no episode starts after it, so from there envs fall
+        idle one by one. What separates a schedule's own pace from its start (auto's probe) and its end (the tail):
+        bench.steady_vs_best_fixed compares rows over the span between. {} without sim spans."""
+        sims = [s for s in self.spans if s.kind == "sim"]
+        if not sims:
+            return {}
+        t0 = min(s.t0 for s in self.spans)
+        wall = max(s.t1 for s in self.spans) - t0
+        bin_s = next((b for b in PROGRESS_BINS_S if wall / b <= PROGRESS_MAX_BINS), PROGRESS_BINS_S[-1])
+        chunks = [0] * (int(wall / bin_s) + 1)
+        for s in sims:
+            chunks[min(int((s.t1 - t0) / bin_s), len(chunks) - 1)] += 1
+        resets = [s.t0 - t0 for s in self.spans if s.kind == "reset"]
+        return {"bin_s": bin_s, "chunks": chunks, "tail_from_s": round(max(resets), 3) if resets else 0.0,
+                "wall_s": round(wall, 3)}
 
     def draw(self, path: str | Path, max_seconds: float | None = None) -> Path:
         import matplotlib
