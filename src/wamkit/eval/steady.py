@@ -53,7 +53,7 @@ def steady_round(auto: dict[str, Any], fixed: dict[str, Any], settled: float | N
     deficit = sum(fixed["chunks"][:lo]) - sum(auto["chunks"][:lo])
     return {"from_s": lo * b, "to_s": hi * b, "steady_ratio": a_span / f_span,
             "probe_cost_s": deficit / f_pace,
-            "tail_s": [round(auto["wall_s"] - auto["tail_from_s"], 3), round(fixed["wall_s"] - fixed["tail_from_s"], 3)]}
+            "tail_s": [round(p["wall_s"] - p["tail_from_s"], 3) for p in (auto, fixed)]}
 
 
 def _per_round(row: dict[str, Any], key: str, single: str) -> list:
