@@ -104,6 +104,8 @@ def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
         assert s["scheduler"]["env_nice"] == 5     # the env workers at niceness 5, the same outcomes
     else:
         assert s["scheduler"]["cpus"] is None
+    if "inference=server" in mode_args:   # the servers it launched batch at most every env's observation
+        assert s["scheduler"]["server_max_batch_size"] == n_envs
     if "server.replicas=2" in mode_args:   # both servers answered requests (least-loaded dispatch)
         served = s["scheduler"]["server_requests"]
         assert len(served) == 2 and min(served) > 0, served
@@ -315,11 +317,12 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     from wamkit.eval.bench import bench_eval
     from wamkit.serve.workers import WamkitServerWorker
 
-    starts, pins, omp = [], [], []
+    starts, pins, omp, caps = [], [], [], []
     orig, orig_pin = WamkitServerWorker.start, WamkitServerWorker.set_cpus
 
     def counting_start(self):
         starts.append(self.port)
+        caps.append(self.max_batch_size)
         out = orig(self)
         env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{self.pid}/environ", "rb").read().split(b"\0") if kv)
         omp.append(env.get(b"OMP_WAIT_POLICY"))
@@ -336,6 +339,7 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     shared_row = "auto @ env_args.renderer=shared"   # envs of its own (another env configuration), warmed too
     rep = bench_eval(cfg, tmp_path / "bench", rows=["serial", "auto", pinned_row, shared_row], horizon=4)
     assert len(starts) == 1 and rep["plan"]["shared_servers"] == 1
+    assert caps == [2]   # its batches capped at every env's observation at once (server.max_batch_size 64)
     assert omp == [b"PASSIVE"]   # a row pins it: started so that its OpenMP threads never spin (core/cpu_pinning.py)
     assert [r["row"] for r in rep["rows"]] == ["serial", "auto", pinned_row, shared_row]
     assert rep["bound"]["inference_obs_per_s"] > 0

@@ -102,3 +102,22 @@ def test_eval_device_goes_to_the_inprocess_policy_and_to_servers(monkeypatch):
     assert seen == ["cuda", "cpu", "cpu"]
     assert "device" not in runner.server_options(load_config(EvalConfig, None, [])).serve_args   # server decides
     assert runner.server_options(load_config(EvalConfig, None, ["device=cpu"])).serve_args == {"device": "cpu"}
+
+
+def test_servers_an_eval_launches_batch_at_most_its_envs_observations():
+    """An env sends its next observation only once its last one is answered, so a server the eval launches never
+    gets more than env_count() at once: its max_batch_size is capped there (wam-ref's warm-up then captures CUDA
+    graphs of those batches only), never raised above the configured one."""
+    from wamkit.core.config import load_config
+    from wamkit.eval import runner
+    from wamkit.eval.config import EvalConfig
+
+    def cap(*args):
+        return runner.server_options(load_config(EvalConfig, None, list(args))).max_batch_size
+
+    assert cap("num_envs=8", "mode=auto") == 8
+    assert cap("num_envs=8", "mode=serial") == 1                     # serial runs one env
+    assert cap("num_envs=100", "mode=pipelines") == 64               # the configured cap still holds
+    assert cap("num_envs=16", "mode=auto", "server.max_batch_size=4") == 4
+    cfg = load_config(EvalConfig, None, ["num_envs=8", "mode=serial"])
+    assert cfg.server_batch_cap(cfg.num_envs) == 8 and cfg.server.max_batch_size == 64   # the config is unchanged

@@ -131,7 +131,10 @@ def shared_servers(base: EvalConfig, console: Console, pinnable: bool = False):
     codec = remote_codec_of(base.policy, pkw)          # cosmos3: the servers run SGLang or its stand-in
     check_normalization(base.server, codec)
     policy, args = server_policy(base.policy, pkw, base.server, codec)
-    workers = start_server_workers(policy, args, base.server, pinnable=pinnable)
+    # capped at the batch the rows and bounds can send (every env's observation at once: num_envs, whatever the
+    # base's mode)
+    options = dataclasses.replace(base.server, max_batch_size=base.server_batch_cap(base.num_envs))
+    workers = start_server_workers(policy, args, options, pinnable=pinnable)
     try:
         console.print(f"[bold]bench eval[/] {len(workers)} shared server(s) up in {time.perf_counter() - t0:.1f} s")
         yield workers

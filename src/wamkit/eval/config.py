@@ -132,6 +132,13 @@ class EvalConfig:
         """Env worker processes this run uses: serial runs one, whatever num_envs says."""
         return 1 if self.mode == "serial" else self.num_envs
 
+    def server_batch_cap(self, envs: int | None = None) -> int:
+        """The most observations one server batch can get from `envs` envs (default: this run's, env_count()): an
+        env sends its next observation only once its last one is answered. The servers a run launches start with
+        max_batch_size capped at this, so their warm-up captures CUDA graphs only of the batches they can get
+        (wam-ref's buckets 1-8 of 1-64 at 8 envs)."""
+        return max(1, min(self.server.max_batch_size, self.env_count() if envs is None else envs))
+
     def validate(self) -> None:
         for key, lo, hi in (("trials", 1, None), ("trial_start", 0, None), ("image_size", MIN_IMAGE, MAX_IMAGE),
                             ("num_envs", 1, 4096), ("request_size", 1, None), ("pipelines", 1, None), ("depth", 0, None),

@@ -75,11 +75,13 @@ def inprocess_policy(cfg: EvalConfig, pkw: dict[str, Any]):
 
 
 def server_options(cfg: EvalConfig):
-    """The server options for inference=server: an explicit device= travels to every server (`wamkit serve
-    device=...`); auto stays auto, so each server decides on its own host (a Ray GPU node, say)."""
-    if cfg.device == "auto" or "device" in cfg.server.serve_args:
-        return cfg.server
-    return dataclasses.replace(cfg.server, serve_args={**cfg.server.serve_args, "device": cfg.device})
+    """The server options for inference=server: max_batch_size capped at what this run can send at once
+    (EvalConfig.server_batch_cap); an explicit device= travels to every server (`wamkit serve device=...`); auto
+    stays auto, so each server decides on its own host (a Ray GPU node, say)."""
+    srv = dataclasses.replace(cfg.server, max_batch_size=cfg.server_batch_cap())
+    if cfg.device == "auto" or "device" in srv.serve_args:
+        return srv
+    return dataclasses.replace(srv, serve_args={**srv.serve_args, "device": cfg.device})
 
 
 def eval_cpu_split(cfg: EvalConfig, kept_servers: bool = False) -> tuple[list[int], list[int]] | None:
@@ -362,6 +364,9 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "server_shm_arrays": any(getattr(c, "shm_used", False)
                                                          for c in getattr(inference, "clients", []) or []),
                                 "server_restarts": getattr(inference, "restarts", 0),
+                                # the most observations a server batch takes (its metadata; capped at the envs)
+                                "server_max_batch_size": (inference.max_request_size
+                                                          if isinstance(inference, ServerInference) else None),
                                 "request_retries": getattr(inference, "request_retries", 0),
                                 "server_requests": list(getattr(inference, "served", [])),
                                 "requests": inference.requests,
