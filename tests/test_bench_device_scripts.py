@@ -135,3 +135,18 @@ def test_run_all_refuses_an_unknown_part(tmp_path):
     assert p.returncode == 2
     assert "unknown part 'gemmm'" in p.stdout and "lanes,gemm" in p.stdout
     assert not (tmp_path / "run_all.log").exists()   # stopped before setup wrote anything
+
+
+def test_bench_nano_cpu_smoke_with_the_autotune_gemms_and_no_profile(tmp_path):
+    """bench_nano on the CPU (tiny, one batch): gemm=autotune reaches the policy and its actions match the eager
+    reference; `--profile 0` (as session 15's commands wrote it) profiles nothing instead of failing at batch 0."""
+    out = tmp_path / "nano.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "device" / "bench_nano.py"), "--out", str(out), "--device", "cpu",
+           "--size", "tiny", "--dtype", "float32", "--batches", "2", "--modes", "eager:folded", "--reps", "1",
+           "--http=", "--profile", "0", "--check", "2", "--steps", "2", "--policy-arg", "gemm=autotune"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "FAILED" not in p.stdout + p.stderr
+    d = json.loads(out.read_text())
+    assert d["profile"] == {} and [r["batch"] for r in d["predict"]] == [2]
+    assert d["check"]["gemm"] == "autotune" and d["check"]["batches"]["2"]["max_abs_diff"] < 1e-4

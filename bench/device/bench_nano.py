@@ -12,8 +12,9 @@ Measures, in one process on one GPU:
   graph too), optionally "+compile" (torch.compile of the blocks; modes after the first "+compile" one stay compiled,
   so list those last), "+nofuse" (fused=false: the reference path, one GEMM per projection, transformers' prefix
   forward), "+noprefix" (prefix_graphs=false), "+triton" / "+autotune" (gemm=triton | autotune for the denoising
-  loop's GEMMs; otherwise gemm=cublas) and ":expanded" / ":room" / ":folded" (kv_layout; no suffix: the
-  policy's own, `--policy-arg kv_layout=...` or its default, folded; each row records the layout it ran);
+  loop's GEMMs; otherwise the policy's own, `--policy-arg gemm=...` or its default, cublas) and ":expanded" /
+  ":room" / ":folded" (kv_layout; no suffix: the policy's own, `--policy-arg kv_layout=...` or its default,
+  folded; each row records the layout it ran);
   graphs modes first capture every bucket (policy.warmup, timed): wall-clock
   latency p50/p99 over `reps` calls after warm-up (includes CPU preprocessing and the copy back), plus the device
   time of each phase of one sample() in that mode (CUDA events at the phase boundaries: prefix = vision + understanding tower, loop = the denoising loop) and each phase's
@@ -455,6 +456,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra wam-ref option for the in-process policy (repeatable), e.g. graph_buckets=1,64")
     args = ap.parse_args(argv)
+    # batch sizes to profile; 0 or nothing: none (session 15's commands wrote --profile 0 for none)
+    profile_batches = [b for b in (int(x) for x in args.profile.split(",") if x) if b > 0]
     global DEVICE
     DEVICE = torch.device(args.device)
     res: dict = {"args": vars(args), "device": torch.cuda.get_device_name(0) if on_cuda() else "cpu",
@@ -493,13 +496,15 @@ def main(argv=None) -> int:
     batches = [int(x) for x in args.batches.split(",") if x]
     res["warmup"] = {}
     built_layout = pol.kv_layout   # what a mode without a ":layout" suffix runs (until session 15: expanded)
+    built_gemm = pol.gemm          # ... and without "+triton" / "+autotune" (--policy-arg gemm=...; until session
+                                   # 23 such a mode ran cublas whatever --policy-arg said)
     for mode in [x for x in args.modes.split(",") if x]:
         base, _, layout = mode.partition(":")
         pol.cuda_graphs = base.startswith("graphs")
         pol.kv_layout = layout or built_layout
         pol.fused = "+nofuse" not in base
         pol.prefix_graphs = "+noprefix" not in base
-        pol.gemm = "triton" if "+triton" in base else "autotune" if "+autotune" in base else "cublas"
+        pol.gemm = "triton" if "+triton" in base else "autotune" if "+autotune" in base else built_gemm
         if "+compile" in base and not pol.compile:
             t0 = time.perf_counter()
             pol.enable_compile()
@@ -544,13 +549,13 @@ def main(argv=None) -> int:
             save()
         res["gemm_tuning"] = {str(k): {"config": str(v.get("config")), "us": v.get("us")}
                               for k, v in pol.engine.gemm_tuning.items()}
-        if [x for x in args.profile.split(",") if x] and mode == [x for x in args.modes.split(",") if x][-1]:
+        if profile_batches and mode == [x for x in args.modes.split(",") if x][-1]:
             break   # keep the last mode's graphs: --profile runs in it
         pol.release_graphs()   # free this mode's graphs, their pool and static buffers
         empty_cache()
     res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30 if on_cuda() else None
     res["profile"] = {}
-    for b in [int(x) for x in args.profile.split(",") if x]:
+    for b in profile_batches:
         try:
             pr = res["profile"][str(b)] = profile(pol, b)
             log(f"--- profile sample() b={b} {pr['mode']}: phases {pr['phases_ms']} kernels by kind "
