@@ -149,7 +149,10 @@ print(",".join(D + ("window-open-v3", "drawer-close-v3", "button-press-v3", "rea
       # a fresh directory per run: a warm machine keeps /tmp between calls, and bench eval refuses an out= that
       # already holds results (resume=true continues one)
       EW=$(mktemp -d "/tmp/eval_$TAG.XXXX")
+      # deadline_s: the bench starts no row it cannot finish (with its bound) before the timeout, so a long call
+      # ends with a report over the rounds every row finished instead of being cut in a row (session 23)
       timeout -k 10 $EVAL_T python3 -m wamkit.cli.main bench eval bench/device/eval_metaworld.yaml num_envs="$ENVS" \
+        deadline_s=$(( EVAL_T - 15 )) \
         "$TASKARG" trials="$TRIALS" max_steps="$EVAL_STEPS" out="$EW" server.replicas="$R" server.gpus="$GPUS" \
         "${ROWARG[@]}" "${EXTRA_TASKS[@]}" $EVAL_ARGS
       rc=$?

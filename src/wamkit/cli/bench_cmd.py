@@ -4,8 +4,9 @@ Extra keys: rows=single-batch;auto (subset of rows; `ROW @ key=value ...` adds a
 `auto @ server.reserve_cpus=2`: keys in wamkit.eval.bench.ROW_KEYS); share_server=true|false (inference=server: one set of local
 servers for every row, default true); rounds=N (every row N times, interleaved; median and min-max spread, default 1);
 bound=true|false|contended (measure the stage bound after the rows, default true; contended: also both stages at
-once, the simulation-alone run while the inference side serves back-to-back batches). `out=` is the bench directory
-(one sub-directory per row)."""
+once, the simulation-alone run while the inference side serves back-to-back batches); deadline_s=S (seconds from
+the start: a row starts only if it and the bound can still finish by then, judged from the rows so far; the report
+then covers the rounds every row finished). `out=` is the bench directory (one sub-directory per row)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def help_text(argv: list[str]) -> str:
     from wamkit.cli.eval_cmd import names_footer
 
     return config_help(EvalConfig, "usage: wamkit bench eval [config.yaml] [rows=ROW;ROW] [share_server=true|false] "
-                       "[rounds=N] [bound=true|false|contended] [key=value ...]", __doc__ + "\nEvery `wamkit eval` key below applies to each row.",
+                       "[rounds=N] [bound=true|false|contended] [deadline_s=S] [key=value ...]", __doc__ + "\nEvery `wamkit eval` key below applies to each row.",
                        names_footer())
 
 
@@ -31,6 +32,7 @@ def main(argv: list[str]) -> int:
     rows = None
     share = bound = True
     rounds = 1
+    deadline = None
     rest = []
     for o in overrides:
         if o.startswith("rows="):
@@ -40,6 +42,11 @@ def main(argv: list[str]) -> int:
         elif o.startswith("bound="):
             v = o.split("=", 1)[1]
             bound = "contended" if v == "contended" else parse_bool(v, "bound")
+        elif o.startswith("deadline_s="):
+            try:
+                deadline = float(o.split("=", 1)[1])
+            except ValueError:
+                raise UserError(f"deadline_s: expected seconds, got {o.split('=', 1)[1]!r}") from None
         elif o.startswith("rounds="):
             try:
                 rounds = int(o.split("=", 1)[1])
@@ -52,5 +59,5 @@ def main(argv: list[str]) -> int:
     from wamkit.runtime import eval_runtime
 
     bench_eval(cfg, Path(cfg.out), rows=rows, horizon=cfg.horizon or 16, runtime=eval_runtime(cfg), share_server=share,
-               rounds=rounds, bound=bound)
+               rounds=rounds, bound=bound, deadline_s=deadline)
     return 0

@@ -34,6 +34,7 @@ from wamkit.core.config import load_config
 from wamkit.core.cpu_pinning import can_lower_nice
 from wamkit.core.errors import ConfigError
 from wamkit.eval.config import EvalConfig
+from wamkit.eval.deadline import RowDeadline
 from wamkit.eval.host_load import cgroup_throttling, cpu_times, shares, throttled
 from wamkit.eval.report import chunk_text
 from wamkit.eval.steady import steady_lines, steady_vs_best_fixed
@@ -298,7 +299,7 @@ def contended_bound(base: EvalConfig, out: Path, console: Console, runtime: dict
 
 def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows: list[str] | None = None,
                horizon: int = 16, runtime: dict[str, Any] | None = None, share_server: bool = True,
-               rounds: int = 1, bound: bool | str = True) -> dict[str, Any]:
+               rounds: int = 1, bound: bool | str = True, deadline_s: float | None = None) -> dict[str, Any]:
     """runtime: run_eval keyword arguments placing the workers (wamkit.runtime.eval_runtime); None = local.
     share_server: with inference=server (and no server.url, local runtime), one set of local servers serves every
     row and the inference bound; false: each row starts its own (run_eval's default).
@@ -306,15 +307,20 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
     reverse order: round_order), so slow drifts of the machine touch every row alike; a row reports its median env
     steps/s and the min-max spread; the report's `order` lists the rows as each round ran them.
     bound: measure the stage bound after the rows (false: rows only, e.g. a long single-batch row run apart;
-    "contended": also both stages at once, see contended_bound)."""
+    "contended": also both stages at once, see contended_bound).
+    deadline_s: seconds from this call on; a row starts only if it and the bound can still finish by then
+    (eval/deadline.py), and the report covers the rounds every row finished."""
     from wamkit.eval.runner import check_names
 
     console = console or Console(stderr=True)
     check_names(base)                      # a misspelled name or option: one line before any row starts
     if rounds < 1:
         raise ConfigError(f"rounds must be >= 1, got {rounds}")
+    if deadline_s is not None and deadline_s <= 0:
+        raise ConfigError(f"deadline_s must be > 0 seconds, got {deadline_s}")
+    deadline = RowDeadline(deadline_s, bound)   # its clock starts here: env and server start-up count
     if runtime:
-        return _bench_eval(base, out, console, rows, horizon, runtime, rounds, with_bound=bound)
+        return _bench_eval(base, out, console, rows, horizon, runtime, rounds, with_bound=bound, deadline=deadline)
     # local: one set of env workers for every row (the simulators start once), and shared servers
     from wamkit.eval.kept_envs import KeptEnvs
 
@@ -331,7 +337,7 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
             rt: dict[str, Any] = {"env_workers": envs}
             if workers:
                 rt["server_workers"] = workers
-            return _bench_eval(base, out, console, rows, horizon, rt, rounds, with_bound=bound)
+            return _bench_eval(base, out, console, rows, horizon, rt, rounds, with_bound=bound, deadline=deadline)
     finally:
         envs.close()
 
@@ -436,7 +442,8 @@ def round_order(configs: list, k: int) -> list:
 
 
 def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] | None, horizon: int,
-                runtime: dict[str, Any] | None, rounds: int = 1, with_bound: bool | str = True) -> dict[str, Any]:
+                runtime: dict[str, Any] | None, rounds: int = 1, with_bound: bool | str = True,
+                deadline: RowDeadline | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     m = base.num_envs
     r = dataclasses.replace
@@ -466,16 +473,28 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
         configs = [(x.strip(), row_config(known, x)) for x in dict.fromkeys(rows)]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
     order: list[list[str]] = []
+    deadline = deadline or RowDeadline(None)
+    stopped: dict[str, Any] | None = None
     for k in range(rounds):
+        if stopped:
+            break
         order.append([])
         for name, cfg in round_order(configs, k):
+            if not deadline.allows(name):
+                stopped = {"round": k + 1, "row": name, "elapsed_s": round(deadline.elapsed(), 1),
+                           "needed_s": round(deadline.needs(name), 1), "deadline_s": deadline.deadline_s}
+                console.print(f"[bold]bench eval[/] deadline_s={deadline.deadline_s:g}: {name} (round {k + 1}) "
+                              f"would need {stopped['needed_s']:.0f} s with its bound after {stopped['elapsed_s']:.0f}"
+                              " s: no more rows")
+                break
             order[-1].append(name)
             slug = _slug(name) if rounds == 1 else f"{_slug(name)}/round{k + 1}"
             cfg = r(cfg, out=str(out / slug))
             console.print(f"[bold]bench eval[/] {name}{'' if rounds == 1 else f' (round {k + 1}/{rounds})'}: "
                           f"mode={cfg.mode} envs={cfg.num_envs} B={cfg.request_size} P={cfg.pipelines}")
-            before, quota0 = cpu_times(), cgroup_throttling()
+            before, quota0, t_row = cpu_times(), cgroup_throttling(), deadline.now()
             s = _run(cfg, console, runtime)
+            deadline.record(name, deadline.now() - t_row)
             runs[name].append(_row(name, s, horizon))
             host = shares(before, cpu_times())   # this host's CPUs over the row (a Ray run's other nodes: not seen)
             if host:
@@ -488,6 +507,10 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
                                                                     indent=2))
             console.print(f"  {runs[name][-1]['episodes_per_hour']:.0f} episodes/h, "
                           f"{runs[name][-1]['env_steps_per_s']:.1f} env steps/s")
+    incomplete: list[dict[str, Any]] = []
+    if stopped and len(order) > 1:   # a round cut short: the report covers the rounds every row finished
+        incomplete = [runs[name].pop() for name in order.pop()]
+    rounds = len(order)
     results = [_median_row(v) if rounds > 1 else v[0] for v in runs.values() if v]
     sim_steps = inf_obs = bound = batch = None
     contended: dict[str, Any] | None = None
@@ -512,6 +535,7 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
                                          "bound_env_steps_per_s": bound, "contended": contended, "loop": loop,
                                          "honest_env_steps_per_s": honest_bound(bound, contended, loop)},
               "rounds": rounds, "order": order, "auto_vs_best_fixed": vs_best,
+              **({"stopped": stopped, "incomplete_round": incomplete} if stopped else {}),
               "steady_vs_best_fixed": steady_vs_best_fixed(results, {k: v["best_fixed"] for k, v in vs_best.items()}),
               "plan": {"env": base.env, "suite": base.suite, "tasks": base.tasks, "trials": base.trials,
                        "num_envs": m, "max_steps": base.max_steps, "policy": base.policy,
@@ -697,6 +721,13 @@ def markdown(report: dict[str, Any]) -> str:
                      + (f" {x.get('scene_loads', '-')} |" if loads else ""))
     b = report["bound"]
     lines.append("")
+    st = report.get("stopped")
+    if st:   # deadline_s: the rows that did not start, and the round cut short (eval/deadline.py)
+        cut = ", ".join(x["row"] for x in report.get("incomplete_round") or [])
+        lines += [f"Stopped by deadline_s={st['deadline_s']:g}: {st['row']} (round {st['round']}) would have needed "
+                  f"{st['needed_s']:.0f} s with the bound after {st['elapsed_s']:.0f} s; the table covers "
+                  f"{report['rounds']} round(s)" + (f" (round {st['round']}'s {cut} left out)" if cut else "") + ".",
+                  ""]
     render = render_line(report["rows"])
     if render:
         lines += [render, ""]
