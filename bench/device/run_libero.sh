@@ -93,7 +93,7 @@ if [ $SB_DONE = 0 ] && echo "$R" | tr ';' '\n' | grep -qx single-batch; then
 fi
 if [ -n "$OTHER" ]; then
   timeout -k 10 ${ROWS_T:-420} python3 -m wamkit.cli.main bench eval "${BASE[@]}" trials="$TRIALS" rows="$OTHER" \
-    rounds="$ROUNDS" bound="$BOUND" out="/tmp/lib_${E}$TAG" $EXTRA
+    rounds="$ROUNDS" bound="$BOUND" deadline_s=$(( ${ROWS_T:-420} - 15 )) out="/tmp/lib_${E}$TAG" $EXTRA
   echo "=== rows ($E envs) rc=$? at +$(( $(date +%s) - T0 )) s"
   cp /tmp/lib_${E}$TAG/bench_eval.json "$OUT/libero_${E}envs$TAG.json" 2>/dev/null \
     || cp /tmp/lib_${E}$TAG/bench_eval.partial.json "$OUT/libero_${E}envs${TAG}_partial.json" 2>/dev/null
