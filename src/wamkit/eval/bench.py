@@ -476,8 +476,6 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
     deadline = deadline or RowDeadline(None)
     stopped: dict[str, Any] | None = None
     for k in range(rounds):
-        if stopped:
-            break
         order.append([])
         for name, cfg in round_order(configs, k):
             if not deadline.allows(name):
@@ -507,6 +505,8 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
                                                                     indent=2))
             console.print(f"  {runs[name][-1]['episodes_per_hour']:.0f} episodes/h, "
                           f"{runs[name][-1]['env_steps_per_s']:.1f} env steps/s")
+        if stopped:
+            break
     incomplete: list[dict[str, Any]] = []
     if stopped and len(order) > 1:   # a round cut short: the report covers the rounds every row finished
         incomplete = [runs[name].pop() for name in order.pop()]

@@ -34,22 +34,20 @@ class RowDeadline:
     def record(self, row: str, seconds: float) -> None:
         self.took.setdefault(row, []).append(seconds)
 
+    def _longest(self) -> float | None:
+        """The longest row so far (None: nothing ran yet)."""
+        return max((t for v in self.took.values() for t in v), default=None)
+
     def predicted(self, row: str) -> float | None:
         """Seconds the row is expected to take: its longest earlier round, else the longest row so far (None:
         nothing ran yet)."""
         own = self.took.get(row)
-        if own:
-            return max(own)
-        every = [t for v in self.took.values() for t in v]
-        return max(every) if every else None
+        return max(own) if own else self._longest()
 
     def needs(self, row: str) -> float | None:
         """Seconds the bench needs from now to finish the row and the bound after it (None: unknown yet)."""
         p = self.predicted(row)
-        if p is None:
-            return None
-        longest = max(t for v in self.took.values() for t in v)
-        return p + self.bound_rows * longest + self.MARGIN_S
+        return None if p is None else p + self.bound_rows * self._longest() + self.MARGIN_S
 
     def allows(self, row: str) -> bool:
         """Whether the row may start: no deadline, nothing measured yet, or what it needs fits in what is left."""
