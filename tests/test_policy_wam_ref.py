@@ -378,21 +378,31 @@ def test_graph_buckets_and_warmup():
         make_policy("wam-ref", size="tiny", kv_layout="cat")
 
 
-def test_compile_gives_the_same_actions(one_thread):
-    """compile=true (torch.compile of the generation blocks and the understanding norms/MLPs; Inductor's C++
-    backend here, Triton on GPUs) changes kernels, not arithmetic: same actions to float32 rounding, for two
-    batch sizes (the second one recompiles with a dynamic batch dimension)."""
-    ref = make_policy("wam-ref", size="tiny", num_inference_steps=3, state_dim=8)
-    comp = make_policy("wam-ref", size="tiny", num_inference_steps=3, state_dim=8, compile=True)
+@pytest.mark.parametrize("compile_prefix, prefix_fold", [("layers", False), ("layers", True), ("modules", False)])
+def test_compile_gives_the_same_actions(one_thread, compile_prefix, prefix_fold):
+    """compile=true (torch.compile of the generation blocks, the prefix's text layers and the understanding tower's
+    vision layers; Inductor's C++ backend here, Triton on GPUs) changes kernels, not arithmetic: same actions to
+    float32 rounding, for two batch sizes (the second one recompiles with a dynamic batch dimension), with the text
+    layers compiled whole (compile_prefix=layers, q folded or not) or module by module."""
+    from wamkit.policies.wam_ref import prefix as wp
+
+    ref = make_policy("wam-ref", size="tiny", num_inference_steps=3, state_dim=8, prefix_fold=prefix_fold)
+    comp = make_policy("wam-ref", size="tiny", num_inference_steps=3, state_dim=8, compile=True,
+                       compile_prefix=compile_prefix, prefix_fold=prefix_fold)
+    wp._COMPILED.clear()
     for n in (1, 3):
         obs, seeds = _obs(n, seed=n, state_dim=8), list(range(n))
         np.testing.assert_allclose(comp.predict(obs, seeds), ref.predict(obs, seeds), rtol=1e-4, atol=1e-5)
     # what compile covers in the understanding tower: every vision layer whole (not its MLP again inside it), and
-    # the prefix pass's rotary embedding, which the calls above went through
+    # the text layers as the calls above ran them: two compiled functions, or the compiled rotary and MLP
     vis = comp.model.und.visual
     assert vis.blocks and all(getattr(b, "_compiled_call_impl", None) is not None for b in vis.blocks)
     assert all(getattr(b.mlp, "_compiled_call_impl", None) is None for b in vis.blocks)
-    assert comp.engine.prefix_pass._rope is not None and ref.engine.prefix_pass._rope is None
+    layers = compile_prefix == "layers"
+    assert sorted(wp._COMPILED) == (["in", "out"] if layers else ["mlp"])
+    assert (comp.engine.prefix_pass._rope is None) == layers and ref.engine.prefix_pass._rope is None
+    with pytest.raises(UserError, match="compile_prefix"):
+        make_policy("wam-ref", size="tiny", compile_prefix="whole")
 
 
 @torch.no_grad()

@@ -381,8 +381,8 @@ def test_prefix_fold_gives_the_prefix_of_the_expanded_attention():
     built, rep x S query rows)."""
     from wamkit.policies.wam_ref import prefix as prefix_mod
 
-    plain = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8)
-    folded = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, prefix_fold=True)
+    plain = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, prefix_fold=False)
+    folded = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8)   # the default
     folded.model.load_state_dict(plain.model.state_dict())
     obs = [Observation({c: np.random.default_rng(i).integers(0, 256, (64, 64, 3), dtype=np.uint8)
                         for c in plain.cameras}, np.zeros(8, np.float32), f"task {i}") for i in range(3)]

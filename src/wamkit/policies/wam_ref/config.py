@@ -23,6 +23,7 @@ from wamkit.policies.wam_ref.skinny import GEMM_CHOICES
 
 # the prefix K/V layouts while denoising (see engine.py's docstring): what kv_layout accepts
 KV_LAYOUTS = ("expanded", "room", "folded")
+COMPILE_PREFIX = ("layers", "modules")   # compile=true: how the prefix's text layers run (PrefixPass.compile_as)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -116,11 +117,15 @@ class WamRefConfig:
     kv_layout: str = "folded"                   # prefix K/V while denoising: folded (kv heads, query heads folded:
                                                 #   +9.6% at nano batch 64) | expanded (all query heads) | room (kv
                                                 #   heads, SDPA with GQA)
-    prefix_fold: bool = False                   # the prefix pass's text attention folded as kv_layout=folded folds
-                                                #   the loop's (no K/V repeated per query head; not yet measured on
-                                                #   a GPU, so off by default)
+    prefix_fold: bool = True                    # the prefix pass's text attention folded as kv_layout=folded folds
+                                                #   the loop's (no K/V repeated per query head; with compile_prefix=
+                                                #   layers the prefix 2-3% faster at nano batch 64 on an H100)
     compile: bool = False                       # torch.compile of generation blocks, understanding norms/MLPs,
-                                                #   vision layers and the prefix's rotary embedding
+                                                #   vision layers and the prefix's text layers
+    compile_prefix: str = "layers"              # compile=true, the prefix's text layers: layers (two compiled
+                                                #   functions around attention: residual adds fused into the norms,
+                                                #   q/k norms with the rotary, q written folded) | modules (each
+                                                #   norm, MLP and the rotary compiled on its own, as until session 24)
     batched_vision_attention: bool = True       # one attention call over all (equal-size) images per vision layer
     gemm: str = "cublas"                        # denoising-loop GEMMs: cublas (F.linear) | triton (skinny.py's split-K
                                                 #   kernel for <= 64 rows, tuned on first use) | autotune (Inductor
@@ -138,6 +143,8 @@ class WamRefConfig:
             raise UserError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         self.compile = parse_bool(self.compile, "compile")
         self.prefix_fold = parse_bool(self.prefix_fold, "prefix_fold")
+        if self.compile_prefix not in COMPILE_PREFIX:
+            raise UserError(f"compile_prefix must be one of {', '.join(COMPILE_PREFIX)}, got {self.compile_prefix!r}")
         self.gemm = str(self.gemm).lower()
         if self.gemm not in GEMM_CHOICES:
             raise UserError(f"gemm must be one of {', '.join(GEMM_CHOICES)}, got {self.gemm!r}")

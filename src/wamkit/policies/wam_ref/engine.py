@@ -16,9 +16,9 @@ One understanding-tower pass per observation (the prefix K/V), then the whole Eu
   without GQA over a quarter of expanded's K/V bytes: model.attend). Either way the action tokens' K/V go into
   free slots in place. prefix_fold (the policy's) folds the prefix pass's text attention the same way
   (prefix.PrefixPass._fold_mask).
-- compile: torch.compile of each generation block, the understanding tower's norms and MLPs, its vision layers and
-  the prefix's rotary embedding (fuses the elementwise work around the GEMMs); needs a working Inductor backend
-  (Triton on GPUs).
+- compile: torch.compile of each generation block, the prefix's text layers (compile_prefix: two functions per
+  layer around attention, or each norm, MLP and the rotary embedding on its own) and the vision layers (fuses the
+  elementwise work around the GEMMs); needs a working Inductor backend (Triton on GPUs).
 - gemm: the denoising loop's GEMM kernels: cublas (F.linear), triton (skinny.py's split-K kernel where the loop has
   <= 64 rows; its tile / split per shape tuned on the real weights on first use of a row count, `gemm_tuning`),
   autotune (the generation blocks' functions compiled in Inductor's max-autotune mode: Triton templates vs cuBLAS).
@@ -271,8 +271,8 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ compile
     def enable_compile(self) -> None:
-        """torch.compile (Inductor) of the generation blocks, the prefix pass's text MLP and rotary embedding, and
-        the understanding tower's modules (_compile_understanding), in place. Dynamo's automatic dynamic shapes: the
+        """torch.compile (Inductor) of the generation blocks, the prefix pass's text layers (PrefixPass.compile_as),
+        and the understanding tower's modules (_compile_understanding), in place. Dynamo's automatic dynamic shapes: the
         second batch size seen recompiles with a symbolic batch dimension."""
         import torch._dynamo
 
@@ -299,8 +299,8 @@ def twin_engine(eng: InferenceEngine) -> InferenceEngine:
                            prefix_graphs=eng.prefix_graphs, gemm=eng.gemm)
     twin.weights = eng.weights   # one set of fused copies, not two
     twin.emulate_graphs = eng.emulate_graphs
-    twin.prefix_pass.compiled, twin.prefix_pass.fold = eng.prefix_pass.compiled, eng.prefix_pass.fold
-    twin.prefix_pass._mlp, twin.prefix_pass._rope = eng.prefix_pass._mlp, eng.prefix_pass._rope
+    for k in ("compiled", "fold", "compile_as", "_rope"):
+        setattr(twin.prefix_pass, k, getattr(eng.prefix_pass, k))
     twin.gemm_tuning = eng.gemm_tuning
     return twin
 

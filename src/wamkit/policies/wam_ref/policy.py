@@ -91,6 +91,7 @@ class WamRefPolicy(WamRefTraining, Policy):
             kv_layout=cfg.kv_layout, compile=False, buckets=cfg.buckets, image_slots=self.inputs.image_slots,
             fused=cfg.fused, prefix_graphs=cfg.prefix_graphs, gemm=cfg.gemm)
         self.engine.prefix_pass.fold = cfg.prefix_fold
+        self.engine.prefix_pass.compile_as = cfg.compile_prefix
         if cfg.compile:
             self.engine.enable_compile()
         self._stream = None   # a CUDA stream of its own once replicas exist (replica())

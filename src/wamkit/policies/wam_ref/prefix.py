@@ -11,7 +11,10 @@ call is done once per image count here or replaced by what this prompt layout ma
 - the image tokens sit at the same slots of every prompt (`[<vision_start> <image_pad>*n <vision_end>]` per camera):
   the image embeddings and DeepStack features go in by slicing, not through a boolean mask (a host sync);
 - the decoder layers run here (norms and attention modules called as they are), so the K/V come out directly instead
-  of through a cache object, the causal + padding mask is built on the device, and q/k/v and gate/up can be fused.
+  of through a cache object, the causal + padding mask is built on the device, and q/k/v and gate/up can be fused;
+  compiled (compile_prefix=layers), each layer runs as two pure functions of its tensors around attention, _text_in
+  and _text_out, with the same arithmetic (the residual adds fused into the norms, q written where attention reads
+  it, no eager copies between them).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from wamkit.policies.wam_ref.fused import FusedWeights, TextLayerWeights
-from wamkit.policies.wam_ref.model import Prefix, vision_geometry
+from wamkit.policies.wam_ref.model import Prefix, _rope, vision_geometry
 
 
 class PrefixPass:
@@ -34,9 +37,10 @@ class PrefixPass:
         self.model = model
         self.image_slots = list(image_slots)
         self._geometry: dict[tuple, dict] = {}
-        self.compiled = False   # compile=true: the fused MLP and the rotary embedding run torch.compile'd
-        self._mlp = None        #   (InferenceEngine.enable_compile)
-        self._rope = None
+        self.compiled = False        # compile=true (InferenceEngine.enable_compile)
+        self.compile_as = "layers"   # compiled, with fused weights: each text layer as two compiled functions around
+                                     # attention (layers: _text_in, _text_out) or module by module (modules)
+        self._rope = None            # modules: transformers' rotary embedding, compiled
         self.fold = False       # prefix_fold: grouped-query text attention folded (_fold_mask)
 
     # ------------------------------------------------------------------ vision geometry (host work, once per count)
@@ -77,23 +81,20 @@ class PrefixPass:
         attn_mask = causal[None, None] & valid[:, None, None, :]
         fold_mask = self._fold_mask(attn_mask, lm.layers[0].self_attn)
         keys, values = [], []
-        mlp_fn = _text_mlp
         rope = sys.modules[type(lm.layers[0].self_attn).__module__].apply_rotary_pos_emb   # transformers'
-        if self.compiled:
-            mlp_fn = self._mlp = self._mlp or torch.compile(_text_mlp)
+        if self.compiled and self.compile_as == "modules":
             # transformers' rotate-half rotary embedding is five eager kernels on q and five on k per layer
             # (a cat among them): one fused kernel each once compiled (a pure function: one compile for all layers)
             rope = self._rope = self._rope or torch.compile(rope)
         for i, layer in enumerate(lm.layers):
             fw = fused.text[i] if fused is not None else None
-            a, k, v = _text_attention(layer.self_attn, layer.input_layernorm(h), cos, sin, attn_mask, fw, rope,
-                                      fold_mask)
-            h = h + a
-            x = layer.post_attention_layernorm(h)
-            if fw is None or getattr(layer.mlp.config, "hidden_act", "silu") != "silu":
-                h = h + layer.mlp(x)
-            else:
-                h = h + mlp_fn(x, fw.gate_up, layer.mlp.down_proj.weight)
+            if fw is not None and getattr(layer.mlp.config, "hidden_act", "silu") == "silu":
+                h, k, v = self._fused_layer(layer, h, cos, sin, attn_mask, fold_mask, fw, rope)
+            else:   # the modules as they are (training weights, or an MLP that is not SwiGLU)
+                a, k, v = _text_attention(layer.self_attn, layer.input_layernorm(h), cos, sin, attn_mask, fw, rope,
+                                          fold_mask)
+                h = h + a
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i < len(deep):
                 for c, (start, n) in enumerate(self.image_slots):
                     h[:, start:start + n] += deep[i][:, c].to(h.dtype)
@@ -101,6 +102,34 @@ class PrefixPass:
             values.append(v)
         next_pos = pos.masked_fill(~valid[None], -1).amax(dim=(0, 2)) + 1
         return Prefix(keys=keys, values=values, key_mask=valid, next_pos=next_pos)
+
+    def _fused_layer(self, layer, h, cos, sin, attn_mask, fold_mask, fw: TextLayerWeights, rope):
+        """One text layer with fused q/k/v and gate/up weights and a SwiGLU MLP -> (h, k, v). compiled (compile_as
+        layers): _text_in and _text_out compiled, attention between them, so that Inductor fuses the norms with the
+        residual adds, q/k norms with the rotary embedding (q written folded where attention reads it), and the
+        output's transpose with what follows; otherwise the modules one by one, as transformers runs them."""
+        attn = layer.self_attn
+        if not (self.compiled and self.compile_as == "layers"):
+            a, k, v = _text_attention(attn, layer.input_layernorm(h), cos, sin, attn_mask, fw, rope, fold_mask)
+            h = h + a
+            mlp = _compiled_text("mlp") if self.compiled else _text_mlp
+            return h + mlp(layer.post_attention_layernorm(h), fw.gate_up, layer.mlp.down_proj.weight), k, v
+        cfg = attn.config
+        heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
+        fold = fold_mask is not None and heads > kv_heads
+        q, k, v = _compiled_text("in")(h, layer.input_layernorm.weight, fw.qkv, fw.qkv_bias, attn.q_norm.weight,
+                                       attn.k_norm.weight, cos, sin, heads, kv_heads, hd,
+                                       layer.input_layernorm.variance_epsilon, fold)
+        if fold:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=fold_mask, scale=attn.scaling)
+        else:
+            rep = heads // kv_heads
+            ka, va = (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
+            o = F.scaled_dot_product_attention(q, ka, va, attn_mask=attn_mask, scale=attn.scaling)
+        h = _compiled_text("out")(h, o, attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                                  fw.gate_up, layer.mlp.down_proj.weight, hd,
+                                  layer.post_attention_layernorm.variance_epsilon)
+        return h, k, v
 
     def _fold_mask(self, attn_mask: torch.Tensor, attn) -> torch.Tensor | None:
         """With fold (wam-ref's prefix_fold) and grouped-query attention, the text layers' attention runs folded as
@@ -142,6 +171,51 @@ def _text_attention(attn, x, cos, sin, mask, fw: TextLayerWeights | None, rope, 
     ka, va = (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
     o = F.scaled_dot_product_attention(q, ka, va, attn_mask=mask, scale=attn.scaling)
     return attn.o_proj(o.transpose(1, 2).reshape(b, s, -1)), k, v
+
+
+def _text_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3-VL text RMSNorm as a function: float32 statistics, the normed values rounded to x's
+    dtype before the weight multiplies them."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _text_in(h, ln_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int, head_dim: int,
+             eps: float, fold: bool):
+    """A text layer up to attention (input norm, [q; k; v] GEMM, q/k norms, rotary: _text_attention's arithmetic)
+    -> q, k, v in the layouts attention reads: (B, heads, S, hd), or with fold (B, kv_heads, heads // kv_heads * S,
+    hd), normed and rotated in that layout (model._folded_queries' order), so compiled, the kernel that norms q
+    writes it there; k (B, kv_heads, S, hd); v a view of the GEMM's output. A pure function of its tensors: one
+    torch.compile serves every layer."""
+    b, s, _ = h.shape
+    q, k, v = F.linear(_text_norm(h, ln_w, eps), qkv_w, qkv_b).split(
+        (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    k = _rope(_text_norm(k.view(b, s, kv_heads, head_dim), k_norm_w, eps).transpose(1, 2), cos, sin)
+    v = v.view(b, s, kv_heads, head_dim).transpose(1, 2)
+    if fold:
+        q = q.view(b, s, kv_heads, heads // kv_heads, head_dim).permute(0, 2, 3, 1, 4)
+        return _rope(_text_norm(q, q_norm_w, eps), cos, sin).reshape(b, kv_heads, -1, head_dim), k, v
+    return _rope(_text_norm(q.view(b, s, heads, head_dim), q_norm_w, eps).transpose(1, 2), cos, sin), k, v
+
+
+def _text_out(h, o, o_w, o_b, post_w, gate_up, down, head_dim: int, eps: float):
+    """A text layer after attention: o (B, heads, S, hd), or folded (B, kv_heads, group * S, hd), through the output
+    projection, the residual add, the post-attention norm and the SwiGLU MLP with its residual add -> h."""
+    b, s, _ = h.shape
+    h = h + F.linear(o.reshape(b, -1, s, head_dim).transpose(1, 2).reshape(b, s, -1), o_w, o_b)
+    return h + _text_mlp(_text_norm(h, post_w, eps), gate_up, down)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled_text(name: str):
+    """torch.compile'd _text_in / _text_out / _text_mlp, built on first use and shared by every layer and engine."""
+    fn = _COMPILED.get(name)
+    if fn is None:
+        fn = _COMPILED[name] = torch.compile({"in": _text_in, "out": _text_out, "mlp": _text_mlp}[name],
+                                             fullgraph=name != "mlp")
+    return fn
 
 
 def _text_mlp(x, gate_up: torch.Tensor, down: torch.Tensor):
