@@ -6,24 +6,18 @@ where there are no masters; and the Triton kernel itself (run in Triton's CPU in
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
+from triton_interpreter import ROOT, interpret, needs_interpreter
 from wamkit.core.errors import UserError
 from wamkit.train.config import TrainConfig
 from wamkit.train.master_adamw import MasterAdamW
 from wamkit.train.optim import build_optimizer, clip_gradients
 from wamkit.train.parallelize import setup_model
-
-ROOT = Path(__file__).resolve().parents[1]
-TRITON_SITE = ROOT / ".cache" / "triton-site"
 
 
 class Net(nn.Module):
@@ -147,12 +141,9 @@ KERNEL_CHECK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not (TRITON_SITE / "triton").is_dir(),
-                    reason="needs Triton for its CPU interpreter in .cache/triton-site (make test installs it)")
+@needs_interpreter
 def test_triton_kernel_equals_its_torch_form_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(TRITON_SITE), str(ROOT / "src")])}
-    r = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    r = interpret(KERNEL_CHECK)
     assert r.returncode == 0 and "KERNEL_OK" in r.stdout, r.stdout + r.stderr
 
 
@@ -330,28 +321,19 @@ RUN_CHECK = textwrap.dedent("""
 """)
 
 
-def _interpret(script: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(TRITON_SITE), str(ROOT / "src")])}
-    return subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
-                          timeout=300)
-
-
-@pytest.mark.skipif(not (TRITON_SITE / "triton").is_dir(),
-                    reason="needs Triton for its CPU interpreter in .cache/triton-site (make test installs it)")
+@needs_interpreter
 def test_multi_tensor_step_equals_the_torch_form_per_tensor_in_the_interpreter():
     """Several tensors (sizes off the block, one of 1 element, a non-contiguous gradient), two groups of different
     lr, wd, betas and eps, both gradient dtypes: the one-launch-per-dtype step is `_step_torch` tensor by tensor,
     over steps with a changing lr, after a state is loaded (its step counts used), and with a gradient missing."""
-    r = _interpret(MULTI_CHECK)
+    r = interpret(MULTI_CHECK)
     assert r.returncode == 0 and "MULTI_OK" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.skipif(not (TRITON_SITE / "triton").is_dir(),
-                    reason="needs Triton for its CPU interpreter in .cache/triton-site (make test installs it)")
+@needs_interpreter
 def test_triton_impl_matches_the_default_path_in_the_interpreter():
     """The comparisons above with the kernel running (one launch a step for all tensors), not its torch form."""
-    r = _interpret(RUN_CHECK, str(ROOT / "tests"))
+    r = interpret(RUN_CHECK, str(ROOT / "tests"))
     assert r.returncode == 0 and "RUN_OK" in r.stdout, r.stdout + r.stderr
 
 

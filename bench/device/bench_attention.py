@@ -1,7 +1,8 @@
 """The denoising loop's attention alone, at the real shapes, per K/V layout, key padding and SDPA backend.
 
     python3 bench/device/bench_attention.py --out $OUT/attention.json [--size nano-shape] [--batches 1,64]
-        [--layouts expanded,room,folded] [--pads 0,4,12] [--backends auto,cudnn,efficient,flash,math] [--reps 20]
+        [--layouts expanded,room,folded] [--pads 0,4,12] [--backends auto,cudnn,efficient,flash,math,triton]
+        [--reps 20]
         [--masks mask,none]
     python3 bench/device/bench_attention.py --out /tmp/a.json --device cpu --batches 1,2 --reps 2   # CPU smoke run
 
@@ -34,10 +35,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from wamkit.policies import make_policy  # noqa: E402
+from wamkit.policies.wam_ref import folded_attention as fa  # noqa: E402
 from wamkit.policies.wam_ref.model import additive_mask, attend, kv_room_buffer  # noqa: E402
 from wamkit.policies.wam_ref.skinny import graph_us  # noqa: E402
 
-BACKENDS = ("auto", "cudnn", "efficient", "flash", "math")
+BACKENDS = ("auto", "cudnn", "efficient", "flash", "math", "triton")   # triton: attention=triton's kernel (folded)
 
 
 def shapes(size: str, horizon: int, state_dim: int) -> dict:
@@ -53,7 +55,7 @@ def shapes(size: str, horizon: int, state_dim: int) -> dict:
 def backend_ctx(name: str):
     import contextlib
 
-    if name == "auto":
+    if name in ("auto", "triton"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -86,23 +88,27 @@ def run_one(sh: dict, b: int, layout: str, pad: int, backend: str, reps: int, dt
     if not masked:
         mask = None
     fold = layout == "folded"
+    attention = "triton" if backend == "triton" else "sdpa"
     kv_bytes = 2 * k.numel() * k.element_size()
     row = {"batch": b, "layout": layout, "pad": pad, "keys": k.shape[2], "backend": backend, "masked": masked,
            "kv_mb_per_call": kv_bytes / 1e6}
     try:
+        if attention == "triton" and not (fold and fa.applies(q, "triton")):
+            raise ValueError(f"the triton kernel runs the folded layout only, on CUDA or Triton's interpreter "
+                             f"({fa.available()[1] or 'layout ' + layout})")
         with backend_ctx(backend):
-            out = attend(q, k, v, mask, fold)          # also the warm-up (kernel selection, cuDNN plan)
+            out = attend(q, k, v, mask, fold, attention)   # also the warm-up (kernel selection, cuDNN plan)
             if device.type == "cuda":   # one loop step's calls in a CUDA graph, replays timed (skinny.graph_us)
                 def step():
                     for _ in range(sh["layers"]):
-                        attend(q, k, v, mask, fold)
+                        attend(q, k, v, mask, fold, attention)
 
                 times = graph_us(step, reps=reps, calls=sh["layers"])
             else:   # CPU smoke run: host clock, no graphs
                 times = []
                 for _ in range(reps):
                     t0 = time.perf_counter()
-                    attend(q, k, v, mask, fold)
+                    attend(q, k, v, mask, fold, attention)
                     times.append((time.perf_counter() - t0) * 1e6)
     except Exception as e:  # a backend that cannot take this configuration: recorded, not fatal
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

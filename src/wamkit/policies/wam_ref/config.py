@@ -19,6 +19,7 @@ import torch
 from wamkit.core.config import parse_bool
 from wamkit.core.errors import UserError
 from wamkit.policies.wam_ref.sizes import get_size
+from wamkit.policies.wam_ref.folded_attention import ATTENTION_CHOICES
 from wamkit.policies.wam_ref.skinny import GEMM_CHOICES
 
 # the prefix K/V layouts while denoising (see engine.py's docstring): what kv_layout accepts
@@ -130,6 +131,9 @@ class WamRefConfig:
     gemm: str = "cublas"                        # denoising-loop GEMMs: cublas (F.linear) | triton (skinny.py's split-K
                                                 #   kernel for <= 64 rows, tuned on first use) | autotune (Inductor
                                                 #   max-autotune of the generation blocks' compiled functions)
+    attention: str = "sdpa"                     # the loop's folded attention (kv_layout=folded): sdpa | triton
+                                                #   (folded_attention.py's kernel, split over the keys at small
+                                                #   batch; on CUDA or Triton's interpreter, else SDPA)
 
     def __post_init__(self) -> None:
         get_size(self.size)  # unknown size: UserError listing the sizes
@@ -148,6 +152,9 @@ class WamRefConfig:
         self.gemm = str(self.gemm).lower()
         if self.gemm not in GEMM_CHOICES:
             raise UserError(f"gemm must be one of {', '.join(GEMM_CHOICES)}, got {self.gemm!r}")
+        self.attention = str(self.attention).lower()
+        if self.attention not in ATTENTION_CHOICES:
+            raise UserError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}")
         self.batched_vision_attention = parse_bool(self.batched_vision_attention, "batched_vision_attention")
         for k in ("action_dim", "horizon", "state_dim", "num_inference_steps", "init_seed", "max_batch_size"):
             setattr(self, k, int(getattr(self, k)))

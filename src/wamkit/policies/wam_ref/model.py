@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from wamkit.policies.wam_ref import folded_attention as _folded
 from wamkit.policies.wam_ref import skinny as _skinny
 from wamkit.policies.wam_ref.skinny import linear as _linear
 
@@ -113,17 +114,17 @@ def additive_mask(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-           fold: bool = False) -> torch.Tensor:
+           fold: bool = False, attention: str = "sdpa") -> torch.Tensor:
     """SDPA of q (B, H, n, hd) over k/v (B, Hkv, S, hd), H a multiple of Hkv (query head j reads kv head
     j // (H // Hkv), as enable_gqa orders them), with a mask over keys only ((B, 1, 1, S) or None: no causal
     structure). fold=True computes grouped-query attention as plain attention over the Hkv heads (see
-    fold_queries, attend_folded)."""
+    fold_queries, attend_folded, which `attention` goes to)."""
     h, kvh = q.shape[1], k.shape[1]
     if kvh == h:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
     if not fold:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
-    return attend_folded(fold_queries(q, kvh), k, v, attn_mask, h)
+    return attend_folded(fold_queries(q, kvh), k, v, attn_mask, h, attention)
 
 
 def fold_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -135,14 +136,17 @@ def fold_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def attend_folded(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                  heads: int) -> torch.Tensor:
+                  heads: int, attention: str = "sdpa") -> torch.Tensor:
     """Grouped-query attention of folded queries qf (fold_queries) as plain attention over the Hkv heads; returns
     (B, heads, n, hd). Exact because no query row depends on another or on its position, and every SDPA kernel
     takes it (no enable_gqa): each group's K/V is read once for all its query heads (a quarter of
-    kv_layout=expanded's bytes at 32 / 8 heads) and a kernel's query tile holds 4x the rows."""
+    kv_layout=expanded's bytes at 32 / 8 heads) and a kernel's query tile holds 4x the rows. attention="triton":
+    folded_attention.py's kernel where it applies, else SDPA."""
     b, kvh, gn, hd = qf.shape
     if attn_mask is not None and attn_mask.shape[-2] != 1:
         raise ValueError(f"folded attention needs a mask over keys only, got mask shape {tuple(attn_mask.shape)}")
+    if _folded.applies(qf, attention):
+        return _folded.folded_attention(qf, k, v, attn_mask).view(b, heads, gn * kvh // heads, hd)
     a = F.scaled_dot_product_attention(qf, k, v, attn_mask=attn_mask)
     # reshape, not view: the memory-efficient backend returns its output strided as (B, S, H, hd) transposed, which
     # cannot be viewed as (B, H, n, hd) (cuDNN's and math's are contiguous: there reshape is a view)
@@ -262,6 +266,8 @@ class GenBlock(nn.Module):
         # inference (kv_layout=folded): grouped-query attention as plain attention with the query heads folded
         # into the query axis (see attend)
         self.fold_gqa = False
+        # which kernel runs the loop's folded attention (WamRefPolicy attention=): sdpa | triton (folded_attention.py)
+        self.attention = "sdpa"
 
     def forward(self, x, tmod, cos, sin, prefix_k, prefix_v, attn_mask, kv_room: bool = False, fused=None,
                 own_mod: bool = False):
@@ -290,7 +296,8 @@ class GenBlock(nn.Module):
         else:
             k = torch.cat([prefix_k.to(k.dtype), k], dim=2)
             v = torch.cat([prefix_v.to(v.dtype), v], dim=2)
-        a = attend_folded(q, k, v, attn_mask, self.heads) if fold_q else attend(q, k, v, attn_mask, self.fold_gqa)
+        a = (attend_folded(q, k, v, attn_mask, self.heads, self.attention) if fold_q
+             else attend(q, k, v, attn_mask, self.fold_gqa))
         return fout(x, a, g1, sh2, sc2, g2, self.o_proj.weight, w_gu, self.down_proj.weight, self.eps, self.gemm)
 
 

@@ -92,6 +92,8 @@ class WamRefPolicy(WamRefTraining, Policy):
             fused=cfg.fused, prefix_graphs=cfg.prefix_graphs, gemm=cfg.gemm)
         self.engine.prefix_pass.fold = cfg.prefix_fold
         self.engine.prefix_pass.compile_as = cfg.compile_prefix
+        for blk in self.model.gen.blocks:
+            blk.attention = cfg.attention
         if cfg.compile:
             self.engine.enable_compile()
         self._stream = None   # a CUDA stream of its own once replicas exist (replica())

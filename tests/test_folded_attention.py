@@ -1,0 +1,103 @@
+"""wam-ref attention=triton (policies/wam_ref/folded_attention.py): the loop's folded attention as a Triton kernel
+gives SDPA's result (run in Triton's CPU interpreter: with and without the key mask, split over the keys or not, a
+split whose keys are all masked, bf16), and a policy built with it gives the actions of attention=sdpa while the
+kernel really runs; where it cannot run (no Triton, no CUDA, no interpreter) the policy falls back to SDPA."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from wamkit.core.errors import UserError
+from wamkit.core.types import Observation
+from wamkit.policies import make_policy
+from triton_interpreter import interpret, needs_interpreter
+from wamkit.policies.wam_ref import folded_attention as fa
+
+KERNEL_CHECK = textwrap.dedent("""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from wamkit.core.types import Observation
+    from wamkit.policies import make_policy
+    from wamkit.policies.wam_ref import folded_attention as fa
+    from wamkit.policies.wam_ref.model import additive_mask
+
+    assert fa.available()[0], fa.available()
+    g = torch.Generator().manual_seed(0)
+
+    def check(b, kvh, m, n, hd, masked=None, splits=None, dtype=torch.float32, tol=1e-5):
+        q, k, v = (torch.randn(b, kvh, r, hd, generator=g).to(dtype) for r in (m, n, n))
+        mask = None
+        if masked is not None:
+            keep = torch.ones(b, n, dtype=torch.bool)
+            keep[:, masked[0]:masked[1]] = False
+            mask = additive_mask(keep, dtype)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                             attn_mask=None if mask is None else mask.float())
+        got = fa.folded_attention(q, k, v, mask, splits)
+        assert got.dtype == dtype and got.shape == ref.shape
+        d = float((got.float() - ref).abs().max())
+        assert d < tol, (b, kvh, m, n, hd, masked, splits, dtype, d)
+
+    check(2, 2, 8, 70, 16)                                # 4 programs < 132 SMs: the keys split in two
+    check(2, 2, 8, 70, 16, splits=1)                      # one program per (batch, kv head)
+    check(2, 2, 8, 70, 16, masked=(20, 60))
+    check(2, 2, 8, 70, 16, masked=(20, 60), splits=1)
+    check(1, 2, 20, 200, 32, masked=(64, 128), splits=3)  # the middle split's keys all masked
+    check(3, 1, 40, 33, 16, masked=(5, 9))                # rows and keys not multiples of the blocks
+    check(1, 2, 16, 100, 16, masked=(50, 90), dtype=torch.float16, tol=5e-3)   # (the interpreter has no bf16)
+    assert fa.splits_for(512, 292, 132) == 1 and fa.splits_for(8, 292, 132) == 5
+
+    # a policy: the kernel inside the denoising loop gives attention=sdpa's actions, and runs
+    rng = np.random.default_rng(0)
+    obs = [Observation({c: rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for c in ("image", "wrist_image")},
+                       rng.standard_normal(8).astype(np.float32), f"task {i}") for i in range(3)]
+    ref = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8)
+    tri = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, attention="triton")
+    calls = []
+    real = fa.folded_attention
+    fa.folded_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
+    a, b = ref.predict(obs, [1, 2, 3]), tri.predict(obs, [1, 2, 3])
+    blocks = len(tri.model.gen.blocks)
+    assert len(calls) == 2 * blocks, (len(calls), blocks)
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+    print("KERNEL_OK")
+""")
+
+
+@needs_interpreter
+def test_kernel_equals_sdpa_in_the_interpreter():
+    r = interpret(KERNEL_CHECK, timeout=600)
+    assert r.returncode == 0 and "KERNEL_OK" in r.stdout, r.stdout + r.stderr[-4000:]
+
+
+def test_splits_cover_the_keys_once():
+    """Splits only where the programs leave SMs idle, never more than there are key blocks, each split >= 1."""
+    assert fa.splits_for(512, 292, 132) == 1          # batch 64 x 8 kv heads: one program each fills the GPU
+    assert fa.splits_for(8, 292, 132) == 5            # batch 1: the 5 key blocks of 64 over 40 programs
+    assert fa.splits_for(8, 64, 132) == 1             # one key block: nothing to split
+    for programs in (1, 3, 8, 40, 200):
+        for keys in (1, 63, 64, 65, 292, 1000):
+            s = fa.splits_for(programs, keys, 132)
+            blocks = -(-keys // fa.BLOCK_N)
+            assert 1 <= s <= blocks
+
+
+def test_triton_attention_falls_back_to_sdpa_where_it_cannot_run():
+    """attention=triton on a host where the kernel cannot run (this CPU without the interpreter): SDPA, the same
+    actions; an unknown choice is refused with the choices."""
+    if fa.applies(torch.zeros(1, 1, 16, 16), "triton"):
+        pytest.skip("the kernel runs here (CUDA or TRITON_INTERPRET=1)")
+    rng = np.random.default_rng(1)
+    obs = [Observation({c: rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for c in ("image", "wrist_image")},
+                       np.zeros(8, np.float32), "pick") for _ in range(2)]
+    ref = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8)
+    tri = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, attention="triton")
+    assert all(b.attention == "triton" for b in tri.model.gen.blocks)
+    np.testing.assert_array_equal(tri.predict(obs, [4, 5]), ref.predict(obs, [4, 5]))
+    with pytest.raises(UserError, match="attention must be one of sdpa, triton"):
+        make_policy("wam-ref", size="tiny", attention="flash")
