@@ -1,7 +1,8 @@
 """wam-ref attention=triton (policies/wam_ref/folded_attention.py): the loop's folded attention as a Triton kernel
 gives SDPA's result (run in Triton's CPU interpreter: with and without the key mask, split over the keys or not, a
 split whose keys are all masked, bf16), and a policy built with it gives the actions of attention=sdpa while the
-kernel really runs; where it cannot run (no Triton, no CUDA, no interpreter) the policy falls back to SDPA."""
+kernel really runs; the kernels compile for sm_90 ahead of time (the interpreter runs no compiler); where it cannot
+run (no Triton, no CUDA, no interpreter) the policy falls back to SDPA."""
 
 from __future__ import annotations
 
@@ -73,6 +74,47 @@ KERNEL_CHECK = textwrap.dedent("""
 def test_kernel_equals_sdpa_in_the_interpreter():
     r = interpret(KERNEL_CHECK, timeout=600)
     assert r.returncode == 0 and "KERNEL_OK" in r.stdout, r.stdout + r.stderr[-4000:]
+
+
+HOPPER_COMPILE = textwrap.dedent("""
+    import inspect
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from wamkit.policies.wam_ref import folded_attention as fa
+
+    KINDS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*bf16", "o_ptr": "*bf16",
+             "part_ptr": "*fp32", "stat_ptr": "*fp32", "scale": "fp32"}
+
+    def compile_(kernel, const, warps):
+        names = inspect.signature(kernel.fn).parameters
+        sig = {n: "constexpr" if n in const else KINDS.get(n, "i32") for n in names}
+        src = ASTSource(fn=kernel, signature=sig, constexprs=const)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    for split, per in ((1, 320), (5, 64)):   # nano batch 64 (292 keys, one split) and batch 1 (five)
+        for warps in (4, 8):
+            k = compile_(fa._attn_kernel, {"HAS_MASK": True, "SPLIT": split, "PER_SPLIT": per, "BLOCK_M": 64,
+                                           "BLOCK_N": 64, "D": 128}, warps)
+            Path("k.cubin").write_bytes(k.asm["cubin"])
+            use = subprocess.run([str(tool), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
+            print(split, warps, [ln.strip() for ln in use.splitlines() if "REG:" in ln])
+    compile_(fa._combine_kernel, {"SPLIT": 5, "BLOCK_M": 64, "D": 128}, 4)
+    print("COMPILED")
+""")
+
+
+@needs_interpreter
+def test_kernels_compile_for_hopper(tmp_path):
+    """The interpreter runs Python, not Triton's compiler: the kernels also compile for sm_90 at nano's shapes (Triton
+    compiles ahead of time here, no GPU needed), one split and five, 4 and 8 warps."""
+    r = interpret(f"import os; os.chdir({str(tmp_path)!r})\n" + HOPPER_COMPILE, interpreter=False, timeout=600)
+    assert r.returncode == 0 and "COMPILED" in r.stdout, r.stdout + r.stderr[-4000:]
 
 
 def test_splits_cover_the_keys_once():

@@ -39,7 +39,8 @@ from wamkit.policies.wam_ref import folded_attention as fa  # noqa: E402
 from wamkit.policies.wam_ref.model import additive_mask, attend, kv_room_buffer  # noqa: E402
 from wamkit.policies.wam_ref.skinny import graph_us  # noqa: E402
 
-BACKENDS = ("auto", "cudnn", "efficient", "flash", "math", "triton")   # triton: attention=triton's kernel (folded)
+# triton / triton-w8: attention=triton's kernel (folded layout) with 4 / 8 warps a program (folded_attention.NUM_WARPS)
+BACKENDS = ("auto", "cudnn", "efficient", "flash", "math", "triton", "triton-w8")
 
 
 def shapes(size: str, horizon: int, state_dim: int) -> dict:
@@ -55,7 +56,7 @@ def shapes(size: str, horizon: int, state_dim: int) -> dict:
 def backend_ctx(name: str):
     import contextlib
 
-    if name in ("auto", "triton"):
+    if name == "auto" or name.startswith("triton"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -88,7 +89,8 @@ def run_one(sh: dict, b: int, layout: str, pad: int, backend: str, reps: int, dt
     if not masked:
         mask = None
     fold = layout == "folded"
-    attention = "triton" if backend == "triton" else "sdpa"
+    attention = "triton" if backend.startswith("triton") else "sdpa"
+    fa.NUM_WARPS = 8 if backend == "triton-w8" else 4
     kv_bytes = 2 * k.numel() * k.element_size()
     row = {"batch": b, "layout": layout, "pad": pad, "keys": k.shape[2], "backend": backend, "masked": masked,
            "kv_mb_per_call": kv_bytes / 1e6}

@@ -28,6 +28,10 @@ from wamkit.policies.wam_ref.skinny import available, interpreting, tl, triton
 
 ATTENTION_CHOICES = ("sdpa", "triton")
 BLOCK_N = 64
+# warps per program: compiled for sm_90 (no GPU needed) at BLOCK_M 64, head dim 128, the kernel takes 255 registers
+# a thread with 4 warps (16 bytes spilled; two programs fit an SM) and 241 with 8 (none; one program an SM);
+# bench_attention's backend "triton-w8" times the other
+NUM_WARPS = 4
 
 
 def applies(q: torch.Tensor, attention: str) -> bool:
@@ -165,8 +169,8 @@ def folded_attention(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
         qf.stride(0), qf.stride(1), qf.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask_args[1], mask_args[2],
         out.stride(0), out.stride(1), out.stride(2), 1.0 / math.sqrt(hd),
-        HAS_MASK=attn_mask is not None, SPLIT=split, PER_SPLIT=per, BLOCK_M=bm, BLOCK_N=BLOCK_N, D=hd, num_warps=4,
-        num_stages=2)
+        HAS_MASK=attn_mask is not None, SPLIT=split, PER_SPLIT=per, BLOCK_M=bm, BLOCK_N=BLOCK_N, D=hd,
+        num_warps=NUM_WARPS, num_stages=2)
     if split > 1:
         _combine_kernel[(b * kvh,)](part, stat, out, m, kvh, out.stride(0), out.stride(1), out.stride(2),
                                     SPLIT=split, BLOCK_M=bm, D=hd, num_warps=4)
