@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from wamkit.core.errors import UserError
 from wamkit.core.types import Observation
 from wamkit.policies import make_policy
 
@@ -403,3 +404,33 @@ def test_prefix_fold_gives_the_prefix_of_the_expanded_attention():
     tc = plain.engine.text_config
     rep, s = tc.num_attention_heads // tc.num_key_value_heads, plain.prefix_len
     assert rep > 1 and masks == [None, (3, 1, rep * s, s)]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("compile", [False, True])
+def test_causal_prefix_attention_gives_the_masked_prefix(compile):
+    """prefix_attention=causal (causal SDPA with no mask, GQA in the kernel) gives the actions of the causal +
+    padding mask for prompts of different lengths (right-padded: a valid token never sees a padded one), on the
+    prefix pass's module-by-module path and its compiled layers (compile_prefix=layers), and builds no mask."""
+    from wamkit.policies.wam_ref import prefix as prefix_mod
+
+    kw = dict(size="tiny", num_inference_steps=2, state_dim=8, compile=compile)
+    masked = make_policy("wam-ref", **kw)
+    causal = make_policy("wam-ref", prefix_attention="causal", **kw)
+    causal.model.load_state_dict(masked.model.state_dict())
+    tasks = ["pick", "open the top drawer and put the bowl inside", "push the plate to the front of the stove"]
+    obs = [Observation({c: np.random.default_rng(i).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+                        for c in masked.cameras}, np.zeros(8, np.float32), t) for i, t in enumerate(tasks)]
+    _, text_mask = masked.inputs.tokenizer.encode_fixed(tasks, masked.inputs.max_text_len)
+    assert not text_mask.all()   # padding present: the case where the two could differ
+    built = []
+    real = prefix_mod.PrefixPass._fold_mask
+    prefix_mod.PrefixPass._fold_mask = lambda self, *a: built.append(1) or real(self, *a)
+    try:
+        a, b = masked.predict(obs, [1, 2, 3]), causal.predict(obs, [1, 2, 3])
+    finally:
+        prefix_mod.PrefixPass._fold_mask = real
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    assert built == [1]   # the masked policy's call only
+    with pytest.raises(UserError, match="prefix_attention must be one of mask, causal"):
+        make_policy("wam-ref", size="tiny", prefix_attention="none")

@@ -25,6 +25,7 @@ from wamkit.policies.wam_ref.skinny import GEMM_CHOICES
 # the prefix K/V layouts while denoising (see engine.py's docstring): what kv_layout accepts
 KV_LAYOUTS = ("expanded", "room", "folded")
 COMPILE_PREFIX = ("layers", "modules")   # compile=true: how the prefix's text layers run (PrefixPass.compile_as)
+PREFIX_ATTENTION = ("mask", "causal")     # the prefix's text attention (PrefixPass.causal)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -121,6 +122,10 @@ class WamRefConfig:
     prefix_fold: bool = True                    # the prefix pass's text attention folded as kv_layout=folded folds
                                                 #   the loop's (no K/V repeated per query head; with compile_prefix=
                                                 #   layers the prefix 2-3% faster at nano batch 64 on an H100)
+    prefix_attention: str = "mask"              # the prefix pass's text attention: mask (the causal + padding mask
+                                                #   built per call) | causal (causal SDPA without a mask, GQA in the
+                                                #   kernel: the same values for right-padded prompts; prefix_fold
+                                                #   then does not apply; not yet timed on a GPU)
     compile: bool = False                       # torch.compile of generation blocks, understanding norms/MLPs,
                                                 #   vision layers and the prefix's text layers
     compile_prefix: str = "layers"              # compile=true, the prefix's text layers: layers (two compiled
@@ -147,6 +152,9 @@ class WamRefConfig:
             raise UserError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         self.compile = parse_bool(self.compile, "compile")
         self.prefix_fold = parse_bool(self.prefix_fold, "prefix_fold")
+        if self.prefix_attention not in PREFIX_ATTENTION:
+            raise UserError(f"prefix_attention must be one of {', '.join(PREFIX_ATTENTION)}, "
+                            f"got {self.prefix_attention!r}")
         if self.compile_prefix not in COMPILE_PREFIX:
             raise UserError(f"compile_prefix must be one of {', '.join(COMPILE_PREFIX)}, got {self.compile_prefix!r}")
         self.gemm = str(self.gemm).lower()

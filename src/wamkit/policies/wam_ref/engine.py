@@ -299,7 +299,7 @@ def twin_engine(eng: InferenceEngine) -> InferenceEngine:
                            prefix_graphs=eng.prefix_graphs, gemm=eng.gemm)
     twin.weights = eng.weights   # one set of fused copies, not two
     twin.emulate_graphs = eng.emulate_graphs
-    for k in ("compiled", "fold", "compile_as", "_rope"):
+    for k in ("compiled", "fold", "causal", "compile_as", "_rope"):
         setattr(twin.prefix_pass, k, getattr(eng.prefix_pass, k))
     twin.gemm_tuning = eng.gemm_tuning
     return twin

@@ -92,6 +92,7 @@ class WamRefPolicy(WamRefTraining, Policy):
             fused=cfg.fused, prefix_graphs=cfg.prefix_graphs, gemm=cfg.gemm)
         self.engine.prefix_pass.fold = cfg.prefix_fold
         self.engine.prefix_pass.compile_as = cfg.compile_prefix
+        self.engine.prefix_pass.causal = cfg.prefix_attention == "causal"
         for blk in self.model.gen.blocks:
             blk.attention = cfg.attention
         if cfg.compile:

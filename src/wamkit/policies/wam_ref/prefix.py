@@ -42,6 +42,8 @@ class PrefixPass:
                                      # attention (layers: _text_in, _text_out) or module by module (modules)
         self._rope = None            # modules: transformers' rotary embedding, compiled
         self.fold = False       # prefix_fold: grouped-query text attention folded (_fold_mask)
+        self.causal = False     # prefix_attention=causal: causal SDPA without a mask, GQA in the kernel (valid for
+                                # right-padded prompts: a valid token never attends to a padded one; see _sdpa)
 
     # ------------------------------------------------------------------ vision geometry (host work, once per count)
     def geometry(self, n_images: int, grid: tuple[int, int, int], device: torch.device) -> dict:
@@ -76,10 +78,12 @@ class PrefixPass:
             h[:, start:start + n] = pooled[:, c].to(h.dtype)
         cos, sin = lm.rotary_emb(h, pos)
         valid = mask.bool()
-        s = ids.shape[1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-        attn_mask = causal[None, None] & valid[:, None, None, :]
-        fold_mask = self._fold_mask(attn_mask, lm.layers[0].self_attn)
+        attn_mask = fold_mask = None   # causal (prefix_attention=causal): no mask at all
+        if not self.causal:
+            s = ids.shape[1]
+            causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+            attn_mask = causal[None, None] & valid[:, None, None, :]
+            fold_mask = self._fold_mask(attn_mask, lm.layers[0].self_attn)
         keys, values = [], []
         rope = sys.modules[type(lm.layers[0].self_attn).__module__].apply_rotary_pos_emb   # transformers'
         if self.compiled and self.compile_as == "modules":
@@ -123,9 +127,7 @@ class PrefixPass:
         if fold:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=fold_mask, scale=attn.scaling)
         else:
-            rep = heads // kv_heads
-            ka, va = (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
-            o = F.scaled_dot_product_attention(q, ka, va, attn_mask=attn_mask, scale=attn.scaling)
+            o = _sdpa(q, k, v, attn_mask, attn.scaling)
         h = _compiled_text("out")(h, o, attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
                                   fw.gate_up, layer.mlp.down_proj.weight, hd,
                                   layer.post_attention_layernorm.variance_epsilon)
@@ -166,11 +168,22 @@ def _text_attention(attn, x, cos, sin, mask, fw: TextLayerWeights | None, rope, 
         o = F.scaled_dot_product_attention(q.reshape(b, kvh, rep * s, hd), k, v, attn_mask=fold_mask,
                                            scale=attn.scaling)
         return attn.o_proj(o.reshape(b, kvh * rep, s, hd).transpose(1, 2).reshape(b, s, -1)), k, v
-    # K/V repeated to the query heads, as transformers' SDPA path does with a mask (the fused masked kernels take
-    # no GQA); the cache keeps the kv heads
-    ka, va = (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
-    o = F.scaled_dot_product_attention(q, ka, va, attn_mask=mask, scale=attn.scaling)
+    o = _sdpa(q, k, v, mask, attn.scaling)
     return attn.o_proj(o.transpose(1, 2).reshape(b, s, -1)), k, v
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The prefix's text attention of q (B, heads, S, hd) over k/v (B, kv_heads, S, hd) -> (B, heads, S, hd).
+    mask None (prefix_attention=causal): causal, no mask, GQA left to the kernel. The same values for every valid
+    token: prompts are right-padded (the image tokens, then the text, then its padding), so under the causal order a
+    valid token's keys are all valid; only padded tokens' outputs differ, and their K/V are masked downstream (the
+    loop's key mask). Otherwise the causal + padding mask, with K/V repeated to the query heads, as transformers'
+    SDPA path does with a mask (the fused masked kernels take no GQA); the cache keeps the kv heads either way."""
+    rep = q.shape[1] // k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
+    ka, va = (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
+    return F.scaled_dot_product_attention(q, ka, va, attn_mask=mask, scale=scale)
 
 
 def _text_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
