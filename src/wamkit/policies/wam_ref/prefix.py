@@ -41,9 +41,9 @@ class PrefixPass:
         self.compile_as = "layers"   # compiled, with fused weights: each text layer as two compiled functions around
                                      # attention (layers: _text_in, _text_out) or module by module (modules)
         self._rope = None            # modules: transformers' rotary embedding, compiled
-        self.fold = False       # prefix_fold: grouped-query text attention folded (_fold_mask)
-        self.causal = False     # prefix_attention=causal: causal SDPA without a mask, GQA in the kernel (valid for
-                                # right-padded prompts: a valid token never attends to a padded one; see _sdpa)
+        self.fold = False            # prefix_fold: grouped-query text attention folded (_fold_mask)
+        self.causal = False          # prefix_attention=causal: causal SDPA without a mask, GQA in the kernel (valid
+                                     # for right-padded prompts: a valid token never attends to a padded one; _sdpa)
 
     # ------------------------------------------------------------------ vision geometry (host work, once per count)
     def geometry(self, n_images: int, grid: tuple[int, int, int], device: torch.device) -> dict:
