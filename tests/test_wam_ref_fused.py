@@ -407,14 +407,14 @@ def test_prefix_fold_gives_the_prefix_of_the_expanded_attention():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("compile", [False, True])
-def test_causal_prefix_attention_gives_the_masked_prefix(compile):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_causal_prefix_attention_gives_the_masked_prefix(compiled):
     """prefix_attention=causal (causal SDPA with no mask, GQA in the kernel) gives the actions of the causal +
     padding mask for prompts of different lengths (right-padded: a valid token never sees a padded one), on the
     prefix pass's module-by-module path and its compiled layers (compile_prefix=layers), and builds no mask."""
     from wamkit.policies.wam_ref import prefix as prefix_mod
 
-    kw = dict(size="tiny", num_inference_steps=2, state_dim=8, compile=compile)
+    kw = dict(size="tiny", num_inference_steps=2, state_dim=8, compile=compiled)
     masked = make_policy("wam-ref", **kw)
     causal = make_policy("wam-ref", prefix_attention="causal", **kw)
     causal.model.load_state_dict(masked.model.state_dict())
