@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from wamkit.policies.wam_ref.skinny import available, interpreting, tl, triton
+from wamkit.policies.wam_ref.skinny import available, block_m, interpreting, tl, triton
 
 ATTENTION_CHOICES = ("sdpa", "triton")
 BLOCK_N = 64
@@ -39,10 +39,6 @@ def applies(q: torch.Tensor, attention: str) -> bool:
     hd = q.shape[-1]
     return (attention == "triton" and available()[0] and (q.is_cuda or interpreting())
             and hd >= 16 and hd & (hd - 1) == 0 and q.shape[-2] <= 128)
-
-
-def block_m(m: int) -> int:
-    return max(16, 1 << (max(m, 1) - 1).bit_length())
 
 
 def splits_for(programs: int, keys: int, sms: int) -> int:

@@ -92,13 +92,19 @@ class PrefixPass:
             rope = self._rope = self._rope or torch.compile(rope)
         for i, layer in enumerate(lm.layers):
             fw = fused.text[i] if fused is not None else None
-            if fw is not None and getattr(layer.mlp.config, "hidden_act", "silu") == "silu":
-                h, k, v = self._fused_layer(layer, h, cos, sin, attn_mask, fold_mask, fw, rope)
-            else:   # the modules as they are (training weights, or an MLP that is not SwiGLU)
+            swiglu = fw is not None and getattr(layer.mlp.config, "hidden_act", "silu") == "silu"
+            if swiglu and self.compiled and self.compile_as == "layers":
+                h, k, v = self._compiled_layer(layer, h, cos, sin, attn_mask, fold_mask, fw)
+            else:   # the modules one by one, as transformers runs them (the MLP's gate/up fused where it is SwiGLU)
                 a, k, v = _text_attention(layer.self_attn, layer.input_layernorm(h), cos, sin, attn_mask, fw, rope,
                                           fold_mask)
                 h = h + a
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                x = layer.post_attention_layernorm(h)
+                if swiglu:
+                    mlp = _compiled_text("mlp") if self.compiled else _text_mlp
+                    h = h + mlp(x, fw.gate_up, layer.mlp.down_proj.weight)
+                else:   # training weights, or an MLP that is not SwiGLU
+                    h = h + layer.mlp(x)
             if i < len(deep):
                 for c, (start, n) in enumerate(self.image_slots):
                     h[:, start:start + n] += deep[i][:, c].to(h.dtype)
@@ -107,17 +113,12 @@ class PrefixPass:
         next_pos = pos.masked_fill(~valid[None], -1).amax(dim=(0, 2)) + 1
         return Prefix(keys=keys, values=values, key_mask=valid, next_pos=next_pos)
 
-    def _fused_layer(self, layer, h, cos, sin, attn_mask, fold_mask, fw: TextLayerWeights, rope):
-        """One text layer with fused q/k/v and gate/up weights and a SwiGLU MLP -> (h, k, v). compiled (compile_as
-        layers): _text_in and _text_out compiled, attention between them, so that Inductor fuses the norms with the
+    def _compiled_layer(self, layer, h, cos, sin, attn_mask, fold_mask, fw: TextLayerWeights):
+        """One text layer with fused q/k/v and gate/up weights and a SwiGLU MLP -> (h, k, v), as compile_as=layers
+        runs it: _text_in and _text_out compiled, attention between them, so that Inductor fuses the norms with the
         residual adds, q/k norms with the rotary embedding (q written folded where attention reads it), and the
-        output's transpose with what follows; otherwise the modules one by one, as transformers runs them."""
+        output's transpose with what follows."""
         attn = layer.self_attn
-        if not (self.compiled and self.compile_as == "layers"):
-            a, k, v = _text_attention(attn, layer.input_layernorm(h), cos, sin, attn_mask, fw, rope, fold_mask)
-            h = h + a
-            mlp = _compiled_text("mlp") if self.compiled else _text_mlp
-            return h + mlp(layer.post_attention_layernorm(h), fw.gate_up, layer.mlp.down_proj.weight), k, v
         cfg = attn.config
         heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
         fold = fold_mask is not None and heads > kv_heads
