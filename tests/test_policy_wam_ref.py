@@ -383,12 +383,13 @@ def test_compile_gives_the_same_actions(one_thread, compile_prefix, prefix_fold)
     """compile=true (torch.compile of the generation blocks, the prefix's text layers and the understanding tower's
     vision layers; Inductor's C++ backend here, Triton on GPUs) changes kernels, not arithmetic: same actions to
     float32 rounding, for two batch sizes (the second one recompiles with a dynamic batch dimension), with the text
-    layers compiled whole (compile_prefix=layers, q folded or not) or module by module."""
+    layers compiled whole (compile_prefix=layers, q folded or not) or module by module, with the prefix's masked
+    attention (prefix_fold applies to it; the causal default is compiled in test_wam_ref_fused)."""
     from wamkit.policies.wam_ref import prefix as wp
 
-    ref = make_policy("wam-ref", size="tiny", num_inference_steps=3, state_dim=8, prefix_fold=prefix_fold)
-    comp = make_policy("wam-ref", size="tiny", num_inference_steps=3, state_dim=8, compile=True,
-                       compile_prefix=compile_prefix, prefix_fold=prefix_fold)
+    kw = dict(size="tiny", num_inference_steps=3, state_dim=8, prefix_fold=prefix_fold, prefix_attention="mask")
+    ref = make_policy("wam-ref", **kw)
+    comp = make_policy("wam-ref", compile=True, compile_prefix=compile_prefix, **kw)
     wp._COMPILED.clear()
     for n in (1, 3):
         obs, seeds = _obs(n, seed=n, state_dim=8), list(range(n))

@@ -44,20 +44,26 @@ def test_fused_predict_matches_reference(dtype, tol):
 
 
 @torch.no_grad()
-def test_prefix_pass_matches_transformers_forward():
+@pytest.mark.parametrize("prefix_attention", ["mask", "causal"])
+def test_prefix_pass_matches_transformers_forward(prefix_attention):
     """prefix.PrefixPass (vision geometry precomputed, image slots by slicing, decoder layers run by hand) gives
-    transformers' per-layer K/V, key mask and next positions, with and without fused weights."""
-    pol = make_policy("wam-ref", size="tiny", max_text_len=20)
+    transformers' per-layer K/V, key mask and next positions, with and without fused weights. prefix_attention=
+    causal (no padding mask) gives them at every valid position; a padded position's K/V, which the loop's key mask
+    hides, may differ (there, and only there, the two do differ)."""
+    pol = make_policy("wam-ref", size="tiny", max_text_len=20, prefix_attention=prefix_attention)
     inp = _inputs(pol)
     assert inp["attention_mask"].sum(1).unique().numel() > 1    # prompts of different lengths (padding masked)
     ref = pol.model.encode_prefix(inp["input_ids"], inp["attention_mask"], inp["mm_token_type_ids"],
                                   inp["pixel_values"], inp["image_grid_thw"], inp["position_ids"])
+    valid = ref.key_mask[:, None, :, None].expand_as(ref.keys[-1])
     for fw in (None, pol.engine.weights.get()):
         p = pol.engine.prefix_pass(inp, fw)
         assert len(p.keys) == len(ref.keys)
         for k, rk, v, rv in zip(p.keys, ref.keys, p.values, ref.values):
-            torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(k[valid], rk[valid], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v[valid], rv[valid], rtol=1e-5, atol=1e-5)
+        padded = (p.keys[-1] - ref.keys[-1]).abs()[~valid].max()
+        assert (padded > 1e-3) if prefix_attention == "causal" else (padded < 1e-5)
         assert torch.equal(p.key_mask, ref.key_mask) and torch.equal(p.next_pos, ref.next_pos)
 
 
@@ -382,8 +388,9 @@ def test_prefix_fold_gives_the_prefix_of_the_expanded_attention():
     built, rep x S query rows)."""
     from wamkit.policies.wam_ref import prefix as prefix_mod
 
-    plain = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, prefix_fold=False)
-    folded = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8)   # the default
+    kw = dict(size="tiny", num_inference_steps=2, state_dim=8, prefix_attention="mask")   # the fold's attention
+    plain = make_policy("wam-ref", prefix_fold=False, **kw)
+    folded = make_policy("wam-ref", **kw)   # prefix_fold=true: the default
     folded.model.load_state_dict(plain.model.state_dict())
     obs = [Observation({c: np.random.default_rng(i).integers(0, 256, (64, 64, 3), dtype=np.uint8)
                         for c in plain.cameras}, np.zeros(8, np.float32), f"task {i}") for i in range(3)]
@@ -415,8 +422,8 @@ def test_causal_prefix_attention_gives_the_masked_prefix(compiled):
     from wamkit.policies.wam_ref import prefix as prefix_mod
 
     kw = dict(size="tiny", num_inference_steps=2, state_dim=8, compile=compiled)
-    masked = make_policy("wam-ref", **kw)
-    causal = make_policy("wam-ref", prefix_attention="causal", **kw)
+    masked = make_policy("wam-ref", prefix_attention="mask", **kw)
+    causal = make_policy("wam-ref", **kw)   # prefix_attention=causal: the default
     causal.model.load_state_dict(masked.model.state_dict())
     tasks = ["pick", "open the top drawer and put the bowl inside", "push the plate to the front of the stove"]
     obs = [Observation({c: np.random.default_rng(i).integers(0, 256, (64, 64, 3), dtype=np.uint8)

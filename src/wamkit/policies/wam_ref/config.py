@@ -122,10 +122,11 @@ class WamRefConfig:
     prefix_fold: bool = True                    # the prefix pass's text attention folded as kv_layout=folded folds
                                                 #   the loop's (no K/V repeated per query head; with compile_prefix=
                                                 #   layers the prefix 2-3% faster at nano batch 64 on an H100)
-    prefix_attention: str = "mask"              # the prefix pass's text attention: mask (the causal + padding mask
-                                                #   built per call) | causal (causal SDPA without a mask, GQA in the
-                                                #   kernel: the same values for right-padded prompts; prefix_fold
-                                                #   then does not apply; not yet timed on a GPU)
+    prefix_attention: str = "causal"            # the prefix pass's text attention: causal (causal SDPA without a
+                                                #   mask, GQA in the kernel: the same values, prompts being right-
+                                                #   padded; prefix_fold then does not apply; its attention 18.0 ms
+                                                #   against 24.3 at nano batch 64 on an H100) | mask (the causal +
+                                                #   padding mask built per call)
     compile: bool = False                       # torch.compile of generation blocks, understanding norms/MLPs,
                                                 #   vision layers and the prefix's text layers
     compile_prefix: str = "layers"              # compile=true, the prefix's text layers: layers (two compiled
@@ -136,9 +137,11 @@ class WamRefConfig:
     gemm: str = "cublas"                        # denoising-loop GEMMs: cublas (F.linear) | triton (skinny.py's split-K
                                                 #   kernel for <= 64 rows, tuned on first use) | autotune (Inductor
                                                 #   max-autotune of the generation blocks' compiled functions)
-    attention: str = "sdpa"                     # the loop's folded attention (kv_layout=folded): sdpa | triton
+    attention: str = "triton"                   # the loop's folded attention (kv_layout=folded): triton
                                                 #   (folded_attention.py's kernel, split over the keys at small
-                                                #   batch; on CUDA or Triton's interpreter, else SDPA)
+                                                #   batch; on CUDA or Triton's interpreter, else SDPA; 51.0 us a block
+                                                #   and step against cuDNN's 55.3 at nano batch 64 on an H100, batch 1
+                                                #   207 ms against 210.5) | sdpa
 
     def __post_init__(self) -> None:
         get_size(self.size)  # unknown size: UserError listing the sizes

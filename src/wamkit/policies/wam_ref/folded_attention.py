@@ -60,8 +60,8 @@ def _sms(device: torch.device) -> int:
 
 if triton is not None:
     @triton.jit
-    def _attn_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, part_ptr, stat_ptr, M, N, kv_heads,
-                     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, smn, sob, soh, som, scale,
+    def _attn_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, part_ptr, stat_ptr, M, N, kv_heads, ntok,
+                     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, smn, sob, soh, sog, sot, scale,
                      HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, D: tl.constexpr):
         bh = tl.program_id(0)
@@ -98,7 +98,8 @@ if triton is not None:
         keep = rows[:, None] < M
         if SPLIT == 1:
             out = acc / l_i[:, None]
-            tl.store(o_ptr + b * sob + h * soh + rows[:, None] * som + dims[None, :], out.to(o_ptr.dtype.element_ty),
+            o_rows = (rows // ntok) * sog + (rows % ntok) * sot
+            tl.store(o_ptr + b * sob + h * soh + o_rows[:, None] + dims[None, :], out.to(o_ptr.dtype.element_ty),
                      mask=keep)
         else:
             base = (bh * SPLIT + sp) * BLOCK_M
@@ -107,7 +108,7 @@ if triton is not None:
             tl.store(stat_ptr + (bh * SPLIT + sp) * 2 * BLOCK_M + BLOCK_M + rows, l_i, mask=rows < M)
 
     @triton.jit
-    def _combine_kernel(part_ptr, stat_ptr, o_ptr, M, kv_heads, sob, soh, som,
+    def _combine_kernel(part_ptr, stat_ptr, o_ptr, M, kv_heads, ntok, sob, soh, sog, sot,
                         SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
         bh = tl.program_id(0)
         b = bh // kv_heads
@@ -129,15 +130,19 @@ if triton is not None:
                            mask=live[:, None], other=0.0)
             num += part * w[:, None]
         out = num / tl.where(live, den, 1.0)[:, None]
-        tl.store(o_ptr + b * sob + h * soh + rows[:, None] * som + dims[None, :], out.to(o_ptr.dtype.element_ty),
+        o_rows = (rows // ntok) * sog + (rows % ntok) * sot
+        tl.store(o_ptr + b * sob + h * soh + o_rows[:, None] + dims[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=live[:, None])
 
 
 def folded_attention(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                     splits: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, tokens: int | None = None) -> torch.Tensor:
     """softmax(qf @ k^T / sqrt(hd) + mask) @ v for qf (B, Hkv, M, hd), k/v (B, Hkv, N, hd) (the last dim
     contiguous), attn_mask additive (B, 1, 1, N) (or broadcastable to it) or None -> (B, Hkv, M, hd) in qf's dtype.
-    splits: key splits per (batch, kv head); None chooses (splits_for)."""
+    splits: key splits per (batch, kv head); None chooses (splits_for).
+    tokens (n, M a multiple of it: folded queries, row g * n + t = query head h * M // n + g, token t): the output
+    is written token-major instead, (B, n, Hkv * M // n, hd) contiguous, the layout the output projection reads,
+    so no transposing copy runs between them."""
     b, kvh, m, hd = qf.shape
     n = k.shape[2]
     if k.shape[:2] != (b, kvh) or v.shape != k.shape or k.shape[-1] != hd:
@@ -145,11 +150,21 @@ def folded_attention(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
     for t in (qf, k, v):
         if t.stride(-1) != 1:
             raise ValueError("folded_attention needs the head dim contiguous")
+    if tokens is not None and (tokens < 1 or m % tokens):
+        raise ValueError(f"folded_attention: {m} folded query rows are not whole groups of {tokens} tokens")
     bm = block_m(m)
     split = int(splits) if splits else splits_for(b * kvh, n, _sms(qf.device))
     per = math.ceil(math.ceil(n / BLOCK_N) / split) * BLOCK_N
     split = math.ceil(n / per)
-    out = torch.empty((b, kvh, m, hd), device=qf.device, dtype=qf.dtype)
+    if tokens is None:
+        out = torch.empty((b, kvh, m, hd), device=qf.device, dtype=qf.dtype)
+        # row r at r * stride(2): one group of M tokens
+        layout = (m, out.stride(0), out.stride(1), 0, out.stride(2))
+    else:
+        group = m // tokens
+        out = torch.empty((b, tokens, kvh * group, hd), device=qf.device, dtype=qf.dtype)
+        # row g * tokens + t: query head h * group + g, token t
+        layout = (tokens, out.stride(0), group * out.stride(2), out.stride(2), out.stride(1))
     if split > 1:
         part = torch.empty((b * kvh * split * bm * hd,), device=qf.device, dtype=torch.float32)
         stat = torch.empty((b * kvh * split * 2 * bm,), device=qf.device, dtype=torch.float32)
@@ -161,13 +176,11 @@ def folded_attention(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
     else:
         mask_args = (out, 0, 0)
     _attn_kernel[(b * kvh, split)](
-        qf, k, v, mask_args[0], out, part, stat, m, n, kvh,
+        qf, k, v, mask_args[0], out, part, stat, m, n, kvh, layout[0],
         qf.stride(0), qf.stride(1), qf.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), mask_args[1], mask_args[2],
-        out.stride(0), out.stride(1), out.stride(2), 1.0 / math.sqrt(hd),
+        v.stride(0), v.stride(1), v.stride(2), mask_args[1], mask_args[2], *layout[1:], 1.0 / math.sqrt(hd),
         HAS_MASK=attn_mask is not None, SPLIT=split, PER_SPLIT=per, BLOCK_M=bm, BLOCK_N=BLOCK_N, D=hd,
         num_warps=NUM_WARPS, num_stages=2)
     if split > 1:
-        _combine_kernel[(b * kvh,)](part, stat, out, m, kvh, out.stride(0), out.stride(1), out.stride(2),
-                                    SPLIT=split, BLOCK_M=bm, D=hd, num_warps=4)
+        _combine_kernel[(b * kvh,)](part, stat, out, m, kvh, *layout, SPLIT=split, BLOCK_M=bm, D=hd, num_warps=4)
     return out

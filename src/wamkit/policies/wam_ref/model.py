@@ -141,12 +141,13 @@ def attend_folded(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     (B, heads, n, hd). Exact because no query row depends on another or on its position, and every SDPA kernel
     takes it (no enable_gqa): each group's K/V is read once for all its query heads (a quarter of
     kv_layout=expanded's bytes at 32 / 8 heads) and a kernel's query tile holds 4x the rows. attention="triton":
-    folded_attention.py's kernel where it applies, else SDPA."""
+    folded_attention.py's kernel where it applies (its output written token-major, (B, n, heads, hd) contiguous,
+    returned transposed: the output projection then reads it without a copy), else SDPA."""
     b, kvh, gn, hd = qf.shape
     if attn_mask is not None and attn_mask.shape[-2] != 1:
         raise ValueError(f"folded attention needs a mask over keys only, got mask shape {tuple(attn_mask.shape)}")
     if _folded.applies(qf, attention):
-        return _folded.folded_attention(qf, k, v, attn_mask).view(b, heads, gn * kvh // heads, hd)
+        return _folded.folded_attention(qf, k, v, attn_mask, tokens=gn * kvh // heads).transpose(1, 2)
     a = F.scaled_dot_product_attention(qf, k, v, attn_mask=attn_mask)
     # reshape, not view: the memory-efficient backend returns its output strided as (B, S, H, hd) transposed, which
     # cannot be viewed as (B, H, n, hd) (cuDNN's and math's are contiguous: there reshape is a view)
