@@ -54,6 +54,7 @@ KERNEL_CHECK = textwrap.dedent("""
     check(2, 2, 8, 70, 16, masked=(20, 60), splits=1)
     check(1, 2, 20, 200, 32, masked=(64, 128), splits=3)  # the middle split's keys all masked
     check(3, 1, 40, 33, 16, masked=(5, 9))                # rows and keys not multiples of the blocks
+    check(1, 1, 40, 150, 16, masked=(10, 20))             # split: the combine over 3 row tiles, the last part-live
     check(1, 2, 16, 100, 16, masked=(50, 90), dtype=torch.float16, tol=5e-3)   # (the interpreter has no bf16)
     check(2, 2, 12, 70, 16, masked=(20, 60), tokens=3)    # written token-major: 4 query heads a kv head, split
     check(2, 2, 12, 70, 16, masked=(20, 60), splits=1, tokens=3)
@@ -119,7 +120,7 @@ HOPPER_COMPILE = textwrap.dedent("""
             Path("k.cubin").write_bytes(k.asm["cubin"])
             use = subprocess.run([str(tool), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
             print(split, warps, [ln.strip() for ln in use.splitlines() if "REG:" in ln])
-    compile_(fa._combine_kernel, {"SPLIT": 5, "BLOCK_M": 64, "D": 128}, 4)
+    compile_(fa._combine_kernel, {"SPLIT": 5, "BLOCK_M": 64, "ROWS": fa.COMBINE_ROWS, "D": 128}, 4)
     print("COMPILED")
 """)
 

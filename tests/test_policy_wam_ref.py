@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -426,7 +428,10 @@ def test_compiled_block_writes_kv_into_its_slots_only(one_thread, heads):
             blk.compiled = compiled
             blk.fold_gqa = heads == kvh
             k, v = base_k.clone(), base_v.clone()
-            outs[compiled] = (blk(x, tmod, cos, sin, k, v, mask, kv_room=True), k, v)
+            o = blk(x, tmod, cos, sin, k, v, mask, kv_room=True)
+            if compiled:   # compiled, the block defers its MLP's residual to the next block (GenBlock.defers)
+                o = o[0] + o[2][:, None] * o[1]
+            outs[compiled] = (o, k, v)
         (ref, rk, rv), (out, k, v) = outs[False], outs[True]
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
         for got, want, base in ((k, rk, base_k), (v, rv, base_v)):
@@ -464,6 +469,55 @@ def test_compiled_block_returns_the_queries_folded(one_thread):
         mask = torch.zeros(b, 1, 1, s + n)
         torch.testing.assert_close(wm.attend_folded(q_fold, k, v, mask, heads),
                                    wm.attend(q_ref, k, v, mask, fold=False), rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_compiled_blocks_defer_the_mlp_residual_to_the_next_blocks_norm(one_thread):
+    """Compiled inference blocks hand their MLP's gated residual to the next block (GenBlock.defers), whose compiled
+    function adds it in the kernel of its first norm: the tower's output equals the eager blocks' (each adding its
+    own), every block but the first really takes a carry, and the compiled function with a carry has no more
+    kernels than without one (the add shares the norm's kernel: no kernel of its own)."""
+    import re
+    from torch._inductor.utils import run_and_get_code
+    from wamkit.policies.wam_ref import model as wm
+    torch.manual_seed(2)
+    hidden, heads, kvh, hd, s, n, b = 32, 4, 2, 8, 6, 3, 2
+    blocks = torch.nn.ModuleList([wm.GenBlock(hidden, 64, heads, kvh, hd).eval() for _ in range(3)])
+    x, tmod = torch.randn(b, n, hidden), torch.randn(b, 6, hidden)
+    cos, sin = torch.randn(b, n, hd), torch.randn(b, n, hd)
+    keys = [torch.randn(b, kvh, s + n, hd) for _ in blocks]
+    values = [torch.randn(b, kvh, s + n, hd) for _ in blocks]
+    mask = torch.zeros(b, 1, 1, s + n)
+    tower = types.SimpleNamespace(blocks=blocks, norm_out=torch.nn.Identity(), action_out=torch.nn.Identity())
+    prefix = types.SimpleNamespace(keys=keys, values=values)
+    out_mod = torch.zeros(b, 2 * hidden)
+    outs, carries = [], []
+    for compiled in (False, True):
+        for blk in blocks:
+            blk.compiled = compiled
+        assert all(blk.defers(True) == compiled for blk in blocks) and not blocks[0].defers(False)
+        real = wm._block_in
+        wm._COMPILED.clear()
+        wm._block_in = lambda *a, **k: carries.append((compiled, k.get("carry") is not None)) or real(*a, **k)
+        try:
+            outs.append(wm.GenerationTower.run_blocks(tower, x, tmod, out_mod, cos, sin, prefix, mask, True, n))
+        finally:
+            wm._block_in = real
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+    assert carries == [(False, False)] * 3 + [(True, False), (True, True), (True, True)]
+    wm._COMPILED.clear()
+    blk = blocks[0]
+    args = (x, tmod, blk.modulation, torch.cat([blk.q_proj.weight, blk.k_proj.weight, blk.v_proj.weight]),
+            blk.q_norm.weight, blk.k_norm.weight, cos, sin, heads, kvh, hd, blk.eps)
+    kernels = []
+    for carry in (None, (torch.randn(b, n, hidden), torch.randn(b, hidden))):
+        torch._dynamo.reset()
+        _, code = run_and_get_code(torch.compile(wm._block_in, fullgraph=True), *args, carry=carry)
+        kernels.append(set(re.findall(r"cpp_fused_\w+", "\n".join(code))))
+    assert len(kernels[0]) >= 1 and len(kernels[1]) == len(kernels[0]), kernels
+    off = make_policy("wam-ref", size="tiny", compile=True, residual_carry=False)   # the option, for A/Bs
+    assert not any(b.defers(True) for b in off.model.gen.blocks)
+    assert all(b.defers(True) for b in make_policy("wam-ref", size="tiny", compile=True).model.gen.blocks)
 
 
 def test_batched_vision_attention_matches_per_image_calls():

@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from wamkit.policies.wam_ref import skinny  # noqa: E402
-from wamkit.policies.wam_ref.model import GenBlock, _rope, additive_mask, write_heads  # noqa: E402
+from wamkit.policies.wam_ref.model import (GenBlock, _rope, add_carry, additive_mask, split_carry,  # noqa: E402
+                                             write_heads)
 from wamkit.policies.wam_ref.sizes import get_size  # noqa: E402
 
 T0 = time.perf_counter()
@@ -440,10 +441,10 @@ def block_totals(size: str, b: int, prefix_len: int, tokens: int, nblocks: int, 
     vs = [torch.randn(b, heads, s, hd, device=DEV, dtype=dtype, generator=g) for _ in range(nblocks)]
 
     def chain(mask):
-        h = x
+        h, carry = x, None
         for i, blk in enumerate(blocks):
-            h = blk(h, tmod, cos, sin, ks[i], vs[i], mask, True, fused[i], True)
-        return h
+            h, carry = split_carry(blk(h, tmod, cos, sin, ks[i], vs[i], mask, True, fused[i], True, carry))
+        return add_carry(h, carry)
 
     out: dict[str, dict] = {}
     variants = [("eager_cublas_additive", False, "cublas", "additive"), ("eager_cublas_bool", False, "cublas", "bool"),

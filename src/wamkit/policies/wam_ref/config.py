@@ -142,6 +142,9 @@ class WamRefConfig:
                                                 #   batch; on CUDA or Triton's interpreter, else SDPA; 51.0 us a block
                                                 #   and step against cuDNN's 55.3 at nano batch 64 on an H100, batch 1
                                                 #   207 ms against 210.5) | sdpa
+    residual_carry: bool = True                 # compile=true, gemm=cublas: each generation block's MLP residual is
+                                                #   added by the next block, in the kernel of its first norm (one
+                                                #   elementwise kernel a block and step less; GenBlock.defers)
 
     def __post_init__(self) -> None:
         get_size(self.size)  # unknown size: UserError listing the sizes
@@ -167,6 +170,7 @@ class WamRefConfig:
         if self.attention not in ATTENTION_CHOICES:
             raise UserError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}")
         self.batched_vision_attention = parse_bool(self.batched_vision_attention, "batched_vision_attention")
+        self.residual_carry = parse_bool(self.residual_carry, "residual_carry")
         for k in ("action_dim", "horizon", "state_dim", "num_inference_steps", "init_seed", "max_batch_size"):
             setattr(self, k, int(getattr(self, k)))
         for k in ("image_size", "max_text_len", "gen_hidden_size", "gen_intermediate_size"):

@@ -32,6 +32,7 @@ BLOCK_N = 64
 # a thread with 4 warps (16 bytes spilled; two programs fit an SM) and 241 with 8 (none; one program an SM);
 # bench_attention's backend "triton-w8" times the other
 NUM_WARPS = 4
+COMBINE_ROWS = 16   # query rows per program of the split combine
 
 
 def applies(q: torch.Tensor, attention: str) -> bool:
@@ -109,19 +110,19 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(part_ptr, stat_ptr, o_ptr, M, kv_heads, ntok, sob, soh, sog, sot,
-                        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
+                        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
         bh = tl.program_id(0)
         b = bh // kv_heads
         h = bh % kv_heads
-        rows = tl.arange(0, BLOCK_M)
+        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)   # this program's rows of the group's BLOCK_M
         dims = tl.arange(0, D)
         live = rows < M
-        top = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        top = tl.full([ROWS], -1.0e30, tl.float32)
         for sp in tl.static_range(SPLIT):
             top = tl.maximum(top, tl.load(stat_ptr + (bh * SPLIT + sp) * 2 * BLOCK_M + rows, mask=live,
                                           other=-1.0e30))
-        num = tl.zeros([BLOCK_M, D], tl.float32)
-        den = tl.zeros([BLOCK_M], tl.float32)
+        num = tl.zeros([ROWS, D], tl.float32)
+        den = tl.zeros([ROWS], tl.float32)
         for sp in tl.static_range(SPLIT):
             st = (bh * SPLIT + sp) * 2 * BLOCK_M
             w = tl.exp(tl.load(stat_ptr + st + rows, mask=live, other=-1.0e30) - top)
@@ -182,5 +183,8 @@ def folded_attention(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
         HAS_MASK=attn_mask is not None, SPLIT=split, PER_SPLIT=per, BLOCK_M=bm, BLOCK_N=BLOCK_N, D=hd,
         num_warps=NUM_WARPS, num_stages=2)
     if split > 1:
-        _combine_kernel[(b * kvh,)](part, stat, out, m, kvh, *layout, SPLIT=split, BLOCK_M=bm, D=hd, num_warps=4)
+        # the combine over row tiles too: one program per (batch, kv head) ran on 8 SMs at nano batch 1 (~4 us)
+        rows = min(bm, COMBINE_ROWS)
+        _combine_kernel[(b * kvh, math.ceil(m / rows))](part, stat, out, m, kvh, *layout, SPLIT=split, BLOCK_M=bm,
+                                                        ROWS=rows, D=hd, num_warps=4)
     return out

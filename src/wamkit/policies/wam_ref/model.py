@@ -154,8 +154,20 @@ def attend_folded(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     return a.reshape(b, heads, gn * kvh // heads, hd)
 
 
+def split_carry(out) -> tuple[torch.Tensor, tuple | None]:
+    """A GenBlock's output -> (x, carry): carry (MLP output, gate) where the block deferred its residual
+    (GenBlock.defers), for the next block's forward; else None."""
+    return (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+
+
+def add_carry(x: torch.Tensor, carry) -> torch.Tensor:
+    """x with a carried residual added (by the next block's _block_in, or after the last block of a chain)."""
+    return x if carry is None else x + carry[1][:, None] * carry[0]
+
+
 def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: int, kv_heads: int,
-              head_dim: int, eps: float, gemm: str = "cublas", k_slot=None, v_slot=None, fold_q: bool = False):
+              head_dim: int, eps: float, gemm: str = "cublas", k_slot=None, v_slot=None, fold_q: bool = False,
+              carry=None):
     """GenBlock up to attention: AdaLN modulation, q/k/v projections (w_qkv: (wq, wk, wv) or fused [wq; wk; wv]),
     q/k norms, rotary. modulation None: tmod already holds this block's modulation (denoise precomputes it for
     every step and block). Pure function of its tensors (weights passed in), so one torch.compile serves every
@@ -164,13 +176,18 @@ def _block_in(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads: i
     kernel that computes them, on an H200 in one kernel of its own per block, ~3.5 us at batch 64, where two ATen
     copies ran before); k and v are then returned as None.
     fold_q (kv_layout=folded): q is returned folded (fold_queries), normed and rotated in that layout (see
-    _folded_queries), so that compiled, the kernel that computes q stores it there: no copy before attention."""
+    _folded_queries), so that compiled, the kernel that computes q stores it there: no copy before attention.
+    carry (d, g2): the previous block's MLP output and gate, its residual not yet added (_block_out's defer): x + g2
+    * d is computed here, where compiled it shares a kernel with the norm that reads it, and is returned last."""
+    x = add_carry(x, carry)
     q, k, v, g1, sh2, sc2, g2 = _block_in_qkv(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, heads,
                                               kv_heads, head_dim, eps, gemm, fold_q)
     if k_slot is not None:
         k_slot.copy_(k[:, :, None])
         v_slot.copy_(v[:, :, None])
         k = v = None
+    if carry is not None:
+        return q, k, v, g1, sh2, sc2, g2, x
     return q, k, v, g1, sh2, sc2, g2
 
 
@@ -213,17 +230,19 @@ def _block_in_qkv(x, tmod, modulation, w_qkv, q_norm_w, k_norm_w, cos, sin, head
     return q, _rope(k, cos, sin), v, g1, sh2, sc2, g2
 
 
-def _block_out(x, a, g1, sh2, sc2, g2, wo, w_gu, wd, eps: float, gemm: str = "cublas"):
+def _block_out(x, a, g1, sh2, sc2, g2, wo, w_gu, wd, eps: float, gemm: str = "cublas", defer: bool = False):
     """GenBlock after attention: output projection + gate, AdaLN-modulated SwiGLU MLP + gate (w_gu: (wg, wu) or
-    fused [wg; wu])."""
+    fused [wg; wu]). defer: return (x, MLP output) with the MLP's gated residual not added: the next block's
+    _block_in adds it (its carry), in the kernel of its first norm."""
     b, n, hidden = x.shape
     x = x + g1[:, None] * _linear(a.transpose(1, 2).reshape(b, n, -1), wo, gemm)
     h = F.rms_norm(x, (hidden,), eps=eps) * (1 + sc2[:, None]) + sh2[:, None]
-    if isinstance(w_gu, torch.Tensor) and _skinny.applies(h, gemm):
+    if isinstance(w_gu, torch.Tensor) and _skinny.applies(h, gemm) and not defer:
         # gemm=triton, fused weights: SwiGLU, down projection and gated residual in one skinny kernel
         return _skinny.skinny_swiglu_down(_linear(h, w_gu, gemm), wd, x, g2)
     g, u = _project(h, w_gu, (wd.shape[1], wd.shape[1]), gemm)
-    return x + g2[:, None] * _linear(F.silu(g) * u, wd, gemm)
+    d = _linear(F.silu(g) * u, wd, gemm)
+    return (x, d) if defer else x + g2[:, None] * d
 
 
 _COMPILED: dict[tuple[str, str | None], object] = {}
@@ -269,14 +288,25 @@ class GenBlock(nn.Module):
         self.fold_gqa = False
         # which kernel runs the loop's folded attention (WamRefPolicy attention=): sdpa | triton (folded_attention.py)
         self.attention = "sdpa"
+        # compiled inference: the MLP's residual added by the next block (WamRefPolicy residual_carry=, see defers)
+        self.residual_carry = True
+
+    def defers(self, kv_room: bool) -> bool:
+        """Whether forward hands its MLP's gated residual to the next block (carry) instead of adding it: compiled
+        inference (kv_room) with cuBLAS GEMMs, where the add then shares a kernel with the next block's first norm
+        (one read and write of the hidden state less per block: the add was a kernel of its own)."""
+        return kv_room and self.compiled and self.gemm == "cublas" and self.residual_carry
 
     def forward(self, x, tmod, cos, sin, prefix_k, prefix_v, attn_mask, kv_room: bool = False, fused=None,
-                own_mod: bool = False):
+                own_mod: bool = False, carry=None):
         """kv_room=False (training): prefix_k/v are (B, kv_heads, S, hd) and the action tokens' K/V are concatenated
         to them. kv_room=True (inference, no autograd): prefix_k/v are `Prefix.with_room` buffers (B, heads or
         kv_heads, S + n, hd) whose last n slots this block overwrites with its own K/V. Same values either way.
         fused: None (one GEMM per projection) or this block's (w_qkv, w_gate_up) from fused.FusedWeights.
-        own_mod: tmod is this block's modulation already (shared time modulation + self.modulation)."""
+        own_mod: tmod is this block's modulation already (shared time modulation + self.modulation).
+        carry: the previous block's (MLP output, gate) where it deferred its residual (defers): x + gate * output is
+        this block's input. Returns x, or where this block defers, (x, its MLP output, its gate) for the next block
+        (or GenerationTower.run_blocks after the last) to add."""
         b, n, _ = x.shape
         if self.gemm == "autotune":
             fin, fout = _compiled("in", AUTOTUNE_MODE), _compiled("out", AUTOTUNE_MODE)
@@ -289,9 +319,12 @@ class GenBlock(nn.Module):
                   heads_slots(prefix_v, b, self.kv_heads, prefix_v.shape[2] - n, n)) if kv_room else (None, None))
         # folded attention over the kv-room buffers: fin returns q folded already (see _block_in)
         fold_q = kv_room and self.fold_gqa and prefix_k.shape[1] == self.kv_heads < self.heads
-        q, k, v, g1, sh2, sc2, g2 = fin(x, tmod, None if own_mod else self.modulation, w_qkv, self.q_norm.weight,
-                                        self.k_norm.weight, cos, sin, self.heads, self.kv_heads, self.head_dim,
-                                        self.eps, self.gemm, *slots, fold_q=fold_q)
+        outs = fin(x, tmod, None if own_mod else self.modulation, w_qkv, self.q_norm.weight, self.k_norm.weight,
+                   cos, sin, self.heads, self.kv_heads, self.head_dim, self.eps, self.gemm, *slots, fold_q=fold_q,
+                   carry=carry)
+        q, k, v, g1, sh2, sc2, g2 = outs[:7]
+        if carry is not None:
+            x = outs[7]
         if kv_room:
             k, v = prefix_k, prefix_v
         else:
@@ -299,6 +332,10 @@ class GenBlock(nn.Module):
             v = torch.cat([prefix_v.to(v.dtype), v], dim=2)
         a = (attend_folded(q, k, v, attn_mask, self.heads, self.attention) if fold_q
              else attend(q, k, v, attn_mask, self.fold_gqa))
+        if self.defers(kv_room):
+            x, d = fout(x, a, g1, sh2, sc2, g2, self.o_proj.weight, w_gu, self.down_proj.weight, self.eps, self.gemm,
+                        defer=True)
+            return x, d, g2
         return fout(x, a, g1, sh2, sc2, g2, self.o_proj.weight, w_gu, self.down_proj.weight, self.eps, self.gemm)
 
 
@@ -353,11 +390,12 @@ class GenerationTower(nn.Module):
     def run_blocks(self, tok, tmod, out_mod, cos, sin, prefix: Prefix, attn_mask, kv_room: bool, horizon: int,
                    fused=None):
         """tmod: the shared time modulation (B, 6, hidden), or a list of each block's own (see denoise)."""
-        h = tok
+        h, carry = tok, None
         own = isinstance(tmod, list)
         for i, blk in enumerate(self.blocks):
-            h = blk(h, tmod[i] if own else tmod, cos, sin, prefix.keys[i], prefix.values[i], attn_mask, kv_room,
-                    None if fused is None else fused[i], own)
+            h, carry = split_carry(blk(h, tmod[i] if own else tmod, cos, sin, prefix.keys[i], prefix.values[i],
+                                       attn_mask, kv_room, None if fused is None else fused[i], own, carry))
+        h = add_carry(h, carry)
         shift, scale = out_mod.chunk(2, dim=-1)
         h = self.norm_out(h) * (1 + scale[:, None]) + shift[:, None]
         return self.action_out(h)[:, h.shape[1] - horizon:]
@@ -388,8 +426,9 @@ class GenerationTower(nn.Module):
         conditioning of every step (one GEMM over `steps` rows, shared by all observations) and of every block at
         every step (one add: shared modulation + each block's table), the state token, the rotary tables and the
         attention mask (additive, in the weights' dtype: see additive_mask); the loop itself only launches device
-        work (no host reads, no tensors built from Python values). Returns the final x (float32); no host synchronisation inside, so it can be
-        captured in a CUDA graph. fused: per-block fused weights (fused.FusedWeights.gen) or None."""
+        work (no host reads, no tensors built from Python values). Returns the final x (float32); no host
+        synchronisation inside, so it can be captured in a CUDA graph. fused: per-block fused weights
+        (fused.FusedWeights.gen) or None."""
         dtype = self.action_in.weight.dtype
         b, horizon, _ = x.shape
         # k / steps rounded once to float32 (as a Python float cast would be); a device op, not a host copy,

@@ -95,6 +95,7 @@ class WamRefPolicy(WamRefTraining, Policy):
         self.engine.prefix_pass.causal = cfg.prefix_attention == "causal"
         for blk in self.model.gen.blocks:
             blk.attention = cfg.attention
+            blk.residual_carry = cfg.residual_carry
         if cfg.compile:
             self.engine.enable_compile()
         self._stream = None   # a CUDA stream of its own once replicas exist (replica())
