@@ -121,7 +121,8 @@ class WamRefConfig:
                                                 #   heads, SDPA with GQA)
     prefix_fold: bool = True                    # the prefix pass's text attention folded as kv_layout=folded folds
                                                 #   the loop's (no K/V repeated per query head; with compile_prefix=
-                                                #   layers the prefix 2-3% faster at nano batch 64 on an H100)
+                                                #   layers the prefix 2-3% faster at nano batch 64 on an H100); with
+                                                #   prefix_attention=mask only
     prefix_attention: str = "causal"            # the prefix pass's text attention: causal (causal SDPA without a
                                                 #   mask, GQA in the kernel: the same values, prompts being right-
                                                 #   padded; prefix_fold then does not apply; its attention 18.0 ms
