@@ -18,7 +18,10 @@ def nano(d: dict) -> list[str]:
     sus_txt = (f" (burst); sustained for {c['bf16_matmul_sustained_s']:.0f} s {sus:.0f} TFLOP/s"
                + (f" at {clk['sm_mhz']:.0f} MHz, {clk['power_w']:.0f} W of {clk['power_limit_w']:.0f} W" if clk else "")
                if sus else "")
-    out = [f"Ceilings measured in the same call: bf16 matmul 8192^3 {c['bf16_matmul_tflops']:.0f} TFLOP/s{sus_txt}, "
+    rounds = c.get("bf16_matmul_tflops_rounds") or []
+    best = f" (the best of {', '.join(f'{r:.0f}' for r in rounds)})" if len(rounds) > 1 else ""
+    out = [f"Ceilings measured in the same call: bf16 matmul 8192^3 {c['bf16_matmul_tflops']:.0f} TFLOP/s{best}"
+           f"{sus_txt}, "
            f"device copy {c['copy_tb_s']:.2f} TB/s (read + write).",
            f"Model: {m['params']['total'] / 1e9:.2f}B parameters (understanding {m['params']['und'] / 1e9:.2f}B, "
            f"generation {m['params']['gen'] / 1e9:.2f}B), prefix {m['prefix_len']} tokens, "
