@@ -106,6 +106,11 @@ def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
         assert s["scheduler"]["cpus"] is None
     if "inference=server" in mode_args:   # the servers it launched batch at most every env's observation
         assert s["scheduler"]["server_max_batch_size"] == n_envs
+        # the servers' batches by size: every observation answered was in exactly one of them
+        batches = {int(k): v for k, v in s["scheduler"]["server_batches"].items()}
+        assert batches and max(batches) <= n_envs
+        answered = round(s["scheduler"]["mean_batch"] * s["scheduler"]["requests"])
+        assert sum(k * v for k, v in batches.items()) == answered, batches
     if "server.replicas=2" in mode_args:   # both servers answered requests (least-loaded dispatch)
         served = s["scheduler"]["server_requests"]
         assert len(served) == 2 and min(served) > 0, served

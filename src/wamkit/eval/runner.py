@@ -378,6 +378,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "sim_worker_ms_mean": (1000.0 * statistics.fmean(sched.worker_chunk_s)
                                                        if sched.worker_chunk_s else None),
                                 "env_wait_ms_mean": util.get("env_wait_ms_mean", 0.0),
+                                "server_batches": timeline.server_batches(),
                                 "progress": timeline.progress(),
                                 "client": health.summary(),
                                 "gc_frozen_objects": clock.get("gc_frozen", 0),

@@ -75,6 +75,19 @@ class Timeline:
             **self.env_cycle(),
         }
 
+    def server_batches(self) -> dict[str, int]:
+        """The server's batches by size: {size: count} over its distinct compute spans (every request of one batch
+        reports the batch's start, end and size, so a batch is one (t0, t1) however many requests it merged). What
+        the model ran: with CUDA-graph buckets, a size that is not a bucket ran padded to the next one."""
+        seen: dict[tuple[float, float], int] = {}
+        for s in self.spans:
+            if s.kind == "compute":
+                seen[(s.t0, s.t1)] = s.n
+        hist: dict[int, int] = {}
+        for n in seen.values():
+            hist[n] = hist.get(n, 0) + 1
+        return {str(k): hist[k] for k in sorted(hist)}
+
     def env_cycle(self) -> dict[str, float]:
         """An env's cycle inside an episode, mean over every env lane: a chunk simulated ("sim" span: the scheduler's
         call to the env worker, IPC included) and the wait before its next chunk (from a sim span's end to the start
