@@ -7,6 +7,8 @@
 2x) starting at 10 places between 1.5 and 6 s of gpu-metaworld-32-s16 (the probe's stretch): auto over the halves row
 (B=16, P=2, the grid's best there) with the check off, on the drop alone, and on the drop with a rival cut short.
 
+--buckets none: every regime's accelerator runs each batch size as its own graph (no padding to a CUDA-graph bucket).
+
 --server-wait S: every regime's server batches like `wamkit serve` (queued requests merged, one batch at a time, a
 batch going once its oldest observation has waited S modelled seconds; overlapping calls then do not share the
 accelerator); --server-wait none: no regime's server batches.
@@ -62,6 +64,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json", default="")
     ap.add_argument("--server-wait", default="", help="seconds, or none (default: each regime's own)")
+    ap.add_argument("--buckets", default="", help="none: every batch size its own CUDA graph (no padding); default: "
+                    "each regime's own")
     ap.add_argument("--transients", action="store_true")
     a = ap.parse_args()
     if a.transients:
@@ -71,6 +75,8 @@ def main() -> None:
         r = REGIMES[name]
         if a.server_wait:
             r = with_server_wait(r, None if a.server_wait == "none" else float(a.server_wait))
+        if a.buckets == "none":
+            r = with_(r, buckets=())
         b = bounds(r)
         rows = {}
         for _ in range(a.rounds):
@@ -79,8 +85,9 @@ def main() -> None:
         med = {k: statistics.median(x["env_steps_per_s"] for x in v) for k, v in rows.items()}
         best_fixed = max(v for k, v in med.items() if k != "auto")
         server = "" if r.server_wait_s is None else f", server batching after {r.server_wait_s * 1e3:.2f} ms"
+        padded = f" (n padded to a bucket of {','.join(map(str, r.buckets))})" if r.buckets else ""
         print(f"\n{name}: envs {r.envs}, cores {r.cores}, chunk {r.sim_s * 1e3:.0f} ms, call "
-              f"{r.infer_a * 1e3:.1f} + {r.infer_b * 1e3:.2f} n ms; bounds: sim {b['sim']:.0f}, accelerator "
+              f"{r.infer_a * 1e3:.1f} + {r.infer_b * 1e3:.2f} n ms{padded}; bounds: sim {b['sim']:.0f}, accelerator "
               f"{b['accelerator']:.0f}, dependency {b['dependency']:.0f} env steps/s{server}")
         print(f"{'row':>12} {'env steps/s':>12} {'mean batch':>11} {'acc busy':>9} {'of bound':>9} {'/best fixed':>12}")
         for k, v in rows.items():

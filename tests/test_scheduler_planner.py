@@ -203,3 +203,17 @@ def test_envs_that_submit_at_the_same_instant_go_as_one_request():
     rows = _rows(mw)
     auto = rows.pop("auto")["env_steps_per_s"]
     assert auto >= 0.97 * max(x["env_steps_per_s"] for x in rows.values())
+
+
+def test_padding_to_graph_buckets_costs_what_the_bucket_costs():
+    """The model's accelerator pads a batch to its CUDA-graph bucket (wam-ref's graphs, config.graph_buckets): a
+    batch of 9 costs the 16 graph's time, and rows whose merged batches fall between buckets lose accelerator time
+    that a graph at every size gives back; a row whose batches are buckets (B=16, P=2) barely moves."""
+    r = ps.REGIMES["gpu-metaworld-32-s25"]
+    assert r.batch_cost(9) == pytest.approx(r.infer_a + 16 * r.infer_b) and r.batch_cost(16) == r.batch_cost(9)
+    every = dataclasses.replace(r, buckets=())
+    assert every.batch_cost(9) == pytest.approx(r.infer_a + 9 * r.infer_b)
+    padded, exact = ps.run(r, "pipelines", 1, 32), ps.run(every, "pipelines", 1, 32)
+    assert exact["env_steps_per_s"] > 1.1 * padded["env_steps_per_s"]
+    halves_padded, halves_exact = ps.run(r, "pipelines", 16, 2), ps.run(every, "pipelines", 16, 2)
+    assert halves_exact["env_steps_per_s"] == pytest.approx(halves_padded["env_steps_per_s"], rel=0.02)
