@@ -7,7 +7,10 @@
 2x) starting at 10 places between 1.5 and 6 s of gpu-metaworld-32-s16 (the probe's stretch): auto over the halves row
 (B=16, P=2, the grid's best there) with the check off, on the drop alone, and on the drop with a rival cut short.
 
---buckets none: every regime's accelerator runs each batch size as its own graph (no padding to a CUDA-graph bucket).
+--buckets 1,2,4,8,16,24,32: every regime's accelerator pads a batch up to the next of these CUDA-graph buckets, as
+wam-ref's graphs do (config.graph_buckets); --buckets none: every size its own graph. On the device (H100, session 26)
+wam-ref small's call was nearly flat in the batch (8.0 ms at 1, 9.4 at 8, 10.9 at 16 alone; ~13 ms at 1-8 beside 16
+envs' rendering), so the padding cost the evaluation nothing measurable there (docs/benchmarks.md 2).
 
 --server-wait S: every regime's server batches like `wamkit serve` (queued requests merged, one batch at a time, a
 batch going once its oldest observation has waited S modelled seconds; overlapping calls then do not share the
@@ -64,8 +67,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json", default="")
     ap.add_argument("--server-wait", default="", help="seconds, or none (default: each regime's own)")
-    ap.add_argument("--buckets", default="", help="none: every batch size its own CUDA graph (no padding); default: "
-                    "each regime's own")
+    ap.add_argument("--buckets", default="", help="comma list: every regime's accelerator pads a batch to these CUDA-graph "
+                    "buckets; none: every batch size its own graph; default: each regime's own")
     ap.add_argument("--transients", action="store_true")
     a = ap.parse_args()
     if a.transients:
@@ -75,8 +78,8 @@ def main() -> None:
         r = REGIMES[name]
         if a.server_wait:
             r = with_server_wait(r, None if a.server_wait == "none" else float(a.server_wait))
-        if a.buckets == "none":
-            r = with_(r, buckets=())
+        if a.buckets:
+            r = with_(r, buckets=() if a.buckets == "none" else tuple(int(b) for b in a.buckets.split(",")))
         b = bounds(r)
         rows = {}
         for _ in range(a.rounds):

@@ -451,15 +451,6 @@ REGIMES = {
     "gpu-metaworld-32-s19": Regime("gpu-metaworld-32-s19", 32, 16, 0.016, 0.0215, 0.00005, net_s=0.0025, jitter=0.4,
                                    chunks=31, episodes=400, server_wait_s=0.0,
                                    task_cost=(0.64, 0.69, 0.73, 0.78, 0.85, 0.93, 1.01, 1.1, 1.5, 1.72)),
-    # session 25's H100 rows at 32 envs (14 tasks x 50 episodes of 500 steps): chunks ~15 ms in the env's process,
-    # server compute ~proportional to the batch beside the renderers (19.8 ms at 16, 39 ms at 32: ~0.8 + 1.2 n ms),
-    # ~3 ms each way around it; with wam-ref's default CUDA-graph buckets, a merged batch of 9-15 runs the graph of 16
-    # (bench_planner.py --buckets none: a graph at every size). Real time scale; the model does not rank the real
-    # rows (B=16, P=2 was the best fixed row on the device; here the greedy shapes lead): read it for the padding's
-    # direction, not for the table
-    "gpu-metaworld-32-s25": Regime("gpu-metaworld-32-s25", 32, 16, 0.015, 0.0008, 0.0012, net_s=0.003, jitter=0.4,
-                                   chunks=31, episodes=400, server_wait_s=0.0, buckets=(1, 2, 4, 8, 16, 24, 32),
-                                   task_cost=(0.64, 0.69, 0.73, 0.78, 0.85, 0.93, 1.01, 1.1, 1.5, 1.72)),
     "gpu-metaworld-shared-16": Regime("gpu-metaworld-shared-16", 16, 16, 0.040, 0.0125, 0.0004, share_gain=0.5),
     # simulation-heavy: calls are cheap
     "sim-bound-8": Regime("sim-bound-8", 8, 8, 0.060, 0.004, 0.0002, episodes=48),

@@ -207,9 +207,11 @@ def test_envs_that_submit_at_the_same_instant_go_as_one_request():
 
 def test_padding_to_graph_buckets_costs_what_the_bucket_costs():
     """The model's accelerator pads a batch to its CUDA-graph bucket (wam-ref's graphs, config.graph_buckets): a
-    batch of 9 costs the 16 graph's time, and rows whose merged batches fall between buckets lose accelerator time
-    that a graph at every size gives back; a row whose batches are buckets (B=16, P=2) barely moves."""
-    r = ps.REGIMES["gpu-metaworld-32-s25"]
+    batch of 9 costs the 16 graph's time. On a what-if regime whose calls cost in proportion to the batch (not wam-ref
+    small's measured, nearly flat cost), the greedy row's merged batches fall between buckets and lose accelerator
+    time that a graph at every size gives back, while a row whose batches are buckets (B=16, P=2) barely moves."""
+    r = ps.Regime("proportional-32", 32, 16, 0.015, 0.0008, 0.0012, net_s=0.003, jitter=0.4, chunks=8, episodes=96,
+                  server_wait_s=0.0, buckets=(1, 2, 4, 8, 16, 24, 32), task_cost=(0.7, 0.9, 1.1, 1.3))
     assert r.batch_cost(9) == pytest.approx(r.infer_a + 16 * r.infer_b) and r.batch_cost(16) == r.batch_cost(9)
     every = dataclasses.replace(r, buckets=())
     assert every.batch_cost(9) == pytest.approx(r.infer_a + 9 * r.infer_b)
