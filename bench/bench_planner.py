@@ -67,8 +67,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json", default="")
     ap.add_argument("--server-wait", default="", help="seconds, or none (default: each regime's own)")
-    ap.add_argument("--buckets", default="", help="comma list: every regime's accelerator pads a batch to these CUDA-graph "
-                    "buckets; none: every batch size its own graph; default: each regime's own")
+    ap.add_argument("--buckets", default="", help="comma list: every regime's accelerator pads a batch to these "
+                    "CUDA-graph buckets; none: every batch size its own graph; default: each regime's own")
     ap.add_argument("--transients", action="store_true")
     a = ap.parse_args()
     if a.transients:

@@ -150,3 +150,19 @@ def test_bench_nano_cpu_smoke_with_the_autotune_gemms_and_no_profile(tmp_path):
     d = json.loads(out.read_text())
     assert d["profile"] == {} and [r["batch"] for r in d["predict"]] == [2]
     assert d["check"]["gemm"] == "autotune" and d["check"]["batches"]["2"]["max_abs_diff"] < 1e-4
+
+
+def test_bench_buckets_prices_each_size_at_its_default_bucket(tmp_path):
+    """bench_buckets on the CPU (tiny, no graphs): every size 1..max is timed on its own, and each size's cost with the
+    default buckets is the time of the next bucket up (graph_buckets(None, 5) = 1, 2, 4, 5: size 3 runs at 4's)."""
+    out = tmp_path / "buckets.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "device" / "bench_buckets.py"), "--out", str(out), "--device", "cpu",
+           "--max-batch", "5", "--reps", "1", "--compile", "0"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    rows = {r["n"]: r for r in d["rows"]}
+    assert sorted(rows) == [1, 2, 3, 4, 5] and d["default_buckets"] == [1, 2, 4, 5]
+    assert [rows[n]["default_bucket"] for n in range(1, 6)] == [1, 2, 4, 4, 5]
+    assert rows[3]["ms_default_bucket"] == rows[4]["ms"]
+    assert abs(rows[3]["padding_cost"] - rows[4]["ms"] / rows[3]["ms"]) < 2e-3 and rows[2]["padding_cost"] == 1.0

@@ -38,6 +38,20 @@ def test_report_md_links_the_timeline_and_states_utilization(tmp_path):
     # one sim span per env and no second chunk: the cycle is chunk only (2000 ms mean), no wait measured
     assert "an env's cycle 2000.0 ms = chunk 2000.0 + waiting 0.0 for actions (request 1000.0)" in md
     assert "| 0 | reach | 2 | 1 | 50.0% |" in md
+    assert "the server ran" not in md          # no compute spans: the server's batches are not known
+
+
+def test_report_states_the_servers_batches_from_the_summary(tmp_path):
+    """summary.scheduler.server_batches ({size: count}, the server's batches) -> how many and how large."""
+    summary = {"episodes": 1, "successes": 0, "success_rate": 0.0, "per_task": {},
+               "throughput": {"episodes_this_run": 1, "wall_s": 1.0, "episodes_per_hour": 3600.0,
+                              "env_steps_per_s": 10.0, "inference_obs_per_s": 10.0},
+               "scheduler": {"env_busy": 0.5, "inference_busy": 0.5, "mean_batch": 2.0,
+                             "server_batches": {"1": 2, "4": 1, "16": 1}}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    print_report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "the server ran 4 batches of 5.5 observations on average (1-16)" in md   # (2 + 4 + 16) / 4
 
 
 @pytest.mark.slow

@@ -80,7 +80,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['n']:>3} {r['ms']:>8.2f} {r['obs_per_s']:>8.1f} {r['default_bucket']:>6} "
               f"{r['ms_default_bucket']:>9.2f} {r['padding_cost']:>6.3f}")
-    out = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__, "policy_args": args,
+    name = torch.cuda.get_device_name() if a.device == "cuda" else a.device
+    out = {"device": name, "torch": torch.__version__, "policy_args": args,
            "compile": bool(a.compile), "reps": a.reps, "build_s": round(build_s, 1),
            "warmup_s": {k: round(v, 3) for k, v in warm.items()}, "default_buckets": list(default), "rows": rows}
     Path(a.out).write_text(json.dumps(out, indent=1))

@@ -41,7 +41,8 @@ def utilization(out: str | Path, summary: dict) -> dict | None:
     sch = summary.get("scheduler", {})
     if "env_busy" in sch:
         return {k: sch[k] for k in ("env_busy", "inference_busy", "mean_batch", "sim_ms_mean", "env_wait_ms_mean",
-                                    "request_ms_mean", "sim_worker_ms_mean") if sch.get(k) is not None}
+                                    "request_ms_mean", "sim_worker_ms_mean", "server_batches") if sch.get(k)
+                is not None}
     tl = Path(out) / "timeline.json"
     if tl.exists():
         from wamkit.eval.timeline import Timeline
@@ -64,6 +65,11 @@ def utilization_line(u: dict) -> str:
         line += (f"; an env's cycle {u['sim_ms_mean'] + u.get('env_wait_ms_mean', 0.0):.1f} ms = "
                  f"{chunk_text(u['sim_ms_mean'], u.get('sim_worker_ms_mean'))} + waiting "
                  f"{u.get('env_wait_ms_mean', 0.0):.1f} for actions (request {u.get('request_ms_mean', 0.0):.1f})")
+    sizes = {int(k): v for k, v in (u.get("server_batches") or {}).items()}
+    if sizes:   # what the model ran: requests merged by the server (summary.scheduler.server_batches)
+        n = sum(sizes.values())
+        line += (f"; the server ran {n} batches of {sum(k * v for k, v in sizes.items()) / n:.1f} observations "
+                 f"on average ({min(sizes)}-{max(sizes)})")
     return line
 
 
