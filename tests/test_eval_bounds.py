@@ -197,6 +197,8 @@ def test_the_report_says_where_an_envs_cycle_goes():
     lines = cycle_lines([row, {"row": "old report"}])
     assert lines == ["B=8, P=2: an env's cycle 59.1 ms = chunk 18.7 + waiting 40.4 for the next one (request 29.1, "
                      "server 23.6; outside the request 11.3: cohort, batch, dispatch)."]
+    merged = dict(row, server_batches={"8": 3, "16": 1})   # the server's batches by size: 40 observations in 4
+    assert cycle_lines([merged]) == [lines[0].replace("server 23.6;", "server 23.6 a batch of 10.0 observations;")]
     worker = dict(row, sim_worker_ms_mean=16.25)   # the env processes' own time per chunk (ChunkResult.worker_s)
     assert cycle_lines([worker]) == [lines[0].replace("chunk 18.7 +", "chunk 18.7 (in the env's process 16.2) +")]
     hosted = dict(row, host_cpu={"busy": 0.7234, "steal": 0.0412})   # bench eval's /proc/stat shares of the row

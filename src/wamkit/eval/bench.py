@@ -90,7 +90,7 @@ def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
             "env_busy": sch.get("env_busy", 0.0), "inference_busy": sch.get("inference_busy", 0.0),
             "request_ms_mean": sch.get("request_ms_mean", 0.0), "compute_ms_mean": sch.get("compute_ms_mean", 0.0),
             "sim_ms_mean": sch.get("sim_ms_mean", 0.0), "env_wait_ms_mean": sch.get("env_wait_ms_mean", 0.0),
-            "sim_worker_ms_mean": sch.get("sim_worker_ms_mean"),
+            "sim_worker_ms_mean": sch.get("sim_worker_ms_mean"), "server_batches": sch.get("server_batches") or {},
             "scene_loads": sch.get("scene_loads", 0), "scene_load_s": sch.get("scene_load_s", 0.0),
             "request_retries": sch.get("request_retries", 0),
             "env_steps": th["env_steps"], "success_rate": s["success_rate"],
@@ -618,6 +618,9 @@ def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
         txt = (f"{x['row']}: an env's cycle {sim + wait:.1f} ms = {chunk_text(sim, x.get('sim_worker_ms_mean'))} + "
                f"waiting {wait:.1f} for the next one (request {req:.1f}")
         txt += f", server {comp:.1f}" if comp else ""
+        sizes = {int(k): v for k, v in (x.get("server_batches") or {}).items()}
+        if comp and sizes:   # the server's batches (summary.scheduler.server_batches): requests it merged
+            txt += f" a batch of {sum(k * v for k, v in sizes.items()) / sum(sizes.values()):.1f} observations"
         txt += f"; outside the request {wait - req:.1f}: cohort, batch, dispatch)"
         host, client = x.get("host_cpu"), x.get("client")
         txt += (f"; host CPUs {100 * host['busy']:.0f}% busy, {100 * host['steal']:.1f}% stolen" if host else "")
