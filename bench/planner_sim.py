@@ -26,6 +26,7 @@ from wamkit.eval import scheduler as scheduler_mod
 from wamkit.eval.inference import Inference
 from wamkit.eval.plan import make_plan
 from wamkit.eval.scheduler import Scheduler, SchedulerOptions
+from wamkit.policies.wam_ref.config import bucket_for
 
 
 class _VirtualSelector(selectors.BaseSelector):
@@ -121,12 +122,11 @@ class Regime:
     slow: tuple[float, float, float] = ()  # (start_s, end_s, factor): chunks that start in that stretch of the run
                              # cost `factor` times more (a transient: the host busy with something else for a while)
     buckets: tuple[int, ...] = ()  # the model's CUDA-graph batch buckets: a batch of n costs a + b * (the smallest
-                             # bucket >= n), padded as wam-ref's graphs are (); (): every size its own graph
+                             # bucket >= n), padded as wam-ref's graphs are; (): every size its own graph
 
     def batch_cost(self, n: int) -> float:
         """Accelerator seconds of one batch of n observations (padded up to a bucket where there are buckets)."""
-        padded = next((b for b in sorted(self.buckets) if b >= n), n) if self.buckets else n
-        return self.infer_a + self.infer_b * padded
+        return self.infer_a + self.infer_b * bucket_for(self.buckets, n)
 
 
 class SimEnv:

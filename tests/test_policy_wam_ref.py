@@ -373,6 +373,8 @@ def test_graph_buckets_and_warmup():
     assert _buckets(None, 64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
     assert _buckets(None, 6) == (1, 2, 4, 6)
     assert _buckets("3,1,40", 8) == (1, 3, 8)
+    from wamkit.policies.wam_ref.config import bucket_for   # the graph a batch runs: padded up, or its own above all
+    assert [bucket_for((1, 2, 4, 8), n) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, 9]
     pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, max_batch_size=8)
     assert pol.engine.graph_bucket(5) == 8 and pol.engine.graph_bucket(1) == 1
     assert list(pol.warmup(8)) == ["1"]   # on the CPU: one predict (graphs are CUDA-only)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from wamkit.policies import make_policy  # noqa: E402
-from wamkit.policies.wam_ref.config import graph_buckets  # noqa: E402
+from wamkit.policies.wam_ref.config import bucket_for, graph_buckets  # noqa: E402
 
 POLICY_ARGS = {"size": "small", "device": "cuda", "dtype": "bfloat16", "cameras": ["image"], "state_dim": 39,
                "action_dim": 4, "num_inference_steps": 10, "cuda_graphs": True, "horizon": 16}
@@ -72,7 +72,7 @@ def main() -> None:
     default = graph_buckets(None, top)
     rows = []
     for n in range(1, top + 1):
-        b = next(x for x in default if x >= n)
+        b = bucket_for(default, n)
         rows.append({"n": n, "ms": round(ms[n], 3), "obs_per_s": round(n / ms[n] * 1000.0, 1),
                      "default_bucket": b, "ms_default_bucket": round(ms[b], 3),
                      "padding_cost": round(ms[b] / ms[n], 3)})

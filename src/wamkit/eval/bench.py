@@ -38,6 +38,7 @@ from wamkit.eval.deadline import RowDeadline
 from wamkit.eval.host_load import cgroup_throttling, cpu_times, shares, throttled
 from wamkit.eval.report import chunk_text
 from wamkit.eval.steady import steady_lines, steady_vs_best_fixed
+from wamkit.eval.timeline import batch_sizes_summary
 
 # keys a row may set for itself (`ROW @ key=value ...`): settings that act per run, with the env workers and the
 # servers the rows share (a key that changes the plan or what the servers run cannot be per row); the env_args keys
@@ -618,9 +619,9 @@ def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
         txt = (f"{x['row']}: an env's cycle {sim + wait:.1f} ms = {chunk_text(sim, x.get('sim_worker_ms_mean'))} + "
                f"waiting {wait:.1f} for the next one (request {req:.1f}")
         txt += f", server {comp:.1f}" if comp else ""
-        sizes = {int(k): v for k, v in (x.get("server_batches") or {}).items()}
-        if comp and sizes:   # the server's batches (summary.scheduler.server_batches): requests it merged
-            txt += f" a batch of {sum(k * v for k, v in sizes.items()) / sum(sizes.values()):.1f} observations"
+        batches = batch_sizes_summary(x.get("server_batches"))
+        if comp and batches:   # the server's batches (summary.scheduler.server_batches): requests it merged
+            txt += f" a batch of {batches[1]:.1f} observations"
         txt += f"; outside the request {wait - req:.1f}: cohort, batch, dispatch)"
         host, client = x.get("host_cpu"), x.get("client")
         txt += (f"; host CPUs {100 * host['busy']:.0f}% busy, {100 * host['steal']:.1f}% stolen" if host else "")

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from wamkit.eval.metrics import load_summary  # noqa: F401  (the results contract; kept importable from here)
+from wamkit.eval.timeline import batch_sizes_summary
 
 
 def task_table(summary: dict) -> Table:
@@ -40,9 +41,9 @@ def utilization(out: str | Path, summary: dict) -> dict | None:
     """env_busy / inference_busy / mean_batch of a run: the summary's, else measured from OUT/timeline.json."""
     sch = summary.get("scheduler", {})
     if "env_busy" in sch:
-        return {k: sch[k] for k in ("env_busy", "inference_busy", "mean_batch", "sim_ms_mean", "env_wait_ms_mean",
-                                    "request_ms_mean", "sim_worker_ms_mean", "server_batches") if sch.get(k)
-                is not None}
+        keys = ("env_busy", "inference_busy", "mean_batch", "sim_ms_mean", "env_wait_ms_mean", "request_ms_mean",
+                "sim_worker_ms_mean", "server_batches")
+        return {k: sch[k] for k in keys if sch.get(k) is not None}
     tl = Path(out) / "timeline.json"
     if tl.exists():
         from wamkit.eval.timeline import Timeline
@@ -65,11 +66,10 @@ def utilization_line(u: dict) -> str:
         line += (f"; an env's cycle {u['sim_ms_mean'] + u.get('env_wait_ms_mean', 0.0):.1f} ms = "
                  f"{chunk_text(u['sim_ms_mean'], u.get('sim_worker_ms_mean'))} + waiting "
                  f"{u.get('env_wait_ms_mean', 0.0):.1f} for actions (request {u.get('request_ms_mean', 0.0):.1f})")
-    sizes = {int(k): v for k, v in (u.get("server_batches") or {}).items()}
-    if sizes:   # what the model ran: requests merged by the server (summary.scheduler.server_batches)
-        n = sum(sizes.values())
-        line += (f"; the server ran {n} batches of {sum(k * v for k, v in sizes.items()) / n:.1f} observations "
-                 f"on average ({min(sizes)}-{max(sizes)})")
+    batches = batch_sizes_summary(u.get("server_batches"))
+    if batches:   # what the model ran: requests merged by the server (summary.scheduler.server_batches)
+        n, mean, lo, hi = batches
+        line += f"; the server ran {n} batches of {mean:.1f} observations on average ({lo}-{hi})"
     return line
 
 

@@ -22,6 +22,16 @@ class Span:
     n: int = 1      # observations in a request / batch
 
 
+def batch_sizes_summary(hist: dict[str, int] | None) -> tuple[int, float, int, int] | None:
+    """A {size: count} histogram of the server's batches (Timeline.server_batches, summary.scheduler.server_batches)
+    as (batches, mean observations per batch, smallest, largest); None when empty."""
+    sizes = {int(k): v for k, v in (hist or {}).items()}
+    if not sizes:
+        return None
+    n = sum(sizes.values())
+    return n, sum(k * v for k, v in sizes.items()) / n, min(sizes), max(sizes)
+
+
 class Timeline:
     def __init__(self, t_origin: float | None = None):
         self.t_origin = time.time() if t_origin is None else t_origin

@@ -44,6 +44,11 @@ def dtype_name(d: torch.dtype) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[d]
 
 
+def bucket_for(buckets: Sequence[int], n: int) -> int:
+    """The graph a batch of n runs: the smallest bucket >= n (padded up to it), or n itself above every bucket."""
+    return min((b for b in buckets if b >= n), default=n)
+
+
 def graph_buckets(spec, max_batch: int) -> tuple[int, ...]:
     """CUDA-graph batch buckets: given (list or comma string) or 1, 2, 4, 8, 16, then steps of a quarter of the
     next power of two (24, 32, 48, 64, 96, ...) up to max_batch, which is always a bucket."""

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from wamkit.policies.wam_ref.config import KV_LAYOUTS, Placement
+from wamkit.policies.wam_ref.config import KV_LAYOUTS, Placement, bucket_for
 from wamkit.policies.wam_ref import skinny
 from wamkit.policies.wam_ref.fused import FusedWeights
 from wamkit.policies.wam_ref.model import Prefix, WamRefModel, head_dim_of, write_heads
@@ -190,10 +190,7 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ CUDA graphs
     def graph_bucket(self, n: int) -> int:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        return n
+        return bucket_for(self.buckets, n)
 
     def sample_graphed(self, inputs, x: torch.Tensor, state, steps: int, fw: FusedWeights | None,
                        marks: list | None = None) -> torch.Tensor:
