@@ -57,6 +57,19 @@ def test_summary_contract():
     assert s["config"] == {"a": 1} and s["versions"] == {"mujoco": "x"}
 
 
+def test_summary_gives_each_task_its_pace():
+    """per_task chunk_ms: the task's chunk seconds over its chunks (all its episodes pooled); records without the
+    fields (written before them) or with mistyped ones add nothing, and a task with none has no chunk_ms."""
+    recs = [dict(rec("s/0/0", 0, 0, True), chunks=10, sim_s=0.2), dict(rec("s/0/1", 0, 1, False), chunks=30, sim_s=0.2),
+            dict(rec("s/0/2", 0, 2, False), chunks="30", sim_s=9.0), dict(rec("s/0/3", 0, 3, False), chunks=True,
+                                                                           sim_s=9.0),
+            rec("s/1/0", 1, 0, True)]
+    s = summarize(recs, wall_s=1.0, config={}, versions={})
+    assert s["per_task"]["0"]["chunk_ms"] == pytest.approx(10.0)      # 0.4 s over 40 chunks
+    assert s["per_task"]["0"]["episodes"] == 4
+    assert "chunk_ms" not in s["per_task"]["1"] and "chunks" not in s["per_task"]["1"]
+
+
 def test_auto_plan_follows_measured_costs():
     """The auto batcher's plan from measurements: a call far cheaper than a chunk -> every env its own request, all
     in flight (gathering a batch would only make envs wait); a call over a fifth of a chunk -> one batch of every

@@ -54,6 +54,28 @@ def test_report_states_the_servers_batches_from_the_summary(tmp_path):
     assert "the server ran 4 batches of 5.5 observations on average (1-16)" in md   # (2 + 4 + 16) / 4
 
 
+def test_report_states_each_tasks_pace(tmp_path):
+    """per_task chunk_ms -> a column in report.md and report.html, and a line naming the fastest and slowest tasks;
+    a summary without it (written before the field) gets an empty column and no line."""
+    th = {"episodes_this_run": 4, "wall_s": 1.0, "episodes_per_hour": 3600.0, "env_steps_per_s": 10.0,
+          "inference_obs_per_s": 10.0}
+    per_task = {"0": {"task": "reach", "episodes": 2, "successes": 1, "success_rate": 0.5, "chunk_ms": 9.54},
+                "1": {"task": "pick place", "episodes": 2, "successes": 0, "success_rate": 0.0, "chunk_ms": 20.3}}
+    summary = {"episodes": 4, "successes": 1, "success_rate": 0.25, "per_task": per_task, "throughput": th}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    print_report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| 0 | reach | 2 | 1 | 50.0% | 9.5 |" in md and "| 1 | pick place | 2 | 0 | 0.0% | 20.3 |" in md
+    assert "a chunk took 9.5 ms (reach) to 20.3 ms (pick place), 2.13x" in md
+    assert "<td>9.5</td>" in (tmp_path / "report.html").read_text()
+    for row in per_task.values():
+        del row["chunk_ms"]
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    print_report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| 0 | reach | 2 | 1 | 50.0% |  |" in md and "Task pace" not in md
+
+
 @pytest.mark.slow
 @pytest.mark.metaworld
 def test_eval_logger_wandb_offline(tmp_path, monkeypatch):

@@ -219,3 +219,21 @@ def test_padding_to_graph_buckets_costs_what_the_bucket_costs():
     assert exact["env_steps_per_s"] > 1.1 * padded["env_steps_per_s"]
     halves_padded, halves_exact = ps.run(r, "pipelines", 16, 2), ps.run(every, "pipelines", 16, 2)
     assert halves_exact["env_steps_per_s"] == pytest.approx(halves_padded["env_steps_per_s"], rel=0.02)
+
+
+@pytest.mark.parametrize("mode,batch,pipelines", [("auto", 1, 1), ("pipelines", 2, 2)])
+def test_each_task_reports_its_own_pace(mode, batch, pipelines):
+    """Every episode records its chunks and their seconds, so the summary gives each task's mean chunk: on a model
+    whose three tasks simulate at 0.5x, 1x and 2x the base cost, the three paces come out in that ratio (within the
+    model's chunk jitter, +-20% on each chunk, averaged over the task's chunks)."""
+    from wamkit.eval.metrics import summarize
+
+    r = dataclasses.replace(ps.REGIMES["sim-bound-8"], envs=4, cores=4, chunks=4, task_cost=(0.5, 1.0, 2.0))
+    done = ps.run_tasks(r, 3, 4, mode=mode, batch=batch, pipelines=pipelines)["done"]
+    assert len(done) == 12 and all(o.chunks == r.chunks for o in done)
+    recs = [{"key": o.episode.key, "suite": "sim", "task_id": o.episode.task_id, "trial": o.episode.trial,
+             "success": o.success, "steps": o.steps, "chunks": o.chunks, "sim_s": o.sim_s} for o in done]
+    pace = {t: row["chunk_ms"] for t, row in summarize(recs, wall_s=1.0, config={}, versions={})["per_task"].items()}
+    base = r.sim_s * 1000.0
+    for t, factor in zip(("0", "1", "2"), r.task_cost):
+        assert pace[t] == pytest.approx(base * factor, rel=0.12), (t, pace)

@@ -16,9 +16,15 @@ def summarize(records: list[dict[str, Any]], *, wall_s: float, config: dict[str,
         t["episodes"] += 1
         t["successes"] += int(bool(r["success"]))
         t["steps"] += int(r["steps"])
+        chunks, sim_s = r.get("chunks"), r.get("sim_s")
+        if type(chunks) is int and chunks > 0 and isinstance(sim_s, (int, float)):   # (older records: none)
+            t["chunks"] = t.get("chunks", 0) + chunks
+            t["sim_s"] = t.get("sim_s", 0.0) + float(sim_s)
     for t in per_task.values():
         t["success_rate"] = t["successes"] / t["episodes"] if t["episodes"] else 0.0
         t["mean_steps"] = t.pop("steps") / t["episodes"] if t["episodes"] else 0.0
+        if "chunks" in t:     # the task's pace: its chunks' mean time as the evaluating process saw it
+            t["chunk_ms"] = 1000.0 * t.pop("sim_s") / t.pop("chunks")
     n = len(records)
     succ = sum(int(bool(r["success"])) for r in records)
     run_records = [r for r in records if r.get("run_id") == (extra or {}).get("run_id")] if extra else records
@@ -43,6 +49,12 @@ def summarize(records: list[dict[str, Any]], *, wall_s: float, config: dict[str,
     if extra:
         out.update({k: v for k, v in extra.items() if k != "run_id"})
     return out
+
+
+def task_chunk_ms(row: dict[str, Any]) -> float | None:
+    """A per_task row's mean chunk in ms (its pace), None where the summary predates the field."""
+    v = row.get("chunk_ms")
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def outcome_view(records: list[dict[str, Any]]) -> dict[str, tuple[bool, int]]:

@@ -9,17 +9,35 @@ from rich.console import Console
 from rich.table import Table
 
 from wamkit.eval.metrics import load_summary  # noqa: F401  (the results contract; kept importable from here)
+from wamkit.eval.metrics import task_chunk_ms
 from wamkit.eval.timeline import batch_sizes_summary
 
 
 def task_table(summary: dict) -> Table:
     t = Table(title=f"success {summary['successes']}/{summary['episodes']} = {summary['success_rate']:.1%}")
-    for c in ("task_id", "task", "episodes", "successes", "success rate", "mean steps"):
+    for c in ("task_id", "task", "episodes", "successes", "success rate", "mean steps", "chunk ms"):
         t.add_column(c, justify="right" if c not in ("task",) else "left")
     for tid, row in summary["per_task"].items():
         t.add_row(tid, row.get("task", "")[:60], str(row["episodes"]), str(row["successes"]),
-                  f"{row['success_rate']:.1%}", f"{row.get('mean_steps', 0):.0f}")
+                  f"{row['success_rate']:.1%}", f"{row.get('mean_steps', 0):.0f}", chunk_cell(row))
     return t
+
+
+def chunk_cell(row: dict) -> str:
+    """A task's mean chunk in ms (summary per_task chunk_ms), '' for summaries written before it."""
+    ms = task_chunk_ms(row)
+    return "" if ms is None else f"{ms:.1f}"
+
+
+def pace_line(summary: dict) -> str | None:
+    """How far apart the tasks' paces are (their mean chunks), where the run has two tasks or more with one."""
+    paced = [(ms, row.get("task") or tid) for tid, row in summary["per_task"].items()
+             if (ms := task_chunk_ms(row)) is not None and ms > 0]
+    if len(paced) < 2:
+        return None
+    (lo, lo_task), (hi, hi_task) = min(paced), max(paced)
+    return (f"Task pace: a chunk took {lo:.1f} ms ({lo_task}) to {hi:.1f} ms ({hi_task}), {hi / lo:.2f}x; a request "
+            f"that waits for every env of a group waits for its slowest task's chunk")
 
 
 def throughput_line(summary: dict) -> str:
@@ -29,11 +47,11 @@ def throughput_line(summary: dict) -> str:
 
 
 def table_markdown(summary: dict) -> str:
-    lines = ["| task_id | task | episodes | successes | success rate |", "|---|---|---|---|---|"]
+    lines = ["| task_id | task | episodes | successes | success rate | chunk ms |", "|---|---|---|---|---|---|"]
     for tid, row in summary["per_task"].items():
         lines.append(f"| {tid} | {row.get('task', '')} | {row['episodes']} | {row['successes']} | "
-                     f"{row['success_rate']:.1%} |")
-    lines.append(f"| all | | {summary['episodes']} | {summary['successes']} | {summary['success_rate']:.1%} |")
+                     f"{row['success_rate']:.1%} | {chunk_cell(row)} |")
+    lines.append(f"| all | | {summary['episodes']} | {summary['successes']} | {summary['success_rate']:.1%} | |")
     return "\n".join(lines) + "\n"
 
 
@@ -90,6 +108,8 @@ def report_markdown(out: str | Path, summary: dict) -> str:
     u = utilization(out, summary)
     if u is not None:
         parts.append(f"Utilization: {utilization_line(u)}.\n")
+    if (pace := pace_line(summary)) is not None:
+        parts.append(f"{pace}.\n")
     if (Path(out) / "timeline.png").exists():
         parts.append("![timeline: one lane per env and inference side](timeline.png)\n")
     parts.append("All on one page (table, chart, episode videos, timeline, config): [report.html](report.html)\n")
@@ -117,5 +137,7 @@ def print_report(out: str | Path, console: Console | None = None) -> dict:
     png = Path(out) / "timeline.png"
     if u is not None:
         console.print(f"timeline: {png if png.exists() else '-'}  {utilization_line(u)}")
+    if (pace := pace_line(s)) is not None:
+        console.print(pace)
     console.print(f"report: {Path(out) / 'report.html'}")
     return s

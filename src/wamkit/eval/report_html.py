@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from wamkit.eval.metrics import task_chunk_ms
+
 EMBED_BUDGET_BYTES = 32 * 1024 * 1024   # videos embedded in the page, all together; the rest are linked
 
 CSS = """
@@ -78,16 +80,21 @@ def _cards(s: dict[str, Any]) -> str:
                                            for v, k in cards) + "</div>"
 
 
+def _chunk(row: dict[str, Any]) -> str:
+    ms = task_chunk_ms(row)
+    return "" if ms is None else f"{ms:.1f}"
+
+
 def _table(s: dict[str, Any]) -> str:
     rows = "".join(
         f'<tr data-task-id="{_e(tid)}"><td>{_e(tid)}</td><td class="l">{_e(r.get("task", ""))}</td>'
         f'<td>{r["episodes"]}</td><td>{r["successes"]}</td><td>{r["success_rate"]:.1%}</td>'
-        f'<td>{r.get("mean_steps", 0):.0f}</td></tr>'
+        f'<td>{r.get("mean_steps", 0):.0f}</td><td>{_chunk(r)}</td></tr>'
         for tid, r in s["per_task"].items())
     return ('<table id="tasks"><thead><tr><th>task id</th><th class="l">task</th><th>episodes</th>'
-            '<th>successes</th><th>success rate</th><th>mean steps</th></tr></thead>'
+            '<th>successes</th><th>success rate</th><th>mean steps</th><th>chunk ms</th></tr></thead>'
             f"<tbody>{rows}</tbody><tfoot><tr><td>all</td><td class=\"l\"></td><td>{s['episodes']}</td>"
-            f"<td>{s['successes']}</td><td>{s['success_rate']:.1%}</td><td></td></tr></tfoot></table>")
+            f"<td>{s['successes']}</td><td>{s['success_rate']:.1%}</td><td></td><td></td></tr></tfoot></table>")
 
 
 def _bar_chart(s: dict[str, Any]) -> str:

@@ -277,7 +277,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
             rec = {"key": ep.key, "index": ep.index, "suite": ep.suite, "task_id": ep.task_id, "task": ep.task,
                    "trial": ep.trial, "success": o.success, "steps": o.steps, "env_steps": o.env_steps,
                    "wall_s": round(o.wall_s, 3), "env_index": o.env_index, "attempts": o.attempts,
-                   "actions_digest": o.actions_digest,
+                   "actions_digest": o.actions_digest, "chunks": o.chunks, "sim_s": round(o.sim_s, 4),
                    "run_id": run_id}
             if not o.frames:
                 record(o, rec)

@@ -58,6 +58,8 @@ class EpisodeOutcome:
     attempts: int
     frames: list[np.ndarray] = field(default_factory=list)
     actions_digest: str = ""  # hash of every action chunk the episode executed: equal digests, equal trajectories
+    chunks: int = 0           # action chunks executed (its last attempt)
+    sim_s: float = 0.0        # seconds they took, as the evaluating process saw them (per task: its pace)
 
 
 def chunk_digest() -> "hashlib._Hash":
@@ -251,20 +253,24 @@ class Scheduler:
                 obs = await self._reset(i, ep)
                 if ep.index in self.opts.video_episodes:
                     frames.append(next(iter(obs.images.values())))
-                env_steps = 0
+                env_steps = chunks = 0
+                sim_s = 0.0
                 digest = chunk_digest()
                 while True:
                     # seed from the env step at which the observation was taken: schedule-independent
                     seed = step_seed(self.opts.seed, ep, env_steps)
                     chunk = await get_actions(i, ep, obs, seed)
                     digest.update(np.ascontiguousarray(chunk, np.float32).tobytes())
+                    m0 = time.monotonic()
                     res = await self._execute(i, ep, chunk)
+                    chunks, sim_s = chunks + 1, sim_s + time.monotonic() - m0
                     env_steps += res.steps
                     if ep.index in self.opts.video_episodes:   # the baseline renders every step: keep no frames
                         frames.extend(res.frames)
                     if res.done:
                         return EpisodeOutcome(ep, bool(res.success), int(res.episode_steps), env_steps,
-                                              time.time() - t0, i, attempts, frames, digest.hexdigest())
+                                              time.time() - t0, i, attempts, frames, digest.hexdigest(), chunks,
+                                              sim_s)
                     obs = res.obs
             except self.crash_types:
                 if attempts > self.opts.max_episode_retries:
@@ -310,7 +316,7 @@ class Scheduler:
             while (ep := self._next_episode(i)) is not None:
                 try:
                     return {"ep": ep, "obs": await self._reset(i, ep), "steps": 0, "t0": time.time(),
-                            "frames": [], "attempts": 1, "digest": chunk_digest()}
+                            "frames": [], "attempts": 1, "digest": chunk_digest(), "chunks": 0, "sim_s": 0.0}
                 except self.crash_types:
                     await self._restart_env(i)
                     self.queue.appendleft(ep)
@@ -322,6 +328,7 @@ class Scheduler:
             st = state[i]
             ep = st["ep"]
             st["digest"].update(np.ascontiguousarray(chunk, np.float32).tobytes())
+            m0 = time.monotonic()
             try:
                 res = await self._execute(i, ep, chunk)
             except self.crash_types:
@@ -332,17 +339,19 @@ class Scheduler:
                     try:
                         await self._restart_env(i)
                         st.update(obs=await self._reset(i, ep), steps=0, t0=time.time(), frames=[],
-                                  digest=chunk_digest())
+                                  digest=chunk_digest(), chunks=0, sim_s=0.0)
                         return
                     except self.crash_types:
                         continue
             st["steps"] += res.steps
+            st["chunks"] += 1
+            st["sim_s"] += time.monotonic() - m0
             if ep.index in self.opts.video_episodes:
                 st["frames"].extend(res.frames)
             if res.done:
                 self._done(EpisodeOutcome(ep, bool(res.success), int(res.episode_steps), st["steps"],
                                             time.time() - st["t0"], i, st["attempts"], st["frames"],
-                                            st["digest"].hexdigest()))
+                                            st["digest"].hexdigest(), st["chunks"], st["sim_s"]))
                 state[i] = await start(i)
             else:
                 st["obs"] = res.obs
