@@ -201,6 +201,9 @@ def test_the_report_says_where_an_envs_cycle_goes():
     assert cycle_lines([merged]) == [lines[0].replace("server 23.6;", "server 23.6 a batch of 10.0 observations;")]
     worker = dict(row, sim_worker_ms_mean=16.25)   # the env processes' own time per chunk (ChunkResult.worker_s)
     assert cycle_lines([worker]) == [lines[0].replace("chunk 18.7 +", "chunk 18.7 (in the env's process 16.2) +")]
+    paced = dict(row, task_chunk_ms={"0": 9.54, "1": 20.31, "2": 13.0})   # the tasks' paces (per_task chunk_ms)
+    assert cycle_lines([paced]) == [lines[0][:-1] + "; the tasks' chunks 9.5-20.3 ms."]
+    assert cycle_lines([dict(row, task_chunk_ms={"0": 9.54})]) == lines[:1]   # one task: no range
     hosted = dict(row, host_cpu={"busy": 0.7234, "steal": 0.0412})   # bench eval's /proc/stat shares of the row
     assert cycle_lines([hosted]) == [lines[0][:-1] + "; host CPUs 72% busy, 4.1% stolen."]
     quota = dict(row, host_cpu={"busy": 0.7234, "steal": 0.0412, "throttled": {"periods": 7, "seconds": 0.412}})

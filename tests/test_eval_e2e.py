@@ -349,6 +349,11 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     assert [r["row"] for r in rep["rows"]] == ["serial", "auto", pinned_row, shared_row]
     assert rep["bound"]["inference_obs_per_s"] > 0
     assert all(r["request_retries"] == 0 for r in rep["rows"])   # every request answered at its first attempt
+    # every row gives each task its pace: every episode recorded its chunks and their seconds
+    recs = results(tmp_path / "bench" / "auto")
+    assert recs and all(r["chunks"] * 4 >= r["env_steps"] > 0 and r["sim_s"] > 0 for r in recs)
+    assert all(set(r["task_chunk_ms"]) == {str(x["task_id"]) for x in recs}
+               and min(r["task_chunk_ms"].values()) > 0 for r in rep["rows"])
     server_cpus, env_cpus = split_cpus(1)
     assert pins[:3] == [None, None, server_cpus] and all(p is None for p in pins[3:])   # that row only
     pinned = json.loads((tmp_path / "bench" / "auto__server-reserve_cpus1__env_nice3" / "summary.json").read_text())

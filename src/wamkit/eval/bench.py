@@ -36,6 +36,7 @@ from wamkit.core.errors import ConfigError
 from wamkit.eval.config import EvalConfig
 from wamkit.eval.deadline import RowDeadline
 from wamkit.eval.host_load import cgroup_throttling, cpu_times, shares, throttled
+from wamkit.eval.metrics import task_chunk_ms
 from wamkit.eval.report import chunk_text
 from wamkit.eval.steady import steady_lines, steady_vs_best_fixed
 from wamkit.eval.timeline import batch_sizes_summary
@@ -96,6 +97,8 @@ def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
             "request_retries": sch.get("request_retries", 0),
             "env_steps": th["env_steps"], "success_rate": s["success_rate"],
             "env_render": sch.get("env_render", {}),
+            "task_chunk_ms": {tid: ms for tid, row in s.get("per_task", {}).items()
+                              if (ms := task_chunk_ms(row)) is not None},
             **({"client": sch["client"]} if sch.get("client") else {}),
             **({"auto_shape": sch["auto_shape"]} if sch.get("auto_shape") else {}),
             **({"progress": sch["progress"]} if sch.get("progress") else {})}
@@ -623,6 +626,9 @@ def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
         if comp and batches:   # the server's batches (summary.scheduler.server_batches): requests it merged
             txt += f" a batch of {batches[1]:.1f} observations"
         txt += f"; outside the request {wait - req:.1f}: cohort, batch, dispatch)"
+        paces = list((x.get("task_chunk_ms") or {}).values())
+        if len(paces) > 1:   # a group of envs waits for its slowest task's chunk (summary per_task chunk_ms)
+            txt += f"; the tasks' chunks {min(paces):.1f}-{max(paces):.1f} ms"
         host, client = x.get("host_cpu"), x.get("client")
         txt += (f"; host CPUs {100 * host['busy']:.0f}% busy, {100 * host['steal']:.1f}% stolen" if host else "")
         quota = (host or {}).get("throttled")
