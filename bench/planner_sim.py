@@ -451,6 +451,14 @@ REGIMES = {
     "gpu-metaworld-32-s19": Regime("gpu-metaworld-32-s19", 32, 16, 0.016, 0.0215, 0.00005, net_s=0.0025, jitter=0.4,
                                    chunks=31, episodes=400, server_wait_s=0.0,
                                    task_cost=(0.64, 0.69, 0.73, 0.78, 0.85, 0.93, 1.01, 1.1, 1.5, 1.72)),
+    # session 26's H100 rows at 16 envs (8 tasks x 50 episodes of 500 steps): the server's batch ~13.5 ms at any size
+    # beside the renderers, ~1.5 ms transport each way; the tasks' paces from session 16's 16-env timelines (the
+    # B=8, P=2 row of device_2026-12-05d/call2: per env a median chunk of 9.5 ms on four tasks, 13.1 on two, 20.3 on
+    # two; +-30% within a task), a scene load ~0.3 s. Real time scale. Measured: B=1, P=16 the best row (6452.9
+    # against B=8, P=2's 6194.5); the model: 6841 against 6382 (bench/bench_pace.py)
+    "gpu-metaworld-16-s26": Regime("gpu-metaworld-16-s26", 16, 16, 0.0131, 0.0135, 0.00005, net_s=0.0015,
+                                   jitter=0.3, chunks=31, episodes=400, server_wait_s=0.0, load_s=0.3,
+                                   task_cost=(0.725, 0.725, 0.725, 0.725, 1.0, 1.0, 1.55, 1.55)),
     "gpu-metaworld-shared-16": Regime("gpu-metaworld-shared-16", 16, 16, 0.040, 0.0125, 0.0004, share_gain=0.5),
     # simulation-heavy: calls are cheap
     "sim-bound-8": Regime("sim-bound-8", 8, 8, 0.060, 0.004, 0.0002, episodes=48),
