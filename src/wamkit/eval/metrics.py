@@ -57,6 +57,12 @@ def task_chunk_ms(row: dict[str, Any]) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def chunk_ms_text(row: dict[str, Any]) -> str:
+    """task_chunk_ms as a table cell: '9.5', or '' without it."""
+    ms = task_chunk_ms(row)
+    return "" if ms is None else f"{ms:.1f}"
+
+
 def outcome_view(records: list[dict[str, Any]]) -> dict[str, tuple[bool, int]]:
     """key -> (success, steps): what must not depend on the schedule."""
     return {r["key"]: (bool(r["success"]), int(r["steps"])) for r in records}

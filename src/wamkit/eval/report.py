@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from wamkit.eval.metrics import load_summary  # noqa: F401  (the results contract; kept importable from here)
-from wamkit.eval.metrics import task_chunk_ms
+from wamkit.eval.metrics import chunk_ms_text, task_chunk_ms
 from wamkit.eval.timeline import batch_sizes_summary
 
 
@@ -19,14 +19,8 @@ def task_table(summary: dict) -> Table:
         t.add_column(c, justify="right" if c not in ("task",) else "left")
     for tid, row in summary["per_task"].items():
         t.add_row(tid, row.get("task", "")[:60], str(row["episodes"]), str(row["successes"]),
-                  f"{row['success_rate']:.1%}", f"{row.get('mean_steps', 0):.0f}", chunk_cell(row))
+                  f"{row['success_rate']:.1%}", f"{row.get('mean_steps', 0):.0f}", chunk_ms_text(row))
     return t
-
-
-def chunk_cell(row: dict) -> str:
-    """A task's mean chunk in ms (summary per_task chunk_ms), '' for summaries written before it."""
-    ms = task_chunk_ms(row)
-    return "" if ms is None else f"{ms:.1f}"
 
 
 def pace_line(summary: dict) -> str | None:
@@ -50,7 +44,7 @@ def table_markdown(summary: dict) -> str:
     lines = ["| task_id | task | episodes | successes | success rate | chunk ms |", "|---|---|---|---|---|---|"]
     for tid, row in summary["per_task"].items():
         lines.append(f"| {tid} | {row.get('task', '')} | {row['episodes']} | {row['successes']} | "
-                     f"{row['success_rate']:.1%} | {chunk_cell(row)} |")
+                     f"{row['success_rate']:.1%} | {chunk_ms_text(row)} |")
     lines.append(f"| all | | {summary['episodes']} | {summary['successes']} | {summary['success_rate']:.1%} | |")
     return "\n".join(lines) + "\n"
 

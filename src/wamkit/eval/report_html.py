@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wamkit.eval.metrics import task_chunk_ms
+from wamkit.eval.metrics import chunk_ms_text
 
 EMBED_BUDGET_BYTES = 32 * 1024 * 1024   # videos embedded in the page, all together; the rest are linked
 
@@ -80,16 +80,11 @@ def _cards(s: dict[str, Any]) -> str:
                                            for v, k in cards) + "</div>"
 
 
-def _chunk(row: dict[str, Any]) -> str:
-    ms = task_chunk_ms(row)
-    return "" if ms is None else f"{ms:.1f}"
-
-
 def _table(s: dict[str, Any]) -> str:
     rows = "".join(
         f'<tr data-task-id="{_e(tid)}"><td>{_e(tid)}</td><td class="l">{_e(r.get("task", ""))}</td>'
         f'<td>{r["episodes"]}</td><td>{r["successes"]}</td><td>{r["success_rate"]:.1%}</td>'
-        f'<td>{r.get("mean_steps", 0):.0f}</td><td>{_chunk(r)}</td></tr>'
+        f'<td>{r.get("mean_steps", 0):.0f}</td><td>{chunk_ms_text(r)}</td></tr>'
         for tid, r in s["per_task"].items())
     return ('<table id="tasks"><thead><tr><th>task id</th><th class="l">task</th><th>episodes</th>'
             '<th>successes</th><th>success rate</th><th>mean steps</th><th>chunk ms</th></tr></thead>'
