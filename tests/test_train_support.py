@@ -65,7 +65,7 @@ class TinyPolicy(Policy):
 
     def __init__(self, width: int = 32, depth: int = 2, horizon: int = 4, action_dim: int = 7, state_dim: int = 3,
                  noise: float = 0.0, action_pipeline=None, trainable_patterns: Sequence[str] = (),
-                 device: str = "cpu", **_):
+                 device: str = "cpu"):
         self.horizon, self.action_dim, self.state_dim, self.noise = horizon, action_dim, state_dim, float(noise)
         self.width, self.depth = width, depth
         self.device = torch.device(device)
