@@ -15,6 +15,17 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"   # data written by othe
 LIBERO_TINY = FIXTURES / "lerobot_v3_libero_tiny"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_garbage_in_the_main_thread():
+    """At each module's end, free the reference cycles its tests left (a closed LIBERO env's MjSim, compiled graphs,
+    policies) here, in the main thread. Left to the cyclic GC they are freed by whichever thread allocates next, e.g.
+    a predict thread of a later test, running C destructors there while it holds the GIL."""
+    yield
+    import gc
+
+    gc.collect()
+
+
 # In-process MuJoCo renderers hold EGL contexts whose destructors can crash (SIGSEGV) during interpreter teardown, after
 # every test has passed and the summary is printed. Once pytest is done, leave with its exit status and skip teardown
 # (every test fixture and worker process has already been closed by then).

@@ -632,8 +632,12 @@ def test_a_collated_training_batch_gives_the_inputs_of_per_observation_lists():
 def test_a_replica_predicts_the_same_actions_at_the_same_time(one_thread):
     """replica() (the server's concurrent_batches): the same model and fused weights, its own engine (graphs,
     buffers); the original and the replica predicting in two threads at once give what each gives alone."""
+    import gc
     from concurrent.futures import ThreadPoolExecutor
 
+    # the cycles the compile tests before this one left (Dynamo guards, Inductor kernels) are freed here, in the main
+    # thread, not by a collection that starts inside a predict thread (CI hung once in this test, GIL held)
+    gc.collect()
     pol = make_policy("wam-ref", size="tiny", num_inference_steps=2, state_dim=8, compile=False)
     twin = pol.replica()
     assert twin.engine is not pol.engine and twin.model is pol.model
