@@ -230,3 +230,44 @@ def test_a_client_that_stops_after_its_header_is_dropped(monkeypatch):
     with pytest.raises(ConnectionResetError):
         rs.RenderServer(mujoco).handle(server_end)
     assert "no payload within" in wire.recv_header(client_end)["error"]
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet (an orphan's new parent may be slow to)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_render_processes_leave_when_their_parent_is_killed():
+    """A process that started a service and dies without closing it (SIGKILL: no atexit) leaves no render process
+    behind, and no socket directory with its key file."""
+    import subprocess
+    import sys
+
+    from wamkit.envs.render_server import PARENT_CHECK_S
+
+    code = ("import os, sys, time\n"
+            "from wamkit.envs.render_service import RenderService, current_gl\n"
+            "svc = RenderService(current_gl(), 2)\n"
+            "print(svc.dir, *svc.pids(), flush=True)\n"
+            "time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline().split()
+        assert len(line) == 3, f"the service did not start: {line}"
+        sockdir, pids = Path(line[0]), [int(x) for x in line[1:]]
+        assert sockdir.is_dir() and not any(_exited(x) for x in pids)
+        time.sleep(2 * PARENT_CHECK_S)
+        assert not any(_exited(x) for x in pids)   # a living parent keeps them
+        p.kill()
+        p.wait(10)
+        deadline = time.monotonic() + 10 * PARENT_CHECK_S + 5
+        while not all(_exited(x) for x in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_exited(x) for x in pids), f"render processes {pids} outlived their parent"
+        assert not sockdir.exists()
+    finally:
+        p.kill()
+        p.wait(10)

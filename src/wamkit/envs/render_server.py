@@ -9,7 +9,9 @@ MJB) and draws them.
 
 The loop: a thread accepts connections (authenticated with the service's key); the main thread, which owns the GL
 context, serves whichever connection has a request, one request at a time. A bad request gets an error reply naming
-what is wrong and the server keeps serving; a client that goes away is dropped.
+what is wrong and the server keeps serving; a client that goes away is dropped. A render process whose parent (the
+service's process) died without closing it (SIGKILL, os._exit) removes the service's socket directory and exits
+within PARENT_CHECK_S: no orphan holding a GL context and the models' memory.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ GL_CONTEXT_SIDE = 64     # the context's own surface; frames are drawn into each
 MAX_GEOM = 10000         # scene capacity, as mujoco.Renderer's default
 MAX_MODELS = 64         # models held at once; the least recently drawn one is freed beyond (asked again if needed)
 PAYLOAD_WAIT_S = 10.0    # a request's payload frame follows its header at once; longer: the client is dropped
+PARENT_CHECK_S = 1.0     # how often an idle render process checks that its parent is still there
 
 
 class _Scene:
@@ -141,6 +144,7 @@ def serve(address: str, authkey: bytes, gl: dict[str, str | None], ready=None) -
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+    parent = os.getppid()
     import mujoco
 
     ctx = mujoco.GLContext(GL_CONTEXT_SIDE, GL_CONTEXT_SIDE)
@@ -166,7 +170,10 @@ def serve(address: str, authkey: bytes, gl: dict[str, str | None], ready=None) -
         ready.close()
     conns: list = []
     while True:
-        for c in mp_wait(conns + [wake_r]):
+        readable = mp_wait(conns + [wake_r], timeout=PARENT_CHECK_S)
+        if os.getppid() != parent:   # reparented: the service's process is gone
+            _orphaned(address)
+        for c in readable:
             if c == wake_r:
                 os.read(wake_r, 4096)
                 with lock:
@@ -178,3 +185,12 @@ def serve(address: str, authkey: bytes, gl: dict[str, str | None], ready=None) -
             except (EOFError, OSError):
                 conns.remove(c)
                 c.close()
+
+
+def _orphaned(address: str) -> None:
+    """Leave without a parent: remove the service's private directory (sockets, key file; the other render processes
+    of the service may race to do the same) and exit at once, skipping GL teardown at interpreter exit."""
+    import shutil
+
+    shutil.rmtree(os.path.dirname(address), ignore_errors=True)
+    os._exit(0)
