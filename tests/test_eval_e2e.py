@@ -344,6 +344,8 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     shared_row = "auto @ env_args.renderer=shared"   # envs of its own (another env configuration), warmed too
     rep = bench_eval(cfg, tmp_path / "bench", rows=["serial", "auto", pinned_row, shared_row], horizon=4)
     assert len(starts) == 1 and rep["plan"]["shared_servers"] == 1
+    log = (tmp_path / "bench" / "server-0.log").read_text()   # its output: in the bench's OUT, not a tempfile
+    assert log.count("=== start") == 1 and "wamkit serve: policy=metaworld-expert" in log
     assert caps == [2]   # its batches capped at every env's observation at once (server.max_batch_size 64)
     assert omp == [b"PASSIVE"]   # a row pins it: started so that its OpenMP threads never spin (core/cpu_pinning.py)
     assert [r["row"] for r in rep["rows"]] == ["serial", "auto", pinned_row, shared_row]
@@ -372,6 +374,7 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
     starts.clear()
     bench_eval(cfg, tmp_path / "bench2", rows=["auto"], horizon=4, share_server=False)
     assert len(starts) == 2          # the row's own server, then the inference bound's
+    assert "wamkit serve: policy=metaworld-expert" in (tmp_path / "bench2" / "auto" / "server-0.log").read_text()
     assert outcome_view(results(tmp_path / "bench2" / "auto")) == shared
 
 

@@ -120,7 +120,7 @@ def bench_policy_kwargs(base: EvalConfig) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def shared_servers(base: EvalConfig, console: Console, pinnable: bool = False):
+def shared_servers(base: EvalConfig, console: Console, pinnable: bool = False, log_dir: Path | None = None):
     """inference=server without server.url: start the local server(s) once for every row and the inference bound
     (their start-up and CUDA-graph warm-up happen once, not per row); yields the started workers ([] otherwise),
     stops them at the end. A row restarts one that stops answering, as with its own. pinnable: some row pins them
@@ -139,7 +139,7 @@ def shared_servers(base: EvalConfig, console: Console, pinnable: bool = False):
     # capped at the batch the rows and bounds can send (every env's observation at once: num_envs, whatever the
     # base's mode)
     options = dataclasses.replace(base.server, max_batch_size=base.server_batch_cap(base.num_envs))
-    workers = start_server_workers(policy, args, options, pinnable=pinnable)
+    workers = start_server_workers(policy, args, options, pinnable=pinnable, log_dir=log_dir)
     try:
         console.print(f"[bold]bench eval[/] {len(workers)} shared server(s) up in {time.perf_counter() - t0:.1f} s")
         yield workers
@@ -336,7 +336,9 @@ def bench_eval(base: EvalConfig, out: Path, console: Console | None = None, rows
         warm_envs(base, envs, console, 1 if serial_only else base.num_envs)
         for cfg in row_env_configs(base, rows):   # rows with env settings of their own: their own envs, warmed too
             warm_envs(cfg, envs, console, base.num_envs)
-        shared = shared_servers(base, console, pins_servers(base, rows)) if share_server else contextlib.nullcontext([])
+        out.mkdir(parents=True, exist_ok=True)   # the shared servers log to OUT/server-<i>.log
+        shared = (shared_servers(base, console, pins_servers(base, rows), log_dir=out) if share_server
+                  else contextlib.nullcontext([]))
         with shared as workers:
             rt: dict[str, Any] = {"env_workers": envs}
             if workers:

@@ -9,6 +9,7 @@ import abc
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -123,11 +124,13 @@ class ServerInference(Inference):
     merges_requests = True    # wamkit serve's DynamicBatcher; SGLang under --batching-mode dynamic
 
     def __init__(self, *, policy: str, policy_args: dict, options, timeline: Timeline | None = None,
-                 worker_factory=None, workers: Sequence | None = None, codec: RemoteCodec | None = None):
+                 worker_factory=None, workers: Sequence | None = None, codec: RemoteCodec | None = None,
+                 log_dir: str | Path | None = None):
         super().__init__(timeline)
         self.policy_name, self.policy_args, self.options = policy, dict(policy_args), options
         self.codec = codec
         self.worker_factory = worker_factory     # None: a local `wamkit serve` (or `sglang serve`) subprocess
+        self.log_dir = log_dir                   # the servers we start log to LOG_DIR/server-<i>.log (None: a tempfile)
         # workers: servers started by the caller (e.g. one set for every row of `bench eval`): used instead of
         # starting our own, restarted when they stop answering, left running at close
         self.attached = list(workers or [])
@@ -168,7 +171,7 @@ class ServerInference(Inference):
         elif self.options.url is None:
             policy, args = server_policy(self.policy_name, self.policy_args, self.options, self.codec)
             self.workers = await asyncio.to_thread(start_server_workers, policy, args, self.options,
-                                                   self.worker_factory)
+                                                   self.worker_factory, log_dir=self.log_dir)
             targets = [(w.url, w) for w in self.workers]
         else:
             targets = [(u.strip(), None) for u in str(self.options.url).split(",") if u.strip()]
@@ -295,12 +298,14 @@ def server_policy(policy: str, policy_args: dict, options, codec: RemoteCodec | 
     return policy, dict(policy_args)
 
 
-def start_server_workers(policy: str, policy_args: dict, options, worker_factory=None, pinnable: bool = False) -> list:
+def start_server_workers(policy: str, policy_args: dict, options, worker_factory=None, pinnable: bool = False,
+                         log_dir: str | Path | None = None) -> list:
     """Start the `options.replicas` local servers of `options` (ServerOptions: launch, port, batching, token,
     serve_args / sglang; server i sees GPU gpus[i % len] only) and wait until all are healthy: all start first, so
     their model builds and warm-ups overlap. If one fails, those already started are stopped and the error raised.
     pinnable: the caller may pin them later (bench eval's rows with server.reserve_cpus): they start with
-    PINNABLE_ENV (core/cpu_pinning.py), as servers pinned from the start do."""
+    PINNABLE_ENV (core/cpu_pinning.py), as servers pinned from the start do. log_dir: server i's output goes to
+    LOG_DIR/server-<i>.log (appended to on a resume or a restart); None, or a worker_factory: its own place."""
     from wamkit.serve.workers import SGLangServerWorker, WamkitServerWorker
 
     launch = getattr(options, "launch", "wamkit")
@@ -310,6 +315,9 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
         for i in range(max(1, int(getattr(options, "replicas", 1) or 1))):
             gpus = getattr(options, "gpus", None)
             env = {"CUDA_VISIBLE_DEVICES": str(gpus[i % len(gpus)])} if gpus else None
+            log = {}   # a worker_factory's servers (Ray's: on other nodes) keep their own logs
+            if log_dir is not None and not worker_factory:
+                log["log_path"] = Path(log_dir) / f"server-{i}.log"
             if launch == "sglang":
                 kw = dict(getattr(options, "sglang", None) or {})
                 if not kw.get("model_path"):
@@ -317,7 +325,7 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
                                     "directory SGLang can serve)")
                 kw.setdefault("batching_max_size", options.max_batch_size)
                 kw.setdefault("batching_delay_ms", options.max_wait_ms)
-                w = (worker_factory or SGLangServerWorker)(port=options.port, env=env, **kw)
+                w = (worker_factory or SGLangServerWorker)(port=options.port, env=env, **log, **kw)
                 timeout = max(options.startup_timeout_s, SGLangServerWorker.default_start_timeout)
             else:
                 kw = dict(policy=policy, policy_args=dict(policy_args), port=options.port,
@@ -332,7 +340,7 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
                     kw["extra_args"] = extra
                 if env:
                     kw["env"] = env
-                w = (worker_factory or WamkitServerWorker)(**kw)
+                w = (worker_factory or WamkitServerWorker)(**log, **kw)
                 timeout = options.startup_timeout_s
             w.default_start_timeout = timeout
             if pinnable:

@@ -237,7 +237,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                 (cfg.server.max_batch_size, cfg.server.max_wait_ms) if cfg.inprocess_batching else None))
         else:
             inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=options, timeline=timeline,
-                                        worker_factory=server_worker_factory, workers=server_workers, codec=codec)
+                                        worker_factory=server_worker_factory, workers=server_workers, codec=codec,
+                                        log_dir=out)
         # SGLang batches one prompt per request: requests of one task each unless told otherwise
         sglang = getattr(inference, "protocol", "") == "sglang"
         group = cfg.group_by_task if cfg.group_by_task is not None else sglang
