@@ -203,10 +203,42 @@ def test_server_killed_mid_run_is_restarted(mw_serial, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.metaworld
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X"):
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """Those still running (a zombie waiting for its new parent to reap it counts as gone)."""
+    alive = []
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                alive.append(pid)
+        except OSError:
+            pass
+    return alive
+
+
 def test_resume_after_the_eval_process_is_killed(mw_serial, tmp_path):
+    """SIGKILL of the evaluating process alone (no atexit, its children not signalled): the action server, the env
+    workers and the render process leave by themselves, and resume=true runs only the missing episodes."""
     out = tmp_path / "resume"
     args = ["eval", "env=metaworld", "suite=mt", MW_TASKS, "trials=2", "image_size=32", "policy=metaworld-expert",
-            "horizon=4", "max_steps=60", "progress=false", f"out={out}"]
+            "horizon=4", "max_steps=60", "progress=false", "inference=server", "env_args.renderer=shared",
+            f"out={out}"]
     proc = subprocess.Popen([sys.executable, "-m", "wamkit.cli.main", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -218,11 +250,19 @@ def test_resume_after_the_eval_process_is_killed(mw_serial, tmp_path):
             if proc.poll() is not None:
                 pytest.fail("eval finished before it could be killed")
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
+        kids = _descendants(proc.pid)
+        assert len(kids) >= 4   # the server, 2+ env workers, the render process (and multiprocessing's tracker)
+        os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
+        deadline = time.time() + 15
+        while _alive(kids) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(kids), f"left behind: {_alive(kids)}"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)   # whatever is left of its session
+        except ProcessLookupError:
+            pass
     before = results(out)
     assert 2 <= len(before) < 4
     # without resume=true the directory is protected

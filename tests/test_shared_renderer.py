@@ -271,3 +271,15 @@ def test_render_processes_leave_when_their_parent_is_killed():
     finally:
         p.kill()
         p.wait(10)
+
+
+def test_a_client_of_a_closed_service_fails_at_once(tmp_path):
+    """No socket directory: nothing will restart the render process, so the request fails now instead of retrying
+    for RECONNECT_S (an env worker mid-step whose evaluation was killed then leaves at once)."""
+    from wamkit.envs.render_client import RenderClient, RenderServiceError
+
+    client = RenderClient(f"unix:{tmp_path / 'closed' / 'render-0.sock'}")
+    t0 = time.monotonic()
+    with pytest.raises(RenderServiceError, match="is gone"):
+        client._call({"op": "render"}, b"")
+    assert time.monotonic() - t0 < 5

@@ -5,11 +5,13 @@ mujoco.Renderer of the env's own. Same pixels (tests/test_shared_renderer.py), o
 (render_wire.py) and returns the RGB image. The env registers each model once with `model_id(model)` right after
 building it (an MJB of the model as built, so every env process of a task sends the same bytes and the server holds
 it once). A broken connection (the render process died and is being restarted) is retried for RECONNECT_S: a render
-request is stateless, so asking again is safe.
+request is stateless, so asking again is safe. A service whose socket directory is gone (closed, or its render
+processes left with their parent) restarts nothing: the request fails at once.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from multiprocessing.connection import Client
 
@@ -85,6 +87,9 @@ class RenderClient:
                 break
             except (EOFError, OSError) as e:   # the render process died: it is being restarted, ask again
                 self.close()
+                if not os.path.isdir(os.path.dirname(self.address)):
+                    raise RenderServiceError(f"shared renderer at {self.address} is gone (its service closed): "
+                                             f"{e}") from None
                 if time.monotonic() > deadline:
                     raise RenderServiceError(f"shared renderer at {self.address} unreachable for "
                                              f"{RECONNECT_S:.0f} s: {e}") from None
