@@ -82,8 +82,13 @@ def test_bad_config_fails_before_training(tmp_path, args, match):
 # ------------------------------------------------------------------------------------------------ runs
 
 def test_single_rank_run_logs_checkpoints_and_learns(tmp_path):
-    s = train(cfg_of(tmp_path, "steps=20", "batch_size=8", "save_every=5", "keep_last=2", "ema=0.9"))
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    s = train(cfg_of(tmp_path, "steps=20", "batch_size=8", "save_every=5", "keep_last=2", "ema=0.9", "num_workers=2"))
     assert s["steps"] == 20
+    # its DataLoader workers are stopped when train() returns, not whenever the garbage collector frees the loader
+    assert {p.pid for p in multiprocessing.active_children()} == before
     log = losses(tmp_path)
     assert sorted(log) == list(range(1, 21))
     assert np.mean([log[i] for i in range(16, 21)]) < 0.5 * np.mean([log[i] for i in range(1, 5)])

@@ -248,6 +248,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
                      samples_seen, resumed_from, out, ckpt_root, stats, micro)
     finally:
         batches.close()
+        stream.close()
 
 
 def _loop(cfg: TrainConfig, info: DistInfo, policy, model, optimizer, scheduler, ema, trainable, batches, start: int,
