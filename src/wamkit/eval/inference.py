@@ -113,8 +113,8 @@ class ServerInference(Inference):
     serve` processes started here, HTTP to server.url): local servers started here (`server.launch`: `wamkit serve`
     processes, or `sglang serve` for models SGLang serves; `server.replicas`, e.g. one per GPU with `server.gpus`;
     each restarted by its client when it stops answering, the request then retried), or existing URLs (`server.url=`,
-    comma-separated; wamkit serve or SGLang). With several servers each request goes to the one with the fewest observations in
-    flight.
+    comma-separated; wamkit serve or SGLang). With several servers each request goes to the one with the fewest
+    observations in flight.
 
     A policy with a RemoteCodec (cosmos3: the model runs in SGLang) keeps its pre- and post-processing here, in the
     evaluation process: observations are encoded off the event loop, sent with the codec's parameters and seeds in
@@ -325,7 +325,7 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
                                     "directory SGLang can serve)")
                 kw.setdefault("batching_max_size", options.max_batch_size)
                 kw.setdefault("batching_delay_ms", options.max_wait_ms)
-                w = (worker_factory or SGLangServerWorker)(port=options.port, env=env, **log, **kw)
+                w = (worker_factory or SGLangServerWorker)(port=options.port, env=env, **{**log, **kw})  # theirs wins
                 timeout = max(options.startup_timeout_s, SGLangServerWorker.default_start_timeout)
             else:
                 kw = dict(policy=policy, policy_args=dict(policy_args), port=options.port,
