@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import running
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,17 +22,6 @@ def _children(pid: int) -> list[int]:
     except FileNotFoundError:
         pytest.skip("pgrep not available")
     return [int(x) for x in out.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:   # a zombie is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def _shm() -> set[str]:
@@ -76,9 +66,9 @@ def test_sigterm_of_eval_exits_cleanly(tmp_path):
     assert "Traceback" not in stderr and "leaked" not in stderr, stderr
     assert "terminated (SIGTERM)" in stderr
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(w) for w in workers):
+    while time.monotonic() < deadline and any(running(w) for w in workers):
         time.sleep(0.2)
-    assert not [w for w in workers if _alive(w)], "env worker processes outlived the eval"
+    assert not [w for w in workers if running(w)], "env worker processes outlived the eval"
     assert not (mine & _shm()), "shared memory left behind"
     # what finished before the signal is in the journal, whole lines only (resume=true continues from there)
     import json

@@ -15,6 +15,7 @@ import pytest
 from wamkit.core.config import load_config
 from wamkit.eval.config import EvalConfig
 from wamkit.eval.metrics import outcome_view
+from processes import descendants, running
 
 ROOT = Path(__file__).resolve().parents[1]
 MW_TASKS = "env_args.tasks=reach-v3,drawer-open-v3"
@@ -203,35 +204,6 @@ def test_server_killed_mid_run_is_restarted(mw_serial, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.metaworld
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in ("Z", "X"):
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def _alive(pids: list[int]) -> list[int]:
-    """Those still running (a zombie waiting for its new parent to reap it counts as gone)."""
-    alive = []
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                alive.append(pid)
-        except OSError:
-            pass
-    return alive
-
-
 def test_resume_after_the_eval_process_is_killed(mw_serial, tmp_path):
     """SIGKILL of the evaluating process alone (no atexit, its children not signalled): the action server, the env
     workers and the render process leave by themselves, and resume=true runs only the missing episodes."""
@@ -250,14 +222,14 @@ def test_resume_after_the_eval_process_is_killed(mw_serial, tmp_path):
             if proc.poll() is not None:
                 pytest.fail("eval finished before it could be killed")
             time.sleep(0.05)
-        kids = _descendants(proc.pid)
+        kids = descendants(proc.pid)
         assert len(kids) >= 4   # the server, 2+ env workers, the render process (and multiprocessing's tracker)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
         deadline = time.time() + 15
-        while _alive(kids) and time.time() < deadline:
+        while any(map(running, kids)) and time.time() < deadline:
             time.sleep(0.1)
-        assert not _alive(kids), f"left behind: {_alive(kids)}"
+        assert not any(map(running, kids)), f"left behind: {[k for k in kids if running(k)]}"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)   # whatever is left of its session

@@ -15,6 +15,7 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
+from processes import running
 
 from wamkit.core.types import Observation
 from wamkit.policies import make_policy
@@ -24,14 +25,6 @@ from wamkit.serve import ActionClient, ActionClientError, SyncActionClient, Wamk
 TOKEN = "s3cret-token"
 POLICY_ARGS = {"base_ms": 2, "per_obs_ms": 0, "action_dim": 7, "horizon": 8}
 GEN = "/v1/actions/generations"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def make_obs(n: int, cams=("image", "wrist_image"), side=16, state=True) -> list[Observation]:
@@ -54,7 +47,7 @@ def server():
     with w:
         pid = w.pid
         yield w
-    assert not pid_alive(pid), "server outlived its test"
+    assert not running(pid), "server outlived its test"
 
 
 def auth():
@@ -187,7 +180,7 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_answer(server):
         outs, timings = asyncio.run(go())
         m = httpx.get(w.url + "/metrics").json()
         pid = w.pid
-    assert not pid_alive(pid)
+    assert not running(pid)
     assert m["max_batch_size_seen"] == n and m["batch_size_histogram"] == {str(n): 1}
     assert all(t["server"]["batch_size"] == n for t in timings)
     with SyncActionClient(server.url, token=TOKEN) as c:      # the same requests alone (max_wait 2 ms server)
@@ -235,7 +228,7 @@ def test_queue_full_503_then_sigterm_finishes_in_flight_work():
         assert np.array_equal(a, reference([3, 4]))
         assert w.proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM after its graceful exit
         pid = w.pid
-    assert not pid_alive(pid)
+    assert not running(pid)
 
 
 def test_killed_server_is_restarted_by_its_worker_and_retry_succeeds():
@@ -250,7 +243,7 @@ def test_killed_server_is_restarted_by_its_worker_and_retry_succeeds():
             assert c.last_timings[0]["attempts"] >= 2
         assert np.array_equal(first, again) and w.url == url and w.pid != pid1 and w.starts == 2
         pid2 = w.pid
-    assert not pid_alive(pid1) and not pid_alive(pid2)
+    assert not running(pid1) and not running(pid2)
 
 
 def test_explicit_restart_and_stop_are_idempotent():
@@ -259,10 +252,10 @@ def test_explicit_restart_and_stop_are_idempotent():
     p1 = w.pid
     w.restart()
     p2 = w.pid
-    assert p1 != p2 and w.healthy() and not pid_alive(p1)
+    assert p1 != p2 and w.healthy() and not running(p1)
     w.stop()
     w.stop()
-    assert not pid_alive(p2) and not w.running()
+    assert not running(p2) and not w.running()
 
 
 def test_cli_rejects_unknown_keys():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import running
 
 pytestmark = [pytest.mark.slow, pytest.mark.metaworld]
 pytest.importorskip("metaworld")
@@ -232,14 +233,6 @@ def test_a_client_that_stops_after_its_header_is_dropped(monkeypatch):
     assert "no payload within" in wire.recv_header(client_end)["error"]
 
 
-def _exited(pid: int) -> bool:
-    """Gone, or a zombie nobody has reaped yet (an orphan's new parent may be slow to)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-
-
 def test_render_processes_leave_when_their_parent_is_killed():
     """A process that started a service and dies without closing it (SIGKILL: no atexit) leaves no render process
     behind, and no socket directory with its key file."""
@@ -258,28 +251,29 @@ def test_render_processes_leave_when_their_parent_is_killed():
         line = p.stdout.readline().split()
         assert len(line) == 3, f"the service did not start: {line}"
         sockdir, pids = Path(line[0]), [int(x) for x in line[1:]]
-        assert sockdir.is_dir() and not any(_exited(x) for x in pids)
+        assert sockdir.is_dir() and all(map(running, pids))
         time.sleep(2 * PARENT_CHECK_S)
-        assert not any(_exited(x) for x in pids)   # a living parent keeps them
+        assert all(map(running, pids))   # a living parent keeps them
         p.kill()
         p.wait(10)
         deadline = time.monotonic() + 10 * PARENT_CHECK_S + 5
-        while not all(_exited(x) for x in pids) and time.monotonic() < deadline:
+        while any(map(running, pids)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert all(_exited(x) for x in pids), f"render processes {pids} outlived their parent"
+        assert not any(map(running, pids)), f"render processes {pids} outlived their parent"
         assert not sockdir.exists()
     finally:
         p.kill()
         p.wait(10)
 
 
-def test_a_client_of_a_closed_service_fails_at_once(tmp_path):
-    """No socket directory: nothing will restart the render process, so the request fails now instead of retrying
-    for RECONNECT_S (an env worker mid-step whose evaluation was killed then leaves at once)."""
-    from wamkit.envs.render_client import RenderClient, RenderServiceError
+def test_a_client_of_a_closed_service_fails_at_once(tmp_path, monkeypatch):
+    """No socket directory: nothing will restart the render process, so the request fails at its first attempt
+    instead of retrying for RECONNECT_S (an env worker mid-step whose evaluation was killed then leaves at once)."""
+    from wamkit.envs import render_client as rc
 
-    client = RenderClient(f"unix:{tmp_path / 'closed' / 'render-0.sock'}")
-    t0 = time.monotonic()
-    with pytest.raises(RenderServiceError, match="is gone"):
+    waits = []
+    monkeypatch.setattr(rc.time, "sleep", waits.append)   # each retry waits first
+    client = rc.RenderClient(f"unix:{tmp_path / 'closed' / 'render-0.sock'}")
+    with pytest.raises(rc.RenderServiceError, match="is gone"):
         client._call({"op": "render"}, b"")
-    assert time.monotonic() - t0 < 5
+    assert waits == []
