@@ -315,9 +315,8 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
         for i in range(max(1, int(getattr(options, "replicas", 1) or 1))):
             gpus = getattr(options, "gpus", None)
             env = {"CUDA_VISIBLE_DEVICES": str(gpus[i % len(gpus)])} if gpus else None
-            log = {}   # a worker_factory's servers (Ray's: on other nodes) keep their own logs
-            if log_dir is not None and not worker_factory:
-                log["log_path"] = Path(log_dir) / f"server-{i}.log"
+            # a worker_factory's servers (Ray's: on other nodes) keep their own logs
+            log_path = Path(log_dir) / f"server-{i}.log" if log_dir is not None and not worker_factory else None
             if launch == "sglang":
                 kw = dict(getattr(options, "sglang", None) or {})
                 if not kw.get("model_path"):
@@ -325,7 +324,9 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
                                     "directory SGLang can serve)")
                 kw.setdefault("batching_max_size", options.max_batch_size)
                 kw.setdefault("batching_delay_ms", options.max_wait_ms)
-                w = (worker_factory or SGLangServerWorker)(port=options.port, env=env, **{**log, **kw})  # theirs wins
+                if log_path:
+                    kw.setdefault("log_path", log_path)   # a log_path in server.sglang wins
+                w = (worker_factory or SGLangServerWorker)(port=options.port, env=env, **kw)
                 timeout = max(options.startup_timeout_s, SGLangServerWorker.default_start_timeout)
             else:
                 kw = dict(policy=policy, policy_args=dict(policy_args), port=options.port,
@@ -340,7 +341,9 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
                     kw["extra_args"] = extra
                 if env:
                     kw["env"] = env
-                w = (worker_factory or WamkitServerWorker)(**log, **kw)
+                if log_path:
+                    kw["log_path"] = log_path
+                w = (worker_factory or WamkitServerWorker)(**kw)
                 timeout = options.startup_timeout_s
             w.default_start_timeout = timeout
             if pinnable:
