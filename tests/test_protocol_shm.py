@@ -13,7 +13,7 @@ import pytest
 from wamkit.core.types import Observation
 from wamkit.protocol import ProtocolError
 from wamkit.protocol.openpi import packb, unpackb
-from wamkit.protocol.shm import SHM_DIR, ShmMaps, ShmSlots, available, refuse
+from wamkit.protocol.shm import SHM_DIR, ShmReader, ShmSlots, available, refuse
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs a writable /dev/shm")
 
@@ -30,7 +30,7 @@ def test_slots_round_trip_into_the_servers_array_markers():
     """The server's resolved frame holds ordinary array markers over the same bytes the client packed."""
     rng = np.random.default_rng(0)
     body = _body(rng)
-    slots, maps = ShmSlots(), ShmMaps(1 << 24)
+    slots, maps = ShmSlots(), ShmReader(1 << 24)
     try:
         frame, slot = slots.pack(body)
         assert len(frame) < 1000                     # references, not 3 x 3 KB of pixels
@@ -63,7 +63,7 @@ def test_a_slot_grows_by_a_new_file_when_requests_carry_more():
         big = {"input": {"images": [{"image": rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)}] * 4}}
         frame, slot = slots.pack(big)
         assert slot is not small and slot.size >= 4 * 256 * 256 * 3 and not os.path.exists(small.path)
-        got = ShmMaps(1 << 24).resolve(unpackb(frame))
+        got = ShmReader(1 << 24).resolve(unpackb(frame))
         m = got["input"]["images"][3]["image"]
         assert bytes(m[b"data"]) == big["input"]["images"][3]["image"].tobytes()
     finally:
@@ -72,7 +72,7 @@ def test_a_slot_grows_by_a_new_file_when_requests_carry_more():
 
 def test_bad_references_are_refused_naming_the_field(tmp_path):
     rng = np.random.default_rng(2)
-    slots, maps = ShmSlots(), ShmMaps(1 << 20)
+    slots, maps = ShmSlots(), ShmReader(1 << 20)
     try:
         frame, slot = slots.pack(_body(rng))
         body = unpackb(frame)
@@ -100,13 +100,77 @@ def test_bad_references_are_refused_naming_the_field(tmp_path):
         finally:
             os.unlink(link)
         with pytest.raises(ProtocolError) as e:
-            ShmMaps(16).resolve(body)
+            ShmReader(16).resolve(body)
         assert e.value.status == 413
         # a server that takes no references says so, naming the field
         with pytest.raises(ProtocolError) as e:
             refuse(body)
         assert e.value.path == "input.images[0].image" and "shm_arrays=true" in str(e.value)
         refuse(unpackb(packb(_body(rng))))                             # inline arrays pass
+    finally:
+        slots.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_slot_the_client_changes_after_a_frame_is_read_anew_or_refused_never_kills_the_server():
+    """The server copies each reference's bytes when the frame arrives and keeps no file open or mapped between
+    frames. So: a slot the client shrank is a 400 (a read through a mapping past a file's end is SIGBUS: the whole
+    server gone); a slot unlinked and created again under the same name is read from the new file (a cached mapping
+    served the old bytes, NaN in the new file went through); a dropped slot's memory is not held by the server."""
+    rng = np.random.default_rng(3)
+    slots, reader = ShmSlots(), ShmReader(1 << 24)
+    try:
+        frame, slot = slots.pack(_body(rng))
+        fds = _open_fds()
+        first = reader.resolve(unpackb(frame))
+        assert _open_fds() == fds                                       # the server holds no file after a frame
+        # the client shrinks the file: the same frame again is refused, naming the field
+        os.truncate(slot.path, 64)
+        with pytest.raises(ProtocolError) as e:
+            reader.resolve(unpackb(frame))
+        assert e.value.path.startswith("input.") and "outside the slot" in str(e.value)
+        # ... the bytes read before are the server's own copy: still what the client sent
+        img = first["input"]["images"][2]["image"]
+        assert bytes(img[b"data"]) == _body(np.random.default_rng(3))["input"]["images"][2]["image"].tobytes()
+        # the file unlinked and created again under its name, now with a NaN state: the new bytes are what count
+        slot.drop()
+        body = _body(rng)
+        body["input"]["state"][0][:] = np.nan
+        fd = os.open(slot.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, slot.size)
+        finally:
+            os.close(fd)
+        again = ShmSlots()
+        try:
+            again_slot = again.pack(_body(rng))[1]          # a real slot to pack into, then renamed to the old name
+            os.rename(again_slot.path, slot.path)
+            frame2 = again_slot.pack(body)
+            got = reader.resolve(unpackb(frame2.replace(again_slot.name.encode(), slot.name.encode())))
+            s = got["input"]["state"][0]
+            assert np.isnan(np.frombuffer(s[b"data"], np.dtype(s[b"dtype"]))).all()
+        finally:
+            again.close()
+    finally:
+        slots.close()
+        if os.path.exists(slot.path):
+            os.unlink(slot.path)
+
+
+def test_a_malformed_dtype_in_a_reference_is_a_400_naming_it():
+    """numpy parses some dtype strings as Python ('f4,(' is a SyntaxError): each is a ProtocolError on .dtype."""
+    slots = ShmSlots()
+    try:
+        frame, _ = slots.pack(_body(np.random.default_rng(4)))
+        for bad in ("f4,(", "not-a-dtype", 7, None, ["<f4"]):
+            body = unpackb(frame)
+            body["input"]["state"][0]["dtype"] = bad
+            with pytest.raises(ProtocolError) as e:
+                ShmReader(1 << 24).resolve(body)
+            assert e.value.path == "input.state[0].dtype" and e.value.status == 400, (bad, e.value.path)
     finally:
         slots.close()
 

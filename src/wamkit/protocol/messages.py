@@ -199,7 +199,7 @@ def _decode_float_array(value: Any, path: str) -> np.ndarray:
                     raw = base64.b64decode(raw, validate=True)
                 except (binascii.Error, ValueError):
                     raise ProtocolError(path, "expected raw bytes or base64 text") from None
-            if not isinstance(raw, (bytes, bytearray, memoryview)) or len(raw) != n:   # memoryview: shm.py
+            if not isinstance(raw, (bytes, bytearray, memoryview)) or len(raw) != n:
                 raise ProtocolError(path, f"byte length does not match shape {shape} and dtype {dt}")
             arr = np.frombuffer(raw, dt).reshape(shape)
         elif "values" in value:

@@ -8,17 +8,20 @@ its own (a *slot*, under /dev/shm) and sends, in place of openpi's array marker,
 
     {"__shm__": "<file name>", "offset": <int>, "dtype": "<u1", "shape": [224, 224, 3]}
 
-The server maps the file read-only and hands the field decoders an ordinary array marker whose data is a view of
-the mapping, so every check of the inline form applies unchanged (dtype, shape, byte length, image size caps).
+The server copies the referenced bytes out of the file (pread) and hands the field decoders an ordinary array marker
+with them, so every check of the inline form applies unchanged (dtype, shape, byte length, image size caps). It
+copies rather than maps: a read through a mapping past the end of a file that its client shrank kills the reader
+with SIGBUS, a cached mapping keeps serving a file the client has since unlinked and re-created under the same name,
+and mappings of unlinked files keep their memory until unmapped. A copy costs ~0.1 ms per MB.
 
 - Client (`ShmSlots`): one slot per request in flight, taken before encoding and given back when the reply has
   arrived; a slot whose request failed is dropped (the server may still be reading it), never reused. Slots grow by
   new files; every file is unlinked when the client closes (and at interpreter exit).
-- Server (`ShmMaps`): only when started with `shm_arrays=true`, and only for loopback connections. A name must be a
-  slot name (`wamkit-shm-` + 16-64 letters, digits or _), resolved in /dev/shm, opened without following links; the
+- Server (`ShmReader`): only when started with `shm_arrays=true`, and only for loopback connections. A name must be
+  a slot name (`wamkit-shm-` + 16-64 letters, digits or _), resolved in /dev/shm, opened without following links; the
   file must be a regular file owned by the server's user and at most `max_file_bytes`; the reference must lie inside
-  it. Anything else answers 400 naming the field. Mappings are shared by every connection (bounded, least recently
-  used first out).
+  it, and its bytes must still be there when read. Anything else answers 400 naming the field. Each frame opens the
+  files it names once and closes them before it is answered: the server holds no file between frames.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import os
 import re
 import secrets
 import stat
-from collections import OrderedDict
 from typing import Any
 
 import msgpack
@@ -157,20 +159,35 @@ class ShmSlots:
 
 
 # ------------------------------------------------------------------------------------------------ server
-class ShmMaps:
-    """The server's read-only mappings of client slots (module doc)."""
+class ShmReader:
+    """The server's reads of client slots (module doc)."""
 
-    def __init__(self, max_file_bytes: int, max_files: int = 256):
-        self.max_file_bytes, self.max_files = int(max_file_bytes), int(max_files)
-        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+    def __init__(self, max_file_bytes: int):
+        self.max_file_bytes = int(max_file_bytes)
 
-    def _map(self, name: Any, path: str) -> mmap.mmap:
+    def resolve(self, obj: Any, path: str = "") -> Any:
+        """A decoded frame with slot references -> the same frame with array markers holding copies of their bytes."""
+        files: dict[str, tuple[int, int]] = {}      # slot name -> (fd, size), for this frame only
+        try:
+            return self._resolve(obj, path, files)
+        finally:
+            for fd, _ in files.values():
+                os.close(fd)
+
+    def _resolve(self, obj: Any, path: str, files: dict) -> Any:
+        if isinstance(obj, dict):
+            if MARKER in obj:
+                return self._marker(obj, path, files)
+            return {k: self._resolve(v, f"{path}.{k}" if path else str(k), files) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._resolve(v, f"{path}[{i}]", files) for i, v in enumerate(obj)]
+        return obj
+
+    def _open(self, name: Any, path: str, files: dict) -> tuple[int, int]:
         if not isinstance(name, str) or not _NAME.match(name):
             raise ProtocolError(path, f"not a shared-memory slot name: {str(name)[:80]!r}")
-        mm = self._maps.get(name)
-        if mm is not None:
-            self._maps.move_to_end(name)
-            return mm
+        if name in files:
+            return files[name]
         try:
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as e:
@@ -182,42 +199,41 @@ class ShmMaps:
             if not 0 < st.st_size <= self.max_file_bytes:
                 raise ProtocolError(path, f"shared-memory slot {name} has {st.st_size} bytes (at most "
                                           f"{self.max_file_bytes})", 413)
-            mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
-        finally:
+        except BaseException:
             os.close(fd)
-        self._maps[name] = mm
-        while len(self._maps) > self.max_files:
-            self._maps.popitem(last=False)    # views in use keep their mapping alive
-        return mm
+            raise
+        files[name] = (fd, st.st_size)
+        return files[name]
 
-    def resolve(self, obj: Any, path: str = "") -> Any:
-        """A decoded frame with slot references -> the same frame with array markers viewing the mappings."""
-        if isinstance(obj, dict):
-            if MARKER in obj:
-                return self._marker(obj, path)
-            return {k: self.resolve(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [self.resolve(v, f"{path}[{i}]") for i, v in enumerate(obj)]
-        return obj
-
-    def _marker(self, ref: dict, path: str) -> dict:
-        mm = self._map(ref.get(MARKER), path)
+    def _marker(self, ref: dict, path: str, files: dict) -> dict:
+        name = ref.get(MARKER)
+        fd, size = self._open(name, path, files)
         off, dtype, shape = ref.get("offset"), ref.get("dtype"), ref.get("shape")
-        if not isinstance(off, int) or off < 0:
+        if not isinstance(off, int) or isinstance(off, bool) or off < 0:
             raise ProtocolError(path + ".offset", "must be a non-negative integer")
+        if not isinstance(dtype, str):
+            raise ProtocolError(path + ".dtype", f"expected a dtype string such as '<f4', got {type(dtype).__name__}")
         try:
             dt = np.dtype(dtype)
-        except TypeError:
-            raise ProtocolError(path + ".dtype", f"unknown dtype {str(dtype)[:40]!r}") from None
+        except (TypeError, ValueError, SyntaxError):   # numpy parses some strings as Python (SyntaxError)
+            raise ProtocolError(path + ".dtype", f"unknown dtype {dtype[:40]!r}") from None
         if dt.kind not in "biuf":
             raise ProtocolError(path + ".dtype", f"arrays of dtype {dt} are not accepted")
-        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
-                or len(shape) > 8):
+        if (not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                   for d in shape) or len(shape) > 8):
             raise ProtocolError(path + ".shape", "must be a list of at most 8 non-negative integers")
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        if off + nbytes > len(mm):
-            raise ProtocolError(path, f"bytes {off}..{off + nbytes} lie outside the slot ({len(mm)} bytes)")
-        return {_ARRAY_MARKER: True, b"data": memoryview(mm)[off:off + nbytes], b"dtype": dt.str, b"shape": shape}
+        if nbytes < 0 or off + nbytes > size:
+            raise ProtocolError(path, f"bytes {off}..{off + nbytes} lie outside the slot ({size} bytes)")
+        data = bytearray(nbytes)
+        got = 0
+        while got < nbytes:                       # the client may shrink its file under us: a short read, no signal
+            n = os.preadv(fd, [memoryview(data)[got:]], off + got)
+            if n <= 0:
+                raise ProtocolError(path, f"shared-memory slot {name} ended at byte {off + got} while being read "
+                                          f"(the client changed it)")
+            got += n
+        return {_ARRAY_MARKER: True, b"data": data, b"dtype": dt.str, b"shape": shape}
 
 
 def refuse(obj: Any, path: str = "") -> None:

@@ -40,7 +40,7 @@ from wamkit.core.cpu_pinning import torch_threads
 from wamkit.policies.base import Policy
 from wamkit.protocol import ProtocolError, build_response, decode_body, encode_body, is_msgpack, parse_request
 from wamkit.protocol.messages import ActionRequest
-from wamkit.protocol.shm import ShmMaps
+from wamkit.protocol.shm import ShmReader
 from wamkit.protocol.shm import available as shm_available
 from wamkit.serve.batcher import DynamicBatcher, QueueFull
 from wamkit.serve.config import INSTANCE_ENV, ServeConfig
@@ -76,7 +76,7 @@ class ActionServer:
         self.max_batch_size = served_max_batch_size(cfg, policy)
         self.max_body = int(cfg.max_body_mb * 1024 * 1024)
         # shared-memory arrays (protocol/shm.py): a slot holds at most one frame's worth of arrays
-        self.shm = ShmMaps(self.max_body) if cfg.shm_arrays and shm_available() else None
+        self.shm = ShmReader(self.max_body) if cfg.shm_arrays and shm_available() else None
         self.limits = cfg.decode_limits()
         self.instance_id = os.environ.get(INSTANCE_ENV) or None
         self.token = cfg.resolved_token()
