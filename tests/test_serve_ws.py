@@ -163,6 +163,52 @@ def test_policy_inputs_are_checked_naming_the_openpi_key():
         assert unpackb(ws.receive_bytes())["actions"]["shape"] == [16, 7]
 
 
+def test_websocket_frames_get_the_servers_decode_limits_and_a_bad_seed_fails_only_its_own_frame():
+    """Found by a probe: the websocket routes decoded frames under default limits and gave each openpi camera its
+    own image budget (a 1 MB frame decoded to ~700 MB where HTTP answered 413), and an openpi seed of -1 reached the
+    policy and failed every request batched with it. Now the server's limits hold on both routes, the seed is a 400
+    naming it, and the books balance: each frame (control frames and text frames too) and each refused handshake
+    is one request with one response."""
+    from starlette.testclient import TestClient
+
+    from wamkit.serve import ServeConfig
+    from wamkit.serve.app import create_app
+
+    cfg = ServeConfig(policy="fixed-cost", policy_args={**LIBERO_ARGS}, warmup=False, log_every_s=0,
+                      max_image_pixels=64 * 64, max_decoded_mb=0.018, max_text_chars=40, max_depth=8)
+    good = libero_element(3, side=48)                       # two cameras of 48 x 48 x 3: 13.8 KB decoded
+    with TestClient(create_app(cfg)) as tc:
+        with tc.websocket_connect("/openpi/policy") as ws:
+            ws.receive_bytes()
+            ws.send_bytes(packb(good))
+            assert unpackb(ws.receive_bytes())["actions"]["shape"] == [16, 7]
+            for el, code, path in [
+                    ({**good, "observation/image": np.zeros((80, 80, 3), np.uint8)}, 413, "observation/image"),
+                    ({**good, "observation/extra_cam": np.zeros((48, 48, 3), np.uint8)}, 413,   # 3 cameras: 20.7 KB > 18.9
+                     "observation/extra_cam"),
+                    ({**good, "prompt": "x" * 41}, 400, "prompt"),
+                    ({**good, "seed": -1}, 400, "seed"),
+                    ({**good, "seed": 2 ** 64 - 1}, 400, "seed")]:
+                ws.send_bytes(packb(el))
+                err = json.loads(ws.receive_text())["error"]
+                assert (err["code"], err["path"]) == (code, path), (path, err)
+            ws.send_bytes(msgpack.packb({"a": [[[[[[[[[[1]]]]]]]]]]}))    # nested past max_depth=8
+            assert json.loads(ws.receive_text())["error"]["code"] == 400
+            ws.send_bytes(packb({"__ctrl__": "episode_start"}))
+            assert unpackb(ws.receive_bytes()) == {"__ack__": "episode_start"}
+            ws.send_text("a text frame")
+            assert json.loads(ws.receive_text())["error"]["code"] == 400
+        with tc.websocket_connect("/v1/actions/realtime") as ws:
+            ws.receive_bytes()
+            big = {"input": {"images": {"image": np.zeros((80, 80, 3), np.uint8)}, "task": "t"}}
+            ws.send_bytes(packb(big))
+            assert unpackb(ws.receive_bytes())["error"]["code"] == 413
+        m = tc.get("/metrics").json()
+    # 10 frames: 9 on the openpi route (1 answered, 5 refused, the deep one, the ack, the text frame), 1 on realtime
+    assert m["counts"]["requests"] == sum(m["responses_by_status"].values()) == 10, m
+    assert m["responses_by_status"] == {"200": 2, "400": 5, "413": 3}, m
+
+
 def marker_array(v: dict) -> np.ndarray:
     """openpi's msgpack-numpy marker (bytes keys, as plain msgpack unpacks it) -> array."""
     return np.frombuffer(v[b"data"], np.dtype(v[b"dtype"])).reshape(v[b"shape"])

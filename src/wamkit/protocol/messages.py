@@ -242,7 +242,7 @@ def _decode_states(value: Any, n: int, path: str) -> list[np.ndarray]:
 
 
 _MAX_PARAM_INT = 2 ** 31 - 1
-_MAX_SEED = 2 ** 63 - 1
+MAX_SEED = 2 ** 63 - 1   # seeds are 0..2**63-1 on every route (int64 for numpy and torch generators)
 
 
 def _validate_parameters(params: dict, n: int, limits: DecodeLimits) -> tuple[dict[str, Any], list[int]]:
@@ -292,7 +292,7 @@ def _validate_parameters(params: dict, n: int, limits: DecodeLimits) -> tuple[di
     if seed is None:
         seed = 0
     if _is_int(seed):
-        if not 0 <= seed <= _MAX_SEED:
+        if not 0 <= seed <= MAX_SEED:
             raise ProtocolError("parameters.seed", f"must be in 0..2**63-1, got {seed}")
         seeds = [int(seed)] * n
     elif isinstance(seed, list):
@@ -301,7 +301,7 @@ def _validate_parameters(params: dict, n: int, limits: DecodeLimits) -> tuple[di
         for i, s in enumerate(seed):
             if not _is_int(s):
                 raise ProtocolError(f"parameters.seed[{i}]", f"expected an integer, got {str(s)[:40]}")
-            if not 0 <= s <= _MAX_SEED:
+            if not 0 <= s <= MAX_SEED:
                 raise ProtocolError(f"parameters.seed[{i}]", f"must be in 0..2**63-1, got {s}")
         seeds = [int(s) for s in seed]
     else:

@@ -33,7 +33,8 @@ from wamkit.core.types import Observation
 from wamkit.protocol.codec import MSGPACK, decode_body
 from wamkit.protocol.errors import ProtocolError
 from wamkit.protocol.images import decode_image
-from wamkit.protocol.messages import DEFAULT_CAMERA, _decode_float_array, decode_action_values
+from wamkit.protocol.limits import DecodeLimits, ImageBudget
+from wamkit.protocol.messages import DEFAULT_CAMERA, MAX_SEED, _decode_float_array, decode_action_values
 
 OBS_PREFIX = "observation/"              # openpi: observation/<camera> and observation/state
 SG_IMAGE_PREFIX = "observation.images."  # SGLang / LeRobot spelling of a camera key
@@ -59,10 +60,10 @@ def packb(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True, default=_pack_default)
 
 
-def unpackb(data: bytes) -> dict[str, Any]:
+def unpackb(data: bytes, max_depth: int = DecodeLimits.max_depth) -> dict[str, Any]:
     """A frame -> mapping; array markers stay mappings (decoded, with validation, by the field decoders). Refuses
-    msgpack extension types and non-mapping frames (ProtocolError)."""
-    return decode_body(data, MSGPACK)
+    msgpack extension types, non-mapping frames and nesting deeper than max_depth (ProtocolError)."""
+    return decode_body(data, MSGPACK, max_depth)
 
 
 def bytes_keyed_marker(values: dict[str, Any]) -> dict[bytes, Any]:
@@ -92,8 +93,11 @@ def _state(value: Any, path: str) -> np.ndarray:
     return np.ascontiguousarray(v)
 
 
-def observation_from_openpi(d: dict[str, Any]) -> tuple[Observation, int]:
-    """openpi (or SGLang raw) observation dict -> (Observation, seed). ProtocolError names the offending key."""
+def observation_from_openpi(d: dict[str, Any], limits: DecodeLimits | None = None) -> tuple[Observation, int]:
+    """openpi (or SGLang raw) observation dict -> (Observation, seed). ProtocolError names the offending key.
+    `limits`: the server's decode limits (one image budget for the whole dict, as for an HTTP request)."""
+    limits = limits or DecodeLimits()
+    budget = ImageBudget(limits)
     images: dict[str, np.ndarray] = {}
     state: np.ndarray | None = None
     task, seed = "", 0
@@ -104,7 +108,7 @@ def observation_from_openpi(d: dict[str, Any]) -> tuple[Observation, int]:
             raise ProtocolError(path, "empty camera name")
         if cam in images:
             raise ProtocolError(path, f"camera {cam!r} sent twice")
-        images[cam] = decode_image(value, path)
+        images[cam] = decode_image(value, path, budget=budget)
 
     for key, value in d.items():
         if not isinstance(key, str):
@@ -118,17 +122,21 @@ def observation_from_openpi(d: dict[str, Any]) -> tuple[Observation, int]:
                 raise ProtocolError(key, f"send either {seen_prompt} or {key}, not both")
             if not isinstance(value, str):
                 raise ProtocolError(key, f"expected a string, got {type(value).__name__}")
+            if len(value) > limits.max_text_chars:
+                raise ProtocolError(key, f"longer than {limits.max_text_chars} characters")
             seen_prompt, task = key, value
         elif key == "seed":
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 raise ProtocolError(key, f"expected an integer, got {value!r}")
+            if not 0 <= value <= MAX_SEED:   # as parameters.seed over HTTP
+                raise ProtocolError(key, f"must be in 0..2**63-1, got {value}")
             seed = int(value)
         elif key.startswith(OBS_PREFIX):
             try:
                 add_image(key[len(OBS_PREFIX):], value, key)
             except ProtocolError as e:
                 raise ProtocolError(key, f"{e.message} (wamkit reads observation/<camera> as a uint8 (H, W, 3) "
-                                         f"image and observation/state as the state)") from None
+                                         f"image and observation/state as the state)", e.status) from None
         elif key.startswith(SG_IMAGE_PREFIX):
             add_image(key[len(SG_IMAGE_PREFIX):], value, key)
         elif key == "images":

@@ -34,6 +34,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from wamkit.protocol import ProtocolError, build_response, parse_request
+from wamkit.protocol.limits import DecodeLimits
 from wamkit.protocol.messages import ActionRequest
 from wamkit.protocol.shm import refuse as refuse_shm
 from wamkit.protocol.openpi import (bytes_keyed_marker, is_action_request, observation_from_openpi, packb,
@@ -67,11 +68,12 @@ def _token_ok(srv: Any, ws: WebSocket) -> bool:
     return scheme.lower() in ("bearer", "api-key") and hmac.compare_digest(given.strip().encode(), srv.token.encode())
 
 
-def _parse(body: dict[str, Any]) -> tuple[ActionRequest, bool]:
-    """A decoded frame -> (request, True if it was one openpi observation dict)."""
+def _parse(body: dict[str, Any], limits: DecodeLimits) -> tuple[ActionRequest, bool]:
+    """A decoded frame -> (request, True if it was one openpi observation dict), under the server's decode limits
+    (the same as its HTTP route's: one image budget per frame, text and nesting caps)."""
     if is_action_request(body):
-        return parse_request(body), False
-    obs, seed = observation_from_openpi(body)
+        return parse_request(body, limits), False
+    obs, seed = observation_from_openpi(body, limits)
     return ActionRequest(request_id="", observations=[obs], seeds=[seed], parameters={}), True
 
 
@@ -125,6 +127,7 @@ class _Connection:
     async def _refuse(self, status: int, message: str) -> None:
         body = json.dumps(_error_body(status, message)).encode()
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        self.srv.metrics.count("requests")   # a refused handshake is a request answered with its status
         self.srv.metrics.response(status)
         if "websocket.http.response" in self.ws.scope.get("extensions", {}):
             await self.ws.send_denial_response(Response(body, status_code=status, media_type="application/json",
@@ -134,6 +137,7 @@ class _Connection:
 
     async def _answer(self, msg: dict[str, Any], t0: float) -> bytes | str:
         srv = self.srv
+        srv.metrics.count("requests")   # every frame is one request with one response, as on HTTP: the books balance
         try:
             return await self._infer(msg, t0)
         except ProtocolError as e:
@@ -154,7 +158,6 @@ class _Connection:
         data = msg.get("bytes")
         if data is None:
             raise _FrameError(400, "send binary msgpack frames (text frames are not read)")
-        srv.metrics.count("requests")
         if len(data) > srv.max_body:
             raise _FrameError(413, f"frame of {len(data)} bytes exceeds the cap of {srv.max_body} bytes "
                                    f"(max_body_mb={srv.cfg.max_body_mb})")
@@ -162,17 +165,19 @@ class _Connection:
         # decode, which runs off the event loop for large frames)
         with srv.batcher.intake():   # the block ends right before submit
             if len(data) > OFFLOAD_BYTES:
-                body = await asyncio.get_running_loop().run_in_executor(srv.decode_pool, unpackb, data)
+                body = await asyncio.get_running_loop().run_in_executor(srv.decode_pool, unpackb, data,
+                                                                          srv.limits.max_depth)
             else:
-                body = unpackb(data)
+                body = unpackb(data, srv.limits.max_depth)
             if self.shm is not None:
                 body = self.shm.resolve(body)
             else:
                 refuse_shm(body)
             ctrl = body.get("__ctrl__")
             if ctrl is not None:  # openpi's episode_start / episode_end notifications: nothing to do but acknowledge
+                srv.metrics.response(200)
                 return packb({"__ack__": ctrl if ctrl in ("episode_start", "episode_end") else "ignored"})
-            req, single = _parse(body)
+            req, single = _parse(body, srv.limits)
             n = len(req)
             if n > srv.cfg.max_queue:
                 raise _FrameError(413, f"{n} observations in one frame; the server queues at most "
