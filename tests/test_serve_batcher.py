@@ -347,3 +347,53 @@ def test_a_lane_that_fails_fails_its_batch_only():
     aa, dd, failed = asyncio.run(asyncio.wait_for(main(), 60))
     assert aa[:, 0, 0].tolist() == [1, 2] and dd[:, 0, 0].tolist() == [7, 8]
     assert failed[:2] == [[3, 4], [5, 6]]
+
+
+def test_a_request_that_makes_the_policy_fail_fails_alone_not_the_requests_batched_with_it():
+    """One client's observation that makes predict raise (found by a probe: an openpi seed of -1 failed four other
+    clients' HTTP requests in its batch with 500) fails only its own request: the batch's requests run again one by
+    one, each answered with exactly the actions it would get alone."""
+    calls: list[list[int]] = []
+
+    def predict(obs, seeds):
+        calls.append([int(s) for s in seeds])
+        if 99 in seeds:
+            raise ValueError("seed 99 is poison")
+        return np.asarray(seeds, np.float32)[:, None, None] * np.ones((1, 2, 3), np.float32)
+
+    async def main():
+        b = DynamicBatcher(predict, max_batch_size=5, max_wait_ms=60_000, max_queue=64)
+        await b.start()
+        # 5 observations from three requests: the batch fills (5) and runs at once, all three in it
+        good1 = asyncio.create_task(_submit(b, [1, 2]))
+        bad = asyncio.create_task(_submit(b, [99]))
+        good2 = asyncio.create_task(_submit(b, [3, 4]))
+        results = await asyncio.gather(good1, bad, good2, return_exceptions=True)
+        await b.close()
+        return results
+
+    (a1, _), bad, (a2, _) = asyncio.run(asyncio.wait_for(main(), 60))
+    assert calls[0] == [1, 2, 99, 3, 4]                    # one merged batch first
+    assert sorted(calls[1:]) == [[1, 2], [3, 4], [99]]     # then each request alone
+    assert isinstance(bad, ValueError) and "poison" in str(bad)
+    assert a1[:, 0, 0].tolist() == [1, 2] and a2[:, 0, 0].tolist() == [3, 4]
+
+
+def test_a_failed_batch_of_one_request_is_not_run_again():
+    calls: list[list[int]] = []
+
+    def predict(obs, seeds):
+        calls.append([int(s) for s in seeds])
+        raise RuntimeError("broken policy")
+
+    async def main():
+        b = DynamicBatcher(predict, max_batch_size=4, max_wait_ms=1, max_queue=64)
+        await b.start()
+        try:
+            with pytest.raises(RuntimeError, match="broken policy"):
+                await _submit(b, [1, 2, 3])
+        finally:
+            await b.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert calls == [[1, 2, 3]]

@@ -257,33 +257,55 @@ class DynamicBatcher:
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
+    async def _compute(self, loop: asyncio.AbstractEventLoop, items: list[_Item],
+                       lane: int) -> tuple[np.ndarray | None, BaseException | None]:
+        """The policy on `items` in one call: (actions, None), or (None, the error) if it failed."""
+        try:
+            out = await loop.run_in_executor(self._pool, self.lanes[lane], [it.obs for it in items],
+                                             [it.seed for it in items])
+            out = np.asarray(out, dtype=np.float32)
+            if out.ndim != 3 or out.shape[0] != len(items):
+                raise RuntimeError(f"policy returned shape {list(out.shape)} for a batch of {len(items)}")
+            return out, None
+        except Exception as e:  # the requests in this batch fail; the server keeps serving
+            return None, e
+
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Item], lane: int = 0) -> None:
-        obs = [it.obs for it in batch]
-        seeds = [it.seed for it in batch]
         t0 = time.time()
         p0 = time.perf_counter()
-        err: BaseException | None = None
-        out = None
-        try:
-            out = await loop.run_in_executor(self._pool, self.lanes[lane], obs, seeds)
-            out = np.asarray(out, dtype=np.float32)
-            if out.ndim != 3 or out.shape[0] != len(batch):
-                raise RuntimeError(f"policy returned shape {list(out.shape)} for a batch of {len(batch)}")
-        except Exception as e:  # the requests in this batch fail; the server keeps serving
-            err = e
+        out, err = await self._compute(loop, batch, lane)
         dt = time.perf_counter() - p0
         t1 = t0 + dt
         self._ema_batch_s = dt if self._ema_batch_s == 0 else 0.8 * self._ema_batch_s + 0.2 * dt
         self._recent_batch_s.append(dt)
         if self.metrics is not None:
             self.metrics.batch(len(batch), dt * 1000.0)
-        _deliver(batch, out, err, t0, t1)
+        if err is not None and len({id(it.req) for it in batch}) > 1:
+            await self._each_request_alone(loop, batch, lane)
+        else:
+            _deliver(batch, out, err, t0, t1)
         self._free_lanes.append(lane)
         self._wake.set()                     # a lane is free (the loop waits for one when all compute)
         await asyncio.sleep(0)               # the answered requests write their responses first ...
         self._free_since = time.perf_counter()   # ... then the next batch's clock starts
         self._out += len(batch)
         self._refill_paused = max(0, self._refill_paused - 1)
+
+
+    async def _each_request_alone(self, loop: asyncio.AbstractEventLoop, batch: list[_Item], lane: int) -> None:
+        """A batch merged from several requests failed: each request's rows run again on their own, so the error
+        reaches only the request that causes it (one client's input that makes the policy raise must not fail every
+        request it shared a batch with). A fault that is not one request's (the policy process died) fails each
+        request in its own call; seeds are per observation, so a request's actions do not depend on its batch."""
+        by_request: dict[int, list[_Item]] = {}
+        for it in batch:
+            by_request.setdefault(id(it.req), []).append(it)
+        if self.metrics is not None:
+            self.metrics.count("batches_split_after_error")
+        for items in by_request.values():
+            t0, p0 = time.time(), time.perf_counter()
+            out, err = await self._compute(loop, items, lane)
+            _deliver(items, out, err, t0, t0 + time.perf_counter() - p0)
 
 
 def _deliver(batch: list[_Item], out: np.ndarray | None, err: BaseException | None, t0: float, t1: float) -> None:
