@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -64,11 +65,41 @@ def test_policy_process_predict_error_is_a_500_and_serving_goes_on():
         proc = app.state.server.policy
         good = [Observation({"image": np.zeros((8, 8, 3), np.uint8)}, None, "t")]
         assert _post(c, good, [1]).status_code == 200
-        proc._proc.kill()                                   # the child dies: requests fail with 500, /health stays
-        proc._proc.join(10)
+        assert c.get("/health").status_code == 200
+        proc._proc.kill()                                   # the child dies: requests fail with 500, and the server
+        proc._proc.join(10)                                 # says it is not healthy (a server worker restarts it)
         r = _post(c, good, [2])
         assert r.status_code == 500 and "policy process exited" in r.json()["error"]["message"]
-        assert c.get("/health").status_code == 200
+        h = c.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "policy_process_exited" and h.json()["exit_code"] == -9
+
+
+def test_a_server_whose_policy_child_died_is_restarted_by_its_worker():
+    """The evaluator's promise: a crashed server is restarted. A dead policy child used to leave a process that
+    answered /health 200 and every request 500, so ensure_healthy() never restarted it."""
+    import asyncio
+    import signal
+
+    from processes import descendants
+    from wamkit.serve import ActionClient, WamkitServerWorker
+
+    good = [Observation({"image": np.zeros((8, 8, 3), np.uint8)}, None, "t")]
+
+    async def predict(url):
+        async with ActionClient(url) as c:
+            return await c.predict(good, [1])
+
+    with WamkitServerWorker("fixed-cost", ARGS, max_batch_size=4, max_wait_ms=1,
+                            extra_args={"policy_process": True}) as w:
+        first = asyncio.run(predict(w.url))
+        assert not w.ensure_healthy()
+        child = [p for p in descendants(w.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(child) == 1, "the policy child process"
+        os.kill(child[0], signal.SIGKILL)
+        old_pid = w.pid
+        assert w.ensure_healthy()                            # restarted: a new server process
+        assert w.pid != old_pid
+        np.testing.assert_array_equal(asyncio.run(predict(w.url)), first)
 
 
 def test_arena_round_trip_and_growth():

@@ -203,6 +203,12 @@ class ActionServer:
     async def health(self, request: Request) -> Response:
         if self.batcher.closing:
             return JSONResponse({"status": "shutting_down", "instance_id": self.instance_id}, status_code=503)
+        # policy_process=true: a policy child that died (OOM killer, a CUDA fault) fails every request from then on,
+        # so the server is not healthy: a server worker (the eval's) restarts it on this 503
+        dead = [code for code in (getattr(p, "exitcode", None) for p in self.replicas) if code is not None]
+        if dead:
+            return JSONResponse({"status": "policy_process_exited", "exit_code": dead[0],
+                                 "instance_id": self.instance_id}, status_code=503)
         return JSONResponse({"status": "ok", "instance_id": self.instance_id})
 
     def metadata_dict(self) -> dict[str, Any]:

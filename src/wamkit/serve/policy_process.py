@@ -193,6 +193,11 @@ class PolicyProcess(Policy):
     def pid(self) -> int | None:
         return self._proc.pid
 
+    @property
+    def exitcode(self) -> int | None:
+        """None while the child runs; its exit code once it has died (killed: minus the signal)."""
+        return self._proc.exitcode
+
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
         return self._call(("predict", [int(s) for s in seeds]), observations=observations)
 
