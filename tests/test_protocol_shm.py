@@ -289,3 +289,26 @@ def test_a_client_whose_slots_the_server_cannot_see_falls_back_to_inline_arrays(
     assert packed == [1]                                            # tried once, refused, then inline
     assert all(t["request_bytes"] > 4 * 64 * 64 * 3 for t in seen)   # both went inline
     assert list(tmp_path.iterdir()) == []                           # the slots were removed
+
+
+def test_a_client_that_starts_removes_the_slots_of_killed_clients_only():
+    """A client killed with SIGKILL runs no atexit: its slots stayed in /dev/shm for good (12 such files were found
+    on this machine). Slot names carry the client's pid; a new client unlinks the slots whose pid no longer runs,
+    and leaves those of running clients."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, numpy as np; from wamkit.protocol.shm import ShmSlots; s = ShmSlots(); "
+            "f, slot = s.pack({'x': np.zeros(8, np.float32)}); print(slot.name, flush=True); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    orphan = r.stdout.strip()
+    assert r.returncode == -9 and orphan.startswith("wamkit-shm-") and os.path.exists(os.path.join(SHM_DIR, orphan))
+    mine = ShmSlots()
+    try:
+        _, live = mine.pack({"x": np.zeros(8, np.float32)})
+        assert not os.path.exists(os.path.join(SHM_DIR, orphan))       # the killed client's slot is gone ...
+        ShmSlots().close()                                             # ... and another client's start
+        assert os.path.exists(live.path)                               # leaves a running client's slot alone
+    finally:
+        mine.close()

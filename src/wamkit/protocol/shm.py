@@ -16,7 +16,8 @@ and mappings of unlinked files keep their memory until unmapped. A copy costs ~0
 
 - Client (`ShmSlots`): one slot per request in flight, taken before encoding and given back when the reply has
   arrived; a slot whose request failed is dropped (the server may still be reading it), never reused. Slots grow by
-  new files; every file is unlinked when the client closes (and at interpreter exit).
+  new files; every file is unlinked when the client closes (and at interpreter exit). A slot's name carries its
+  client's pid, so a client that starts removes the slots of clients that were killed before they could.
 - Server (`ShmReader`): only when started with `shm_arrays=true`, and only for loopback connections. A name must be
   a slot name (`wamkit-shm-` + 16-64 letters, digits or _), resolved in /dev/shm, opened without following links; the
   file must be a regular file owned by the server's user and at most `max_file_bytes`; the reference must lie inside
@@ -54,9 +55,45 @@ def available() -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ client
+_OWNED = re.compile(r"^wamkit-shm-(\d+)_[0-9a-f]{24}$")     # a client's slot: its pid, then a random part
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:      # another user's process
+        return True
+    return True
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink the slots of clients that died without closing them (SIGKILL, OOM: no atexit ran), which nothing
+    else would ever remove from /dev/shm: files of this user named for a pid that no longer runs. Called whenever a
+    client starts; returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        m = _OWNED.match(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.lstat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
 class _Slot:
     def __init__(self, size: int):
-        self.name = PREFIX + secrets.token_hex(12)
+        self.name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(12)}"
         self.path = os.path.join(SHM_DIR, self.name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -121,6 +158,7 @@ class ShmSlots:
     def __init__(self):
         self.free: list[_Slot] = []
         self.all: set[_Slot] = set()
+        sweep_orphans()
         atexit.register(self.close)
 
     def pack(self, body: Any) -> tuple[bytes, _Slot]:
