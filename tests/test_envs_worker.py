@@ -112,3 +112,34 @@ def test_kill_mid_call_raises_promptly_and_restart_works():
         pid = w.pid
         w.close()
     assert _gone(pid) and not w.alive
+
+
+def test_image_buffers_of_a_killed_evaluation_are_swept_by_the_next_worker():
+    """An evaluation killed with its whole process group (a CI timeout, `kill -9 -PGID`: the resource tracker that
+    would unlink its shared memory dies with it) left each env's image buffer in /dev/shm for good (11 were found
+    on this machine). The buffers' names carry the creating pid; the next worker to start removes those of dead
+    processes."""
+    import signal
+    import subprocess
+    import sys
+
+    from wamkit.envs.worker import SHM_PREFIX
+
+    code = ("import sys, time; from wamkit.envs.worker import EnvWorker; "
+            f"w = EnvWorker('metaworld', dict(tasks=('reach-v3',), cameras=('image',), image_size=16, max_steps=5)); "
+            "w.start(); print(w._shm.name, flush=True); time.sleep(600)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        name = p.stdout.readline().strip()
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+    assert name.startswith(f"{SHM_PREFIX}{p.pid}_")
+    path = os.path.join("/dev/shm", name)
+    assert os.path.exists(path)                      # left behind: nothing that would unlink it is running
+    w = EnvWorker("metaworld", dict(tasks=("reach-v3",), cameras=("image",), image_size=16, max_steps=5)).start()
+    try:
+        assert not os.path.exists(path)
+        assert w._shm.name.startswith(f"{SHM_PREFIX}{os.getpid()}_")
+    finally:
+        w.close()

@@ -29,6 +29,7 @@ import numpy as np
 
 from wamkit.core.cpu_pinning import change_nice, change_pin, pin_process, renice_process
 from wamkit.core.lifecycle import StartClosingContext
+from wamkit.core.shm_names import owned_name, sweep_orphans
 from wamkit.core.types import ChunkResult, Observation
 from wamkit.envs.base import EnvSpec, TaskInfo
 from wamkit.envs.process_setup import single_threaded_children
@@ -147,6 +148,7 @@ def _worker_main(conn, env_name: str, env_kwargs: dict, index: int) -> None:
 # parent side
 
 _LIVE: "weakref.WeakSet[EnvWorker]" = weakref.WeakSet()
+SHM_PREFIX = "wamkit-env-"   # the image buffers' names in /dev/shm (core.shm_names: pid-tagged, swept)
 
 
 @atexit.register
@@ -221,7 +223,8 @@ class EnvWorker(StartClosingContext):
         _, spec, tasks, nbytes, self.render = msg
         self.spec, self.tasks = spec, list(tasks)
         self._layout, _ = _image_layout(spec)
-        self._shm = shared_memory.SharedMemory(create=True, size=int(nbytes))
+        sweep_orphans(SHM_PREFIX)    # image buffers of evaluations killed before they could unlink theirs
+        self._shm = shared_memory.SharedMemory(name=owned_name(SHM_PREFIX), create=True, size=int(nbytes))
         self._buf = np.ndarray((self._shm.size,), np.uint8, buffer=self._shm.buf)
         self._conn.send(("shm", self._shm.name))
         return self

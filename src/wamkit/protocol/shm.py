@@ -31,16 +31,15 @@ import atexit
 import mmap
 import os
 import re
-import secrets
 import stat
 from typing import Any
 
 import msgpack
 import numpy as np
 
+from wamkit.core.shm_names import SHM_DIR, owned_name, sweep_orphans
 from wamkit.protocol.errors import ProtocolError
 
-SHM_DIR = "/dev/shm"
 PREFIX = "wamkit-shm-"
 MARKER = "__shm__"
 UNREADABLE = "cannot read shared-memory slot"   # the server's refusal when a slot is not there for it (the client
@@ -55,45 +54,9 @@ def available() -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ client
-_OWNED = re.compile(r"^wamkit-shm-(\d+)_[0-9a-f]{24}$")     # a client's slot: its pid, then a random part
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:      # another user's process
-        return True
-    return True
-
-
-def sweep_orphans() -> list[str]:
-    """Unlink the slots of clients that died without closing them (SIGKILL, OOM: no atexit ran), which nothing
-    else would ever remove from /dev/shm: files of this user named for a pid that no longer runs. Called whenever a
-    client starts; returns the names removed."""
-    removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    for name in names:
-        m = _OWNED.match(name)
-        if m is None or _pid_alive(int(m.group(1))):
-            continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            if os.lstat(path).st_uid == os.getuid():
-                os.unlink(path)
-                removed.append(name)
-        except OSError:
-            pass
-    return removed
-
-
 class _Slot:
     def __init__(self, size: int):
-        self.name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(12)}"
+        self.name = owned_name(PREFIX)
         self.path = os.path.join(SHM_DIR, self.name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -158,7 +121,7 @@ class ShmSlots:
     def __init__(self):
         self.free: list[_Slot] = []
         self.all: set[_Slot] = set()
-        sweep_orphans()
+        sweep_orphans(PREFIX, SHM_DIR)
         atexit.register(self.close)
 
     def pack(self, body: Any) -> tuple[bytes, _Slot]:

@@ -1,0 +1,54 @@
+"""Names for the shared-memory files a process creates under /dev/shm, and the sweep that removes those of
+processes that died without removing them.
+
+A process killed with SIGKILL (or by the OOM killer) runs no atexit handler and no `finally`, so every shared-memory
+file it created stays in /dev/shm, holding its memory, until the machine restarts. Files named here carry their
+creator's pid; a process that creates such files sweeps first: files of this user, with the same prefix, whose pid
+no longer runs, are unlinked. (A pid reused by another process keeps its dead namesake's file until that process
+ends too: nothing live is ever removed.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+
+SHM_DIR = "/dev/shm"
+
+
+def owned_name(prefix: str) -> str:
+    """A fresh name: `prefix` + this process's pid + '_' + 24 random hex digits."""
+    return f"{prefix}{os.getpid()}_{secrets.token_hex(12)}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:      # another user's process: it runs
+        return True
+    return True
+
+
+def sweep_orphans(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink this user's files in `shm_dir` named by owned_name(prefix) for a pid that no longer runs; returns the
+    names removed."""
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)_[0-9a-f]{{24}}$")
+    removed: list[str] = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.match(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.lstat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            pass
+    return removed
