@@ -231,6 +231,33 @@ def test_queue_full_503_then_sigterm_finishes_in_flight_work():
     assert not running(pid)
 
 
+def test_sigterm_answers_the_websocket_frame_in_flight_before_closing():
+    """As for HTTP above, over SGLang's realtime websocket: a frame waiting in the queue when SIGTERM comes is
+    computed and answered, then the connection closes (uvicorn closed websockets at once with 1012: no reply, while
+    the batch was still computed)."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    from wamkit.protocol.openpi import packb, unpackb
+
+    w = WamkitServerWorker("fixed-cost", POLICY_ARGS, max_batch_size=64, max_wait_ms=60000)
+    with w:
+        obs = make_obs(2)
+        body = build_request(obs, [3, 4], binary=True)
+        with connect(f"ws://{w.host}:{w.port}/v1/actions/realtime", max_size=None, open_timeout=30) as ws:
+            ws.recv()                                                        # the metadata frame
+            ws.send(packb(body))
+            _wait_for(lambda: httpx.get(w.url + "/metrics").json()["queued"] == 2, "the frame's 2 observations queued")
+            os.killpg(w.pid, signal.SIGTERM)
+            reply = unpackb(ws.recv(timeout=30))
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=30)
+        got = sorted(reply["data"], key=lambda d: d["input_index"])
+        a = np.stack([np.frombuffer(d["action"]["values"]["data"], np.float32).reshape(8, 7) for d in got])
+        assert np.array_equal(a, reference([3, 4]))
+        assert w.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
 def test_killed_server_is_restarted_by_its_worker_and_retry_succeeds():
     with WamkitServerWorker("fixed-cost", POLICY_ARGS, max_batch_size=4) as w:
         url, pid1 = w.url, w.pid

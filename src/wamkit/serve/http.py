@@ -194,6 +194,44 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, counters: An
     return GuardedH11Protocol
 
 
+def draining_websocket_protocol() -> type:
+    """uvicorn's websocket protocol (the sans-I/O one its "auto" picks), except that a shutdown (SIGTERM) answers
+    the frame the application is computing before it closes the connection: uvicorn closes every websocket at once
+    with 1012, so a frame in flight got no reply while its batch was still computed (HTTP requests in flight are
+    answered). The connection stops reading at the shutdown, so no new frame starts; frames already read but not yet
+    taken by the application are not in flight and go unanswered (the client retries them elsewhere or later).
+    uvicorn's graceful timeout (`graceful_timeout_s`) still bounds the wait."""
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    class DrainingWebSocketProtocol(WebSocketsSansIOProtocol):
+        _in_flight = 0              # frames the application has taken and not answered yet
+        _close_when_answered = False
+
+        async def receive(self):
+            message = await super().receive()
+            if message["type"] == "websocket.receive":
+                self._in_flight += 1
+            return message
+
+        async def send(self, message) -> None:
+            await super().send(message)
+            if message["type"] == "websocket.send" and self._in_flight:
+                self._in_flight -= 1
+                if self._close_when_answered and not self._in_flight:
+                    self._close_when_answered = False
+                    super().shutdown()
+
+        def shutdown(self) -> None:
+            if self._in_flight and self.handshake_complete and not self.close_sent and not self.transport.is_closing():
+                self._close_when_answered = True
+                self.transport.pause_reading()
+                self.read_paused = False     # (so that receive() does not resume it)
+                return
+            super().shutdown()
+
+    return DrainingWebSocketProtocol
+
+
 def uvicorn_config(app: Any, cfg: ServeConfig, counters: Any = None):
     import uvicorn
 
@@ -202,5 +240,5 @@ def uvicorn_config(app: Any, cfg: ServeConfig, counters: Any = None):
     return uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                           timeout_graceful_shutdown=cfg.graceful_timeout_s, lifespan="on", http=proto, backlog=backlog,
                           timeout_keep_alive=cfg.keep_alive_timeout_s,
-                          h11_max_incomplete_event_size=cfg.max_header_kb * 1024,
+                          h11_max_incomplete_event_size=cfg.max_header_kb * 1024, ws=draining_websocket_protocol(),
                           ws_max_size=int(cfg.max_body_mb * 1024 * 1024) + 1024)  # websocket frames: the body cap
