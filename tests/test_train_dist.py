@@ -84,3 +84,44 @@ def test_two_ranks_with_step_cost_options_match_one_rank_default(tmp_path):
     a, b = losses(two), losses(one)
     assert sorted(a) == sorted(b) == list(range(1, 7))
     close(a, b, range(1, 7))
+
+
+def test_sigterm_to_the_nproc_launcher_stops_torchrun_and_every_rank(tmp_path):
+    """`wamkit train nproc=2` relaunches itself under torchrun: a SIGTERM to it (a scheduler, `timeout`) stops torchrun
+    and both ranks and exits 143; without forwarding, the launcher died alone and the ranks kept training (and
+    writing checkpoints) as orphans."""
+    import os
+    import signal
+    import time
+
+    from processes import descendants, running
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "wamkit.cli.main", "train", *BASE_ARGS, "steps=100000", "batch_size=8",
+           "save_every=0", "num_workers=1", f"out={out}", "nproc=2"]
+    err = tmp_path / "stderr"                     # a file, not a pipe: orphaned ranks would hold a pipe open
+    with open(err, "w") as fh:
+        p = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=fh)
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        log = out / "train_log.jsonl"
+        while time.monotonic() < deadline and not (log.exists() and log.read_text().count("\n") >= 2):
+            assert p.poll() is None, err.read_text()[-3000:]
+            time.sleep(0.2)
+        assert log.exists(), "training did not start"
+        kids = descendants(p.pid)                 # torchrun, its 2 ranks, their DataLoader workers
+        assert len(kids) >= 3, kids
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=90)
+        stderr = err.read_text()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(running(k) for k in kids):
+            time.sleep(0.2)
+        assert not [k for k in kids if running(k)], "torchrun or a rank outlived the launcher"
+        assert p.returncode == 143, stderr[-3000:]
+        assert "terminated (SIGTERM)" in stderr
+    finally:
+        for k in [p.pid, *kids]:
+            if running(k):
+                os.kill(k, signal.SIGKILL)

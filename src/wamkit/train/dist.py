@@ -16,12 +16,57 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
+FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+
+
 def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
     """Run `python -m torch.distributed.run --standalone --nproc_per_node=N -m wamkit.cli.main train ARGV`;
-    returns its exit code."""
+    returns its exit code.
+
+    SIGTERM, SIGINT and SIGHUP to this process are passed on to torchrun (which stops its ranks) and this process
+    waits for it: with the default handlers this launcher died alone and torchrun with every rank kept training as
+    orphans, writing checkpoints that a later resume=true would then race with. Each signal is passed on once (a
+    Ctrl-C in a terminal reaches torchrun and the ranks directly too; torchrun kills ranks that outlast its own
+    timeout). After a signal: 143 for SIGTERM and 129 for SIGHUP (128 + signal, as the other verbs), and SIGINT
+    re-raised as KeyboardInterrupt (the CLI's "interrupted", 130)."""
+    import signal
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "wamkit.cli.main", "train", *argv]
-    return subprocess.call(cmd)
+    proc: subprocess.Popen | None = None
+    received: list[int] = []
+
+    def forward(signum: int, frame) -> None:
+        if signum in received:
+            return
+        received.append(signum)
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+    sigs = [getattr(signal, n) for n in FORWARDED_SIGNALS if hasattr(signal, n)]
+    old = {s: signal.signal(s, forward) for s in sigs}      # before the start: no window where a signal is lost
+    try:
+        if not received:
+            proc = subprocess.Popen(cmd)
+            if received:                                    # arrived while Popen ran: torchrun did not get it
+                proc.send_signal(received[0])
+            rc = proc.wait()
+        else:
+            rc = 128 + received[0]
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if not received:
+        return rc
+    first = received[0]
+    if first == signal.SIGINT:
+        raise KeyboardInterrupt
+    print(f"wamkit train: terminated ({signal.Signals(first).name}); torchrun and its ranks stopped "
+          f"(torchrun exit code {rc})", file=sys.stderr, flush=True)
+    return 128 + first
 
 
 @dataclass
