@@ -140,3 +140,58 @@ def test_episode_without_a_video_start_time(tmp_path, capsys):
     t = t.set_column(t.column_names.index(col), col, pa.array([None] * t.num_rows, pa.float64()))
     pq.write_table(t, ep)
     _inspect_fails(capsys, root, "from_timestamp", "meta/episodes")
+
+
+DATA = Path("data/chunk-000/file-000.parquet")
+
+
+def set_cell(root: Path, column: str, row: int, dim: int, value: float) -> Path:
+    """Write `value` into row `row`, element `dim` of a fixed-size-list column of the fixture copy's data file."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = root / DATA
+    t = pq.read_table(path)
+    typ = t.schema.field(column).type
+    vals = np.stack(t.column(column).to_numpy(zero_copy_only=False)).astype(np.float32)
+    vals[row, dim] = value
+    arr = pa.FixedSizeListArray.from_arrays(pa.array(vals.reshape(-1), typ.value_type), typ.list_size)
+    pq.write_table(t.set_column(t.column_names.index(column), column, arr), path)
+    return path
+
+
+@pytest.mark.parametrize("column,value", [("action", float("nan")), ("action", float("inf")),
+                                          ("observation.state", float("-inf"))])
+def test_non_finite_values_are_named_with_file_row_and_episode(tmp_path, column, value):
+    """One NaN action made the action stats' quantiles NaN and trained a NaN model, exit 0: the training path
+    checks its columns (LeRobotDataset.check_finite) and names where the bad value is."""
+    root = _copy(tmp_path)
+    path = set_cell(root, column, 40, 2, value)          # row 40: episode 1 (rows 33..90)
+    ds = LeRobotDataset(root)
+    ds.check_finite(["timestamp"])                       # other columns are fine
+    with pytest.raises(DatasetError) as e:
+        ds.check_finite(["action", "observation.state"])
+    msg = str(e.value)
+    for s in (repr(column), "1 row(s)", "row 40 (index 40, episode 1)", str(path)):
+        assert s in msg, (s, msg)
+    LeRobotDataset(FIXTURE).check_finite(["action", "observation.state"])
+
+
+def test_rows_of_an_episode_missing_from_the_episodes_metadata(tmp_path, capsys):
+    """Rows whose episode_index meta/episodes does not list failed mid-run with a bare KeyError in a DataLoader
+    worker: refused at load, naming the data file and the episode."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = _copy(tmp_path)
+    path = root / DATA
+    t = pq.read_table(path)
+    ep = t.column("episode_index").to_pylist()
+    ep = [7 if e == 2 else e for e in ep]                 # episode 2's rows (91..119) relabelled 7
+    pq.write_table(t.set_column(t.column_names.index("episode_index"), "episode_index", pa.array(ep, pa.int64())),
+                   path)
+    err = _inspect_fails(capsys, root, str(path), "episode_index 7", "row 91", "meta/episodes")
+    assert "KeyError" not in err
+    with pytest.raises(DatasetError, match="episode_index 7"):
+        LeRobotDataset(root)

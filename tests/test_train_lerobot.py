@@ -52,3 +52,25 @@ def test_wam_ref_train_export_predict(tmp_path):
                       state=None, task="put the bowl on the plate")
     a = pol.predict([obs], [0])
     assert a.shape == (1, 16, 7) and np.isfinite(a).all()
+
+
+@pytest.mark.parametrize("column,args", [("action", []), ("observation.state", ["policy_args.state_dim=8"])])
+def test_non_finite_data_is_refused_before_training(tmp_path, capsys, column, args):
+    """A NaN action (or a NaN state the policy reads) trained a NaN model and exited 0: one line naming the data file,
+    row and episode, exit 2, nothing trained."""
+    import shutil
+
+    from test_data_corrupt import set_cell
+    from wamkit.cli.main import main
+
+    root = tmp_path / "ds"
+    shutil.copytree(FIXTURE, root)
+    path = set_cell(root, column, 5, 2, float("nan"))
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", *BASE, f"dataset={root}", f"out={out}", "steps=2", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for s in (repr(column), "row 5 (index 5, episode 0)", str(path)):
+        assert s in err, (s, err)
+    assert not (out / "train_log.jsonl").exists()

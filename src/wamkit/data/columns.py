@@ -4,7 +4,7 @@ against info.json's feature shapes, ordered by `index`, with each row's episode 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -41,8 +41,13 @@ class DataColumns:
         import pyarrow as pa
 
         self.root = root
+        self.files = list(files)
         features: dict[str, dict] = info["features"]
         tables = [read_parquet(p, "data file") for p in files]
+        # where each row came from (file, row in that file): errors about a row name the file a user can open
+        self.row_file = np.concatenate([np.full(t.num_rows, k, np.int32) for k, t in enumerate(tables)] or
+                                       [np.zeros(0, np.int32)])
+        self.row_in_file = np.concatenate([np.arange(t.num_rows) for t in tables] or [np.zeros(0, np.int64)])
         try:
             table = pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
         except pa.ArrowInvalid as e:
@@ -76,6 +81,7 @@ class DataColumns:
         if not np.all(order == np.arange(len(order))):
             self.columns = {k: (v[order] if isinstance(v, np.ndarray) else [v[i] for i in order])
                             for k, v in self.columns.items()}
+            self.row_file, self.row_in_file = self.row_file[order], self.row_in_file[order]
         ep = np.asarray(self.columns["episode_index"])
         n = len(ep)
         # last row of each row's episode (episodes are contiguous runs of rows)
@@ -90,6 +96,39 @@ class DataColumns:
 
     def __len__(self) -> int:
         return self.num_rows
+
+    def where(self, i: int) -> str:
+        """Row i as a user finds it: `row R (index I, episode E) of FILE`."""
+        i = int(i)
+        return (f"row {int(self.row_in_file[i])} (index {int(self.columns['index'][i])}, episode "
+                f"{int(self.columns['episode_index'][i])}) of {self.files[int(self.row_file[i])]}")
+
+    def check_finite(self, names: Sequence[str]) -> None:
+        """DatasetError naming the file, row and episode of the first NaN/inf in the float columns `names`. One NaN
+        action makes the action stats' quantiles NaN and with them every normalized chunk: the model trains to NaN
+        without an error, so a training run checks its inputs before the first step."""
+        for name in names:
+            col = self.column(name)
+            if not isinstance(col, np.ndarray) or col.dtype.kind not in "fc" or not len(col):
+                continue
+            bad = ~np.isfinite(col.reshape(len(col), -1)).all(axis=1)
+            if bad.any():
+                rows = np.flatnonzero(bad)
+                raise DatasetError(f"column {name!r} has non-finite values (NaN/inf) in {rows.size} row(s), the "
+                                   f"first: {self.where(rows[0])}")
+
+    def check_episodes(self, known: Iterable[int]) -> None:
+        """DatasetError naming the data file and the episode when a row's episode_index is not in meta/episodes:
+        the row has no video location or task, and reading it failed mid-run with a bare KeyError in a DataLoader
+        worker."""
+        ep = np.asarray(self.columns["episode_index"])
+        unknown = ~np.isin(ep, np.fromiter((int(k) for k in known), np.int64))
+        if unknown.any():
+            i = int(np.flatnonzero(unknown)[0])
+            n = np.unique(ep[unknown]).size
+            raise DatasetError(f"{self.files[int(self.row_file[i])]}: episode_index {int(ep[i])} (row "
+                               f"{int(self.row_in_file[i])}) is not in meta/episodes"
+                               + (f" (nor are {n - 1} other episode(s) of the data)" if n > 1 else ""))
 
     def __contains__(self, name: str) -> bool:
         return name in self.columns

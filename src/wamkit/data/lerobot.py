@@ -86,6 +86,7 @@ class LeRobotDataset(ClosingContext):
         self._episode_by_index = {int(e["episode_index"]): e for e in self.episodes}
         self.files = DatasetFiles(self.root, self.info, self.episodes)
         self.rows = DataColumns(self.root, self.info, self.files.data_files())
+        self.rows.check_episodes(self._episode_by_index)
         self._columns = self.rows.columns
         self.files.check_videos(self.video_keys)
         self._frames = VideoFrames(self.tolerance_s, video_cache_size)
@@ -135,6 +136,11 @@ class LeRobotDataset(ClosingContext):
     def column(self, name: str) -> np.ndarray:
         """A whole non-video column as numpy (e.g. `ds.column("action")` -> (N, 7))."""
         return self.rows.column(name)
+
+    def check_finite(self, names: Iterable[str]) -> None:
+        """DatasetError naming the data file, row and episode of the first NaN/inf in the columns `names` (training
+        checks `action` and, when the policy reads it, `observation.state`)."""
+        self.rows.check_finite(list(names))
 
     def video_stats(self) -> dict[str, int]:
         """Decoder counters summed over files: opens, seeks, decoded frames."""

@@ -62,6 +62,7 @@ def lerobot_source(cfg, policy, cameras: list[str], horizon: int) -> DataSource:
     required = ["action"] + (["observation.state"] if policy.spec.input.state_dim > 0 else [])
     ds = LeRobotDataset(cfg.dataset, cameras=cameras, check_fps=cfg.fps,
                         allow_fps_mismatch=cfg.allow_fps_mismatch, required_features=required)
+    ds.check_finite(required)     # a NaN/inf action or state trains a NaN model: named here, before the first step
 
     size = policy.spec.input.image_size or None
 
