@@ -42,6 +42,9 @@ def _one_line_exit_2(capsys, argv, key):
     (["train", "betas=0.9,1.5"], "betas"),
     (["train", "eps=inf"], "eps"),
     (["train", "weight_decay=-0.1"], "weight_decay"),
+    (["train", "lr_multipliers.inp.*=nan"], "lr_multipliers.inp.*"),    # NaN passed `f < 0` and trained NaN
+    (["train", "lr_multipliers.inp.*=inf"], "lr_multipliers.inp.*"),
+    (["train", "lr_multipliers.inp.*=-1"], "lr_multipliers.inp.*"),
     (["data", "record", "image_size=-5"], "image_size"),
     (["data", "record", "episodes=0"], "episodes"),
     (["data", "stats", "tests/fixtures/lerobot_v3_libero_tiny", "horizon=-5"], "horizon"),

@@ -239,3 +239,196 @@ def test_checkpoint_policy_json_is_the_policy_manifest(tmp_path):
         PolicyManifest.from_dict({"format": "other", "policy": "zero"})
     with pytest.raises(UserError, match="newer"):
         PolicyManifest.from_dict({"format": "wamkit.policy", "version": 99, "policy": "zero"})
+
+
+# ------------------------------------------------------------------------------------------------ kill and resume
+
+def _log_steps(out: Path) -> list[int]:
+    return [json.loads(l)["step"] for l in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def _tb_steps(out: Path) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    return [e.step for e in acc.Scalars("train/loss")]
+
+
+def test_resume_after_a_kill_logs_each_step_once(tmp_path):
+    """A run killed after its last checkpoint had logged the steps past it; the resume logs them again. The log (and
+    TensorBoard) keep each step once, with the resumed values; a torn last line of the killed run is dropped; a kill
+    that left no complete checkpoint restarts from step 0 without keeping the old rows."""
+    import shutil
+
+    common = ["steps=10", "batch_size=8", "save_every=4", "keep_last=5"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(cfg_of(full, *common))
+    train(cfg_of(part, *common, "stop_at=7"))                     # checkpoints 4 and 7, log rows 1..7
+    shutil.rmtree(part / "checkpoints" / "step-000007")            # "killed" before step 7's checkpoint was whole
+    with open(part / "train_log.jsonl", "a") as fh:
+        fh.write('{"step": 8, "time": 1.0, "lo')                  # and in the middle of a log line
+    train(cfg_of(part, *common, "resume=true"))                    # resumes from step 4
+    assert _log_steps(part) == list(range(1, 11))
+    assert losses(part) == losses(full)
+    assert _tb_steps(part) == list(range(1, 11))
+
+    again = tmp_path / "again"                                     # only a .tmp checkpoint: restart from step 0
+    train(cfg_of(again, *common, "stop_at=3"))
+    (again / "checkpoints" / "step-000003").rename(again / "checkpoints" / "step-000003.tmp")
+    train(cfg_of(again, *common, "resume=true"))
+    assert _log_steps(again) == list(range(1, 11))
+    assert _tb_steps(again) == list(range(1, 11))
+
+
+# ------------------------------------------------------------------------------------------------ non-finite steps
+
+class NanPolicy(TinyPolicy):
+    """TinyPolicy whose loss (nan_in=loss) or gradients only (nan_in=grad: the loss stays finite) turn NaN from
+    step `nan_at` on (one micro-step per step)."""
+
+    def __init__(self, nan_at: int = 3, nan_in: str = "loss", **kw):
+        super().__init__(**kw)
+        self.nan_at, self.nan_in, self.calls = int(nan_at), nan_in, 0
+
+    def sft_loss(self, batch):
+        loss, metrics = super().sft_loss(batch)
+        self.calls += 1
+        if self.calls >= self.nan_at:
+            if self.nan_in == "loss":
+                loss = loss * float("nan")
+            else:   # d sqrt(z)/dz at 0 is inf, times the 0 outside: NaN gradients, a finite loss
+                z = sum(p.sum() for p in self.net.parameters()) * 0.0
+                loss = loss + 0.0 * torch.sqrt(z)
+        return loss, metrics
+
+
+@pytest.mark.parametrize("nan_in", ["loss", "grad"])
+def test_non_finite_step_stops_training_at_the_log_window(tmp_path, nan_in):
+    """Training on past a NaN step wrote NaN checkpoints and exited 0. It stops at the first log window (no extra
+    device read per step) with a UserError naming the step, and the log holds no NaN row."""
+    cfg = cfg_of(tmp_path, "policy=test_train_unit:NanPolicy", f"policy_args.nan_in={nan_in}", "policy_args.nan_at=3",
+                 "steps=10", "batch_size=8", "save_every=0")
+    what = "loss and grad_norm" if nan_in == "loss" else "grad_norm"
+    with pytest.raises(UserError, match=rf"non-finite {what} \(NaN/inf\) at step 3 .*newest checkpoint is none"):
+        train(cfg)
+    assert _log_steps(tmp_path) == [1, 2]
+    assert not list_checkpoints(tmp_path / "checkpoints") and not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+def test_non_finite_step_between_log_windows_is_never_checkpointed(tmp_path):
+    """save_every=2 with log_every=10: the steps since the last window are checked before each save, so step 4's
+    checkpoint (after NaN weights from step 3) is not written; step 2's stays the newest."""
+    cfg = cfg_of(tmp_path, "policy=test_train_unit:NanPolicy", "policy_args.nan_at=3", "steps=10", "batch_size=8",
+                 "save_every=2", "log_every=10")
+    ck = tmp_path / "checkpoints" / "step-000002"
+    with pytest.raises(UserError, match=rf"at step 3 \(steps 1..4 checked\).*newest checkpoint is {ck}"):
+        train(cfg)
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step-000002"]
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+# ------------------------------------------------------------------------------------------------ disks, bad files
+
+def _cli_fails(capsys, argv: list[str], *must_name: str) -> str:
+    """`wamkit ARGV` in-process: exit 2 and one line naming each of must_name."""
+    from wamkit.cli.main import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for s in must_name:
+        assert s in err, (s, err)
+    return err
+
+
+def test_full_disk_during_a_checkpoint_save(tmp_path, capsys, monkeypatch):
+    """Disk full in the middle of a save was a 63-line traceback of torch's zip writer, and left the partial
+    step-XXXXXX.tmp on the full disk. Now: one line naming the directory and its free space, the .tmp removed, the
+    previous checkpoint intact."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+    saves = {"n": 0}
+
+    def save(state, *args, checkpoint_id=None, **kw):
+        if checkpoint_id is not None and str(checkpoint_id).endswith("optim"):
+            saves["n"] += 1
+            if saves["n"] == 2:                        # step 4's optimizer state: the disk fills up half-way
+                Path(checkpoint_id).mkdir(parents=True, exist_ok=True)
+                (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"\0" * 4096)
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(state, *args, checkpoint_id=checkpoint_id, **kw)
+
+    monkeypatch.setattr(dcp, "save", save)
+    out = tmp_path / "run"
+    ck = out / "checkpoints"
+    _cli_fails(capsys, ["train", *BASE_ARGS, "steps=6", "batch_size=8", "save_every=2", f"out={out}"],
+               str(ck / "step-000004.tmp"), "No space left on device", " free on that file system",
+               f"newest complete one is {ck / 'step-000002'}")
+    assert [p.name for p in ck.iterdir()] == ["step-000002"]
+
+
+@pytest.mark.parametrize("kind", ["file", "under-a-file"])
+def test_unusable_out_is_refused_before_the_model_is_built(tmp_path, capsys, monkeypatch, kind):
+    """An out= that is a file was found when the logger opened its file, after the model and the data were built
+    (minutes for a large model), as a FileExistsError traceback."""
+    import wamkit.train.trainer as T
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = afile if kind == "file" else afile / "run"
+
+    def no_build(*a, **k):
+        raise AssertionError("the policy was built before out= was checked")
+
+    monkeypatch.setattr(T, "build_for_training", no_build)
+    _cli_fails(capsys, ["train", *BASE_ARGS, "steps=2", "batch_size=8", f"out={out}"], f"out={out}",
+               "not a writable directory")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A run with checkpoints at steps 2 and 4 (EMA on), copied by each corruption case."""
+    out = tmp_path_factory.mktemp("ckpt") / "run"
+    train(cfg_of(out, "steps=4", "batch_size=8", "save_every=2", "keep_last=5", "ema=0.9"))
+    return out
+
+
+def _truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[: max(1, p.stat().st_size // 3)])
+
+
+CORRUPTIONS = {
+    "model-truncated": (lambda s: _truncate(next((s / "model").glob("*.safetensors"))), "model"),
+    "model-garbled": (lambda s: next((s / "model").glob("*.safetensors")).write_bytes(b"\xff" * 64), "model"),
+    "model-missing": (lambda s: __import__("shutil").rmtree(s / "model"), "model"),
+    "optim-missing": (lambda s: __import__("shutil").rmtree(s / "optim"), "optim"),
+    "optim-metadata-truncated": (lambda s: _truncate(s / "optim" / ".metadata"), "optim"),
+    "optim-data-truncated": (lambda s: _truncate(s / "optim" / "__0_0.distcp"), "optim"),
+    "trainer-state-truncated": (lambda s: _truncate(s / "trainer_state.json"), "trainer_state.json"),
+    "trainer-state-missing-key": (lambda s: (s / "trainer_state.json").write_text('{"step": 4}'),
+                                  "trainer_state.json"),
+    "rng-truncated": (lambda s: _truncate(s / "rng" / "rank-00000.json"), "rng/rank-00000.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_corrupt_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, finished_run, case):
+    """A truncated or missing checkpoint file was a 50-77 line traceback (DCP's per-rank traceback, safetensors'
+    header error, a bare JSONDecodeError) that did not name it: resume and export now say which file."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    step = run / "checkpoints" / "step-000004"
+    corrupt, name = CORRUPTIONS[case]
+    corrupt(step)
+    _cli_fails(capsys, ["train", *BASE_ARGS, "steps=6", "batch_size=8", "save_every=2", "keep_last=5", "ema=0.9",
+                        f"out={run}", "resume=true"], str(step / name))
+    assert sorted(losses(run)) == [1, 2, 3, 4]                      # nothing trained after the failed load
+    if name == "model":
+        _cli_fails(capsys, ["export", str(run), str(tmp_path / "export")], str(step / "model"))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import random
 import re
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from wamkit.core.errors import UserError
@@ -142,6 +144,37 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=1, default=default)
 
 
+def _reason(e: BaseException) -> str:
+    """The first line of what went wrong: DCP wraps each rank's exception (with its traceback) in a
+    CheckpointException whose text is a multi-rank traceback."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    text = str(e).strip().splitlines()
+    msg = text[0] if text else ""
+    msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    return msg if len(msg) <= 300 else msg[:297] + "..."
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _free_space(path: Path) -> str:
+    try:
+        return _human_bytes(shutil.disk_usage(path).free) + " free"
+    except OSError:
+        return "free space unknown"
+
+
+# what a checkpoint write fails with when the disk is full or unwritable: OSError (ENOSPC, EDQUOT, EROFS), the
+# RuntimeError of torch's zip writer ("unexpected pos ..."), DCP's CheckpointException wrapping either
+SAVE_ERRORS = (OSError, RuntimeError, CheckpointException)
+
+
 def _scheduler_state(sched) -> dict:
     return {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
 
@@ -149,39 +182,72 @@ def _scheduler_state(sched) -> dict:
 def save_checkpoint(root: str | Path, step: int, *, model, optimizer, scheduler, ema, sampler_state, samples_seen: int,
                     meta: dict[str, Any], rank: int, world_size: int, keep_last: int) -> Path:
     """Collective: every rank calls it. `meta` maps file names (config.json, policy.json, ...) to JSON-able dicts
-    (or to callables path -> None that write the file); rank 0 writes them."""
+    (or to callables path -> None that write the file); rank 0 writes them.
+
+    A write that fails (disk full, quota, read-only) on any rank is a UserError on every rank naming the directory
+    and its free space, and the partial `step-XXXXXX.tmp` is removed (it was left behind, filling the disk, under a
+    63-line traceback of torch's zip writer). The ranks agree on the outcome before rank 0 renames, so none is left
+    waiting in a barrier. Peak disk use is keep_last + 1 checkpoints: old ones are deleted after the rename."""
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / (step_dir_name(step) + ".tmp")
+    err: str | None = None
     if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / "rng").mkdir(parents=True)
-    dist.barrier()
-    msd, osd = get_state_dict(model, optimizer)
-    dcp.save(msd, storage_writer=HuggingFaceStorageWriter(str(tmp / "model"), save_distributed=True))
-    if ema is not None:
-        dcp.save(ema.state_dict(), storage_writer=HuggingFaceStorageWriter(str(tmp / "ema"), save_distributed=True))
-    dcp.save({"optim": osd}, checkpoint_id=str(tmp / "optim"))
-    (tmp / "rng" / f"rank-{rank:05d}.json").write_text(_json(rng_state()))
-    samplers = [None] * world_size
-    dist.all_gather_object(samplers, sampler_state)
-    if rank == 0:
-        state = {"step": step, "world_size": world_size, "samples_seen": samples_seen,
-                 "scheduler": _scheduler_state(scheduler), "sampler": samplers}
-        (tmp / "trainer_state.json").write_text(_json(state))
-        for name, content in meta.items():
-            if callable(content):
-                content(tmp / name)
-            else:
-                (tmp / name).write_text(_json(content))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        for old in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / "rng").mkdir(parents=True)
+        except OSError as e:
+            err = _reason(e)
+    err = broadcast_error(err)                 # rank 0's mkdir outcome on every rank; also the barrier before writing
+    if err is None:
+        try:
+            msd, osd = get_state_dict(model, optimizer)
+            dcp.save(msd, storage_writer=HuggingFaceStorageWriter(str(tmp / "model"), save_distributed=True))
+            if ema is not None:
+                dcp.save(ema.state_dict(),
+                         storage_writer=HuggingFaceStorageWriter(str(tmp / "ema"), save_distributed=True))
+            dcp.save({"optim": osd}, checkpoint_id=str(tmp / "optim"))
+            (tmp / "rng" / f"rank-{rank:05d}.json").write_text(_json(rng_state()))
+        except SAVE_ERRORS as e:
+            err = _reason(e)
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, (sampler_state, err))
+    errors = [e for _, e in gathered if e]
+    if rank == 0 and not errors:
+        try:
+            state = {"step": step, "world_size": world_size, "samples_seen": samples_seen,
+                     "scheduler": _scheduler_state(scheduler), "sampler": [s for s, _ in gathered]}
+            (tmp / "trainer_state.json").write_text(_json(state))
+            for name, content in meta.items():
+                if callable(content):
+                    content(tmp / name)
+                else:
+                    (tmp / name).write_text(_json(content))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+        except SAVE_ERRORS as e:
+            errors.append(_reason(e))
+        else:
+            for old in list_checkpoints(root)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    box = [errors[0] if errors else None]
+    dist.broadcast_object_list(box, src=0)     # rank 0's outcome (rename included) for every rank; also the barrier
+    if box[0] is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        newest = latest_checkpoint(root)
+        raise UserError(f"could not write checkpoint {tmp} ({_free_space(root)} on that file system): {box[0]}; the "
+                        f"partial checkpoint was removed, the newest complete one is {newest or 'none'}")
     return final
+
+
+def broadcast_error(err: str | None) -> str | None:
+    """Rank 0's error (or None) on every rank."""
+    box = [err]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def check_checkpoint_owner(path: str | Path, trust: bool = False) -> None:
@@ -209,34 +275,93 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, ema, rank:
     The checkpoint must be owned by the current user unless `trust` (see check_checkpoint_owner)."""
     path = Path(path)
     check_checkpoint_owner(path, trust)
-    state = json.loads((path / "trainer_state.json").read_text())
+    state = read_json_file(path / "trainer_state.json")
+    try:
+        sched = dict(state["scheduler"])
+        step = int(state["step"])
+        saved_world = int(state["world_size"])
+        samplers = list(state["sampler"])
+        samples_seen = int(state.get("samples_seen", 0))
+    except (KeyError, TypeError, ValueError) as e:
+        raise corrupt(path / "trainer_state.json", e) from None
+    changed = saved_world != world_size
+    if len(samplers) != saved_world:
+        raise corrupt(path / "trainer_state.json", f"{len(samplers)} sampler states for world_size {saved_world}")
     msd, osd = get_state_dict(model, optimizer)
-    dcp.load(msd, storage_reader=HuggingFaceStorageReader(str(path / "model")))
+    with loading(path / "model"):
+        dcp.load(msd, storage_reader=HuggingFaceStorageReader(str(path / "model")))
     optim_box = {"optim": osd}
     # partial: a trainable parameter that never received a gradient (wam-ref: the last text layer's query and MLP,
     # whose outputs nothing reads) has no AdamW state in the checkpoint; it keeps the fresh (zero) state that
     # get_state_dict gave it. Weights are loaded strictly.
-    dcp.load(optim_box, checkpoint_id=str(path / "optim"), planner=DefaultLoadPlanner(allow_partial_load=True))
-    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=optim_box["optim"])
+    with loading(path / "optim"):
+        dcp.load(optim_box, checkpoint_id=str(path / "optim"), planner=DefaultLoadPlanner(allow_partial_load=True))
+    with loading(path, "does not fit this model or optimizer"):
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=optim_box["optim"])
     if ema is not None:
         if not (path / "ema").exists():
             raise UserError(f"{path} has no EMA weights but ema={ema.decay} is set")
         sd = ema.state_dict()
-        dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(path / "ema")))
+        with loading(path / "ema"):
+            dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(path / "ema")))
         ema.load_state_dict(sd)
-    sched = dict(state["scheduler"])
     sched["lr_lambdas"] = [None] * len(optimizer.param_groups)
-    scheduler.load_state_dict(sched)
-    step = int(state["step"])
-    changed = int(state["world_size"]) != world_size
+    with loading(path / "trainer_state.json", "has a scheduler state that does not fit"):
+        scheduler.load_state_dict(sched)
     rng_file = path / "rng" / f"rank-{rank:05d}.json"
     if not changed and rng_file.exists():
-        set_rng_state(json.loads(rng_file.read_text()))
+        rng = read_json_file(rng_file)
+        with loading(rng_file):
+            set_rng_state(rng)
     else:
+        if not changed and rank == 0:
+            print(f"wamkit train: warning: {rng_file} is missing: every rank is reseeded from (seed, rank, step), so "
+                  f"the resumed run is not bit-identical to an uninterrupted one", flush=True)
         seed_everything(rank_seed(seed, rank, step))
-    samplers = state["sampler"]
     sampler_state = samplers[rank] if not changed else samplers[0]
-    return Resumed(step, sampler_state, changed, int(state.get("samples_seen", 0)), int(state["world_size"]))
+    return Resumed(step, sampler_state, changed, samples_seen, saved_world)
+
+
+def corrupt(path: Path, why: BaseException | str, what: str = "is corrupt or incomplete") -> UserError:
+    """The one-line error for a checkpoint file or directory that cannot be read."""
+    return UserError(f"checkpoint {path} {what}: {why if isinstance(why, str) else _reason(why)}")
+
+
+def read_json_file(path: Path) -> dict:
+    """A checkpoint's JSON file, or a UserError naming it (a truncated file was a bare JSONDecodeError traceback)."""
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"checkpoint {path.parent} is incomplete: {path} is missing") from None
+    except (OSError, ValueError) as e:       # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise corrupt(path, e) from None
+    if not isinstance(obj, dict):
+        raise corrupt(path, f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+class loading:
+    """`with loading(path):` turns whatever reading `path` raises (DCP's CheckpointException with every rank's
+    traceback, safetensors' header errors, a missing directory, a size mismatch) into one line naming the path."""
+
+    def __init__(self, path: Path, what: str = "is corrupt or incomplete"):
+        self.path, self.what = path, what
+
+    @staticmethod
+    def _quiet(record: logging.LogRecord) -> bool:
+        # DCP logs a failed metadata read with its traceback on the root logger before it raises
+        return "torch/distributed/checkpoint" not in record.pathname.replace("\\", "/")
+
+    def __enter__(self) -> None:
+        if not self.path.exists():
+            raise UserError(f"checkpoint {self.path.parent} is incomplete: {self.path} is missing")
+        logging.getLogger().addFilter(self._quiet)
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        logging.getLogger().removeFilter(self._quiet)
+        if exc is not None and isinstance(exc, (Exception, CheckpointException)) and not isinstance(exc, UserError):
+            raise corrupt(self.path, exc, self.what) from None
+        return False
 
 
 def load_weights_into(module: torch.nn.Module, ckpt: str | Path, weights: str = "auto") -> str:
@@ -251,15 +376,21 @@ def load_weights_into(module: torch.nn.Module, ckpt: str | Path, weights: str = 
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     sd = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "model")), no_dist=True)
+    with loading(ckpt / "model"):
+        dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "model")), no_dist=True)
     if weights == "ema":
         if not (ckpt / "ema").exists():
             raise UserError(f"{ckpt} has no EMA weights (trained with ema=0)")
-        ema_keys = _safetensors_keys(ckpt / "ema")
-        ema_sd = {k: sd[k] for k in ema_keys}
-        dcp.load(ema_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "ema")), no_dist=True)
+        with loading(ckpt / "ema"):
+            ema_keys = _safetensors_keys(ckpt / "ema")
+            missing = sorted(ema_keys - set(sd))
+            if missing:
+                raise ValueError(f"weights {missing[:3]} are not in the policy")
+            ema_sd = {k: sd[k] for k in ema_keys}
+            dcp.load(ema_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "ema")), no_dist=True)
         sd.update(ema_sd)
-    module.load_state_dict(sd, strict=True)
+    with loading(ckpt / "model", "does not fit the policy its policy.json builds"):
+        module.load_state_dict(sd, strict=True)
     return weights
 
 

@@ -8,6 +8,7 @@ weight decay 0.05, grad clip 1.0, linear warmup then linear decay to 0.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -159,7 +160,7 @@ def _flat_multipliers(d: dict, prefix: str = "") -> dict[str, float]:
             f = float(v)
         except (TypeError, ValueError):
             f = -1.0
-        if isinstance(v, bool) or f < 0:
-            raise ConfigError(f"lr_multipliers.{key} must be a number >= 0, got {v!r}")
+        if isinstance(v, bool) or not 0 <= f < math.inf:     # NaN fails both comparisons; inf trains NaN weights
+            raise ConfigError(f"lr_multipliers.{key} must be a finite number >= 0, got {v!r}")
         out[key] = f
     return out

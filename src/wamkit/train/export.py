@@ -40,8 +40,10 @@ def load_trained_policy(ckpt: str | Path, weights: str = "auto", device: str = "
 def export_checkpoint(ckpt: str | Path, out: str | Path, weights: str = "auto") -> Path:
     from wamkit.policies.export import save_exported
 
-    policy, which, step_dir = load_trained_policy(ckpt, weights)
     out = Path(out)
+    if out.exists() and not out.is_dir():       # was a FileExistsError traceback after the policy was loaded
+        raise UserError(f"export OUT {out} exists and is not a directory")
+    policy, which, step_dir = load_trained_policy(ckpt, weights)
     save_exported(policy, out)
     (out / "wamkit_train_source.json").write_text(json.dumps({"checkpoint": str(step_dir.resolve()),
                                                               "weights": which}, indent=1))

@@ -5,8 +5,37 @@ WANDB_MODE=offline keeps it local, `wandb sync OUT/wandb/offline-run-*` uploads 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
+
+
+def truncate_log(path: Path, last_step: int) -> int:
+    """Keep only the rows of `path` (train_log.jsonl) with step <= last_step, rewritten atomically; returns how many
+    were dropped. A run killed after its last checkpoint logged steps past it, which a resume logs again: without
+    this every such step was in the log twice. Also drops a torn (half-written) last line of a killed run."""
+    keep: list[str] = []
+    dropped = 0
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                row = json.loads(line)
+                ok = int(row["step"]) <= last_step
+            except (ValueError, KeyError, TypeError):    # torn or foreign line
+                ok = False
+            if ok:
+                keep.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += bool(line.strip())
+    if not dropped:
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.writelines(keep)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)        # a kill now leaves the old log or the new one, never half of one
+    return dropped
 
 
 class TrainLogger:
@@ -24,8 +53,14 @@ class TrainLogger:
             self._wandb = start_wandb(wandb_project, out, config or {}, job_type="train")
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(str(out / "tb"))
-        self._jsonl = open(out / "train_log.jsonl", "a", buffering=1)
+        log_path = out / "train_log.jsonl"
+        earlier = log_path.exists() or (out / "tb").is_dir()
+        if log_path.exists():
+            truncate_log(log_path, start_step)
+        # purge_step: TensorBoard drops the earlier run's events from this step on (those after the checkpoint
+        # resumed from, or all of them on a restart from step 0), so a resumed run shows each step once
+        self._tb = SummaryWriter(str(out / "tb"), purge_step=start_step + 1 if earlier else None)
+        self._jsonl = open(log_path, "a", buffering=1)
         if progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -121,10 +121,26 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 RUN_FILES = ("checkpoints", "train_log.jsonl", "tb", "config.json", "wandb")
 
 
+def check_writable_dir(out: Path) -> None:
+    """Create out= and write a file there, before the model and the data are built: an out= that is a file, or on a
+    read-only or foreign directory, was found only when the logger opened its file (minutes into a large run), as a
+    traceback."""
+    import tempfile
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".wamkit-write-test-"):
+            pass
+    except OSError as e:
+        raise UserError(f"out={out} is not a writable directory: {e.strerror or e}"
+                        + (f" ({e.filename})" if e.filename and str(e.filename) != str(out) else "")) from None
+
+
 def check_out_dir(cfg: TrainConfig) -> None:
     """A run dir that already holds a run is continued (resume=true) or replaced (overwrite=true), never silently
     mixed with a new run (its log would be appended to, its newest checkpoint exported instead of the new one)."""
     out = Path(cfg.out)
+    check_writable_dir(out)
     ckpts = out / "checkpoints"
     held = (ckpts.is_dir() and any(ckpts.iterdir())) or (out / "train_log.jsonl").exists()
     if held and not (cfg.resume or cfg.overwrite):
@@ -251,6 +267,40 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict:
         stream.close()
 
 
+def _first_non_finite(dev_window: dict[str, list[torch.Tensor]], first_step: int, ga: int) -> tuple[str, int] | None:
+    """(what, step) of the first step of a window whose loss or grad norm is NaN/inf on this rank, or None. Read only
+    once a window is known to be bad (or before a checkpoint, which syncs anyway): no extra host sync per step."""
+    found: list[tuple[int, str]] = []
+    for name, per in (("loss", ga), ("grad_norm", 1)):
+        vals = dev_window.get(name)
+        if not vals:
+            continue
+        ok = torch.isfinite(torch.stack(vals).float().view(-1, per)).all(dim=1).cpu()
+        bad = torch.nonzero(~ok).flatten()
+        if bad.numel():
+            found.append((first_step + int(bad[0]), name))
+    if not found:
+        return None
+    step = min(found)[0]
+    return " and ".join(n for st, n in sorted(found, key=lambda f: f[1] != "loss") if st == step), step
+
+
+def _check_finite_window(dev_window: dict[str, list[torch.Tensor]], first_step: int, last_step: int, ga: int,
+                         bad: bool, ckpt_root: Path, log: TrainLogger) -> None:
+    """UserError when any rank's loss or grad norm of steps first_step..last_step was NaN/inf (all ranks call it with
+    the same verdict, `bad` reduced over ranks by the caller, so they stop together): a NaN step makes every later
+    weight NaN, and training on to a NaN checkpoint, exit 0, was what the user got before."""
+    if not bad:
+        return
+    log.close()
+    first = _first_non_finite(dev_window, first_step, ga)
+    what, at = first if first else ("loss or grad_norm", first_step)
+    newest = C.latest_checkpoint(ckpt_root)
+    raise UserError(f"non-finite {what} (NaN/inf) at step {at} (steps {first_step}..{last_step} checked): NaN/inf in "
+                    f"the data, or a learning rate too high; training stopped, the newest checkpoint is "
+                    f"{newest or 'none'} (none is written from a non-finite step)")
+
+
 def _loop(cfg: TrainConfig, info: DistInfo, policy, model, optimizer, scheduler, ema, trainable, batches, start: int,
           end: int, samples_seen: int, resumed_from, out: Path, ckpt_root: Path, stats, micro: int) -> dict:
     rank, world = info.rank, info.world_size
@@ -343,9 +393,18 @@ def _loop(cfg: TrainConfig, info: DistInfo, policy, model, optimizer, scheduler,
                         step_s=dt / window_steps, samples_seen=samples_seen)
             if info.device.type == "cuda":           # allocator retries (cudaFree + retry: fragmentation) so far
                 last["alloc_retries"] = float(_alloc_retries(info.device) - retries0)
+            # the sums were reduced over ranks: a NaN/inf on any rank is in every rank's `last`
+            bad = not all(math.isfinite(last.get(k, 0.0)) for k in ("loss", "grad_norm"))
+            _check_finite_window(dev_window, done - window_steps + 1, done, ga, bad, ckpt_root, log)
             log.log(done, last)
             window, dev_window, window_steps, t_window, data_wait = {}, {}, 0, time.perf_counter(), 0.0
         if (cfg.save_every and done % cfg.save_every == 0) or done == end:
+            if window_steps:   # steps since the last log window: checked here, so no checkpoint holds NaN weights
+                flag = torch.tensor([0.0 if _first_non_finite(dev_window, 0, ga) is None else 1.0],
+                                    dtype=torch.float64)
+                dist.all_reduce(flag)
+                _check_finite_window(dev_window, done - window_steps + 1, done, ga, bool(flag.item()), ckpt_root,
+                                     log)
             save(done)
 
     log.close()
