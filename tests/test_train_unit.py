@@ -177,6 +177,24 @@ def test_existing_out_is_refused_unless_resume_or_overwrite(tmp_path):
         cfg_of(tmp_path, "resume=true", "overwrite=true")
 
 
+def test_resume_with_another_model_is_refused_naming_the_keys(tmp_path, capsys):
+    """A probe's finding: resume=true with another policy_args (width, depth, horizon) failed with a size-mismatch
+    or missing-key traceback after the model was built; steps at or below the checkpoint's step trained nothing and
+    said nothing. Now: one line naming the keys before anything is built; a warning for the empty schedule."""
+    train(cfg_of(tmp_path, "steps=3", "batch_size=8", "save_every=3"))
+    with pytest.raises(UserError, match=r"resume=true: .*step-0+3 was trained with policy_args=\{\}.*asks for "
+                                        r"policy_args=\{\"width\": 64\}"):
+        train(cfg_of(tmp_path, "steps=6", "batch_size=8", "resume=true", "policy_args.width=64"))
+    with pytest.raises(UserError, match="horizon=8"):
+        train(cfg_of(tmp_path, "steps=6", "batch_size=8", "resume=true", "horizon=8"))
+    capsys.readouterr()
+    s = train(cfg_of(tmp_path, "steps=3", "batch_size=8", "resume=true"))
+    assert "at or past this run's last step (3): nothing to train" in capsys.readouterr().out
+    assert s["checkpoint"].endswith("step-000003")
+    s = train(cfg_of(tmp_path, "steps=5", "batch_size=8", "resume=true", "lr=1e-3"))   # lr may change
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
+
+
 def test_cli_refuses_existing_out_in_one_line(tmp_path):
     import subprocess
     import sys

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import time
 from pathlib import Path
 
@@ -146,6 +147,46 @@ def check_out_dir(cfg: TrainConfig) -> None:
     if held and not (cfg.resume or cfg.overwrite):
         raise UserError(f"{out} already holds a training run; pass resume=true to continue it, overwrite=true to "
                         f"replace it, or choose another out=")
+    if cfg.resume and not cfg.overwrite and ckpts.is_dir():
+        latest = C.latest_checkpoint(ckpts)
+        if latest is not None:
+            check_resume_config(cfg, latest)
+
+
+# what a resumed run must share with the run that wrote its checkpoint: the model the weights load into and what its
+# actions mean. The rest may change on resume (steps to extend the schedule, lr, batch size, workers, logging)
+RESUME_FIXED = ("policy", "policy_args", "cameras", "horizon", "representation", "trainable")
+
+
+def check_resume_config(cfg: TrainConfig, ckpt: Path) -> None:
+    """resume=true into a run whose checkpoint was written with another model: a one-line error naming the keys
+    (found as a size-mismatch or missing-key traceback after the model was built, or not at all); another dataset:
+    a warning (a moved dataset is the same data; other data re-normalizes the actions mid-run); a schedule that
+    ends at or before the checkpoint: a warning (nothing is trained)."""
+    import json
+
+    try:
+        saved = json.loads((ckpt / "config.json").read_text())
+    except (OSError, ValueError):
+        return                   # load_checkpoint names a missing or corrupt checkpoint file
+    now = json.loads(C._json(to_dict(cfg)))
+    diff = [k for k in RESUME_FIXED if k in saved and saved[k] != now.get(k)]
+    if diff:
+        was = ", ".join(f"{k}={json.dumps(saved[k])}" for k in diff)
+        asked = ", ".join(f"{k}={json.dumps(now.get(k))}" for k in diff)
+        raise UserError(f"resume=true: {ckpt} was trained with {was}, this run asks for {asked}; resume with the "
+                        f"checkpoint's values, or start a new run (overwrite=true or another out=)")
+    if os.environ.get("RANK", "0") != "0":    # under torchrun every rank checks, rank 0 says it
+        return
+    if saved.get("dataset") and saved.get("dataset") != now.get("dataset"):
+        print(f"wamkit train: warning: resuming {ckpt} (trained on dataset={saved['dataset']}) on "
+              f"dataset={now.get('dataset')}: the action statistics are computed again from it", flush=True)
+    m = C.STEP_RE.match(ckpt.name)
+    step = int(m.group(1)) if m else None
+    end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
+    if step is not None and step >= end:
+        print(f"wamkit train: warning: {ckpt} is at step {step}, at or past this run's last step ({end}): nothing "
+              f"to train (raise steps= to continue the schedule)", flush=True)
     if cfg.logger == "wandb":
         from wamkit.core.tracking import require_wandb
 
