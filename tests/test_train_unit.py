@@ -120,6 +120,45 @@ def test_stop_and_resume_gives_identical_losses(tmp_path):
     assert [a[i] for i in range(1, 13)] == [b[i] for i in range(1, 13)]
 
 
+def test_sigterm_checkpoints_the_step_under_way_and_resume_continues_exactly(tmp_path):
+    """A probe's finding: SIGTERM (a scheduler's preemption) ended a one-rank run at once, losing up to save_every
+    steps. Now the step under way finishes, is logged and checkpointed, the exit status is 143, and resume=true
+    continues as if nothing had happened."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_train_support import env, run_train
+
+    common = ["steps=100000", "batch_size=8", "save_every=0", "log_every=4", "policy_args.noise=0.1"]
+    part = tmp_path / "part"
+    p = subprocess.Popen([sys.executable, "-m", "wamkit.cli.main", "train", *BASE_ARGS, *common, f"out={part}"],
+                         env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (part / "train_log.jsonl").exists() or len(losses(part)) < 2:
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 143, err
+    logged = sorted(losses(part))
+    n = logged[-1]                                  # the step under way when the signal came: its window is logged
+    assert n > 4 and logged == sorted(set(range(4, n + 1, 4)) | {n})
+    assert [c.name for c in list_checkpoints(part / "checkpoints")] == [f"step-{n:06d}"]
+    assert "SIGTERM at step" in out
+    per_step = [a for a in common if not a.startswith("log_every")] + ["log_every=1"]
+    full = tmp_path / "full"                        # (in processes like the first: the same threads, the same sums)
+    run_train([*per_step, "resume=true", f"stop_at={n + 2}", f"out={part}"])
+    run_train([*per_step, f"stop_at={n + 2}", f"out={full}"])
+    a, b = losses(full), losses(part)
+    assert sorted(b)[-3:] == [n, n + 1, n + 2] and [a[n + 1], a[n + 2]] == [b[n + 1], b[n + 2]]
+
+
 def test_export_load_predict(tmp_path):
     from wamkit.train.export import load_trained_policy
 

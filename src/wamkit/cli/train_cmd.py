@@ -36,4 +36,4 @@ def main(argv: list[str]) -> int:
     summary = train(cfg)
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps({k: summary[k] for k in ("steps", "world_size", "checkpoint", "last")}, default=str))
-    return 0
+    return 143 if summary.get("stopped") == "SIGTERM" else 0   # stopped by SIGTERM, its checkpoint written

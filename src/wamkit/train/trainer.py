@@ -342,6 +342,35 @@ def _check_finite_window(dev_window: dict[str, list[torch.Tensor]], first_step: 
                     f"{newest or 'none'} (none is written from a non-finite step)")
 
 
+class StopOnSigterm:
+    """One rank: SIGTERM (a scheduler's preemption, `timeout`, `kill`) ends the run after the step under way, with a
+    checkpoint, so resume=true loses nothing; it ended the process at once, losing up to save_every steps. A second
+    SIGTERM ends it at once. Under torchrun (several ranks) nothing is installed: the ranks would have to agree on a
+    step, and torchrun kills them 30 s after it forwards the signal; they resume from their last checkpoint."""
+
+    def __init__(self, enabled: bool):
+        import signal
+        import threading
+
+        self.requested = False
+        self._old = None
+        if enabled and threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        import signal
+
+        self.requested = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def close(self) -> None:
+        import signal
+
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+            self._old = None
+
+
 def _loop(cfg: TrainConfig, info: DistInfo, policy, model, optimizer, scheduler, ema, trainable, batches, start: int,
           end: int, samples_seen: int, resumed_from, out: Path, ckpt_root: Path, stats, micro: int) -> dict:
     rank, world = info.rank, info.world_size
@@ -384,72 +413,85 @@ def _loop(cfg: TrainConfig, info: DistInfo, policy, model, optimizer, scheduler,
     if cfg.gc_every:
         gc.collect()
         gc.disable()
+    stop = StopOnSigterm(world == 1)
+    stopped = None
 
-    for step in range(start, end):
-        for k in range(ga):
-            t_data = time.perf_counter()
-            batch = batches.next()
-            data_wait += time.perf_counter() - t_data
-            model.before_backward(k == ga - 1)     # FSDP2: reduce-scatter only on the last micro-step
-            loss, metrics = policy.sft_loss(batch)
-            scaled = loss / ga if ga > 1 else loss
-            scaled.backward()
-            model.after_backward(k == 0, k == ga - 1)   # shard=none + bf16: bf16 grads -> fp32 master grads
-            dev_window.setdefault("loss", []).append(scaled.detach())
-            for name, v in metrics.items():
-                if name == "loss":
-                    continue
-                if torch.is_tensor(v):
-                    dev_window.setdefault(name, []).append(v.detach() / ga if ga > 1 else v.detach())
-                else:
-                    window[name] = window.get(name, 0.0) + float(v) / ga
-        grad_norm = _full(clip_gradients(optimizer, trainable, clip))
-        dev_window.setdefault("grad_norm", []).append(grad_norm.detach())
-        optimizer.step()
-        scheduler.step()
-        model.after_optimizer_step(optimizer)     # masters -> bf16 weights (shard=none), or zero_grad
-        if ema is not None:
-            ema.update()
-        samples_seen += cfg.batch_size
-        window_steps += 1
-        done = step + 1
-        if cfg.gc_every and done % cfg.gc_every == 0:
-            gc.collect(1)
+    try:
+        for step in range(start, end):
+            for k in range(ga):
+                t_data = time.perf_counter()
+                batch = batches.next()
+                data_wait += time.perf_counter() - t_data
+                model.before_backward(k == ga - 1)     # FSDP2: reduce-scatter only on the last micro-step
+                loss, metrics = policy.sft_loss(batch)
+                scaled = loss / ga if ga > 1 else loss
+                scaled.backward()
+                model.after_backward(k == 0, k == ga - 1)   # shard=none + bf16: bf16 grads -> fp32 master grads
+                dev_window.setdefault("loss", []).append(scaled.detach())
+                for name, v in metrics.items():
+                    if name == "loss":
+                        continue
+                    if torch.is_tensor(v):
+                        dev_window.setdefault(name, []).append(v.detach() / ga if ga > 1 else v.detach())
+                    else:
+                        window[name] = window.get(name, 0.0) + float(v) / ga
+            grad_norm = _full(clip_gradients(optimizer, trainable, clip))
+            dev_window.setdefault("grad_norm", []).append(grad_norm.detach())
+            optimizer.step()
+            scheduler.step()
+            model.after_optimizer_step(optimizer)     # masters -> bf16 weights (shard=none), or zero_grad
+            if ema is not None:
+                ema.update()
+            samples_seen += cfg.batch_size
+            window_steps += 1
+            done = step + 1
+            if cfg.gc_every and done % cfg.gc_every == 0:
+                gc.collect(1)
 
-        if done % cfg.log_every == 0 or done == end:
-            if dev_window:                          # the window's one device read
-                names = list(dev_window)
-                sums = torch.stack([torch.stack(dev_window[n]).float().sum().to(info.device)
-                                    for n in names]).tolist()
-                for name, v in zip(names, sums):
-                    window[name] = window.get(name, 0.0) + v
-            window["data_wait_s"] = data_wait
-            keys = sorted(window)
-            vec = torch.tensor([window[k] for k in keys], dtype=torch.float64)
-            dist.all_reduce(vec)                    # mean over ranks (grad_norm is global: same on every rank)
-            dt = time.perf_counter() - t_window
-            last = {k: float(v) / window_steps / world for k, v in zip(keys, vec)}
-            last.update(lr=cfg.lr * lr_factor(step, cfg.warmup, cfg.decay, cfg.steps),
-                        samples_per_s=cfg.batch_size * window_steps / dt, steps_per_s=window_steps / dt,
-                        step_s=dt / window_steps, samples_seen=samples_seen)
-            if info.device.type == "cuda":           # allocator retries (cudaFree + retry: fragmentation) so far
-                last["alloc_retries"] = float(_alloc_retries(info.device) - retries0)
-            # the sums were reduced over ranks: a NaN/inf on any rank is in every rank's `last`
-            bad = not all(math.isfinite(last.get(k, 0.0)) for k in ("loss", "grad_norm"))
-            _check_finite_window(dev_window, done - window_steps + 1, done, ga, bad, ckpt_root, log)
-            log.log(done, last)
-            window, dev_window, window_steps, t_window, data_wait = {}, {}, 0, time.perf_counter(), 0.0
-        if (cfg.save_every and done % cfg.save_every == 0) or done == end:
-            if window_steps:   # steps since the last log window: checked here, so no checkpoint holds NaN weights
-                flag = torch.tensor([0.0 if _first_non_finite(dev_window, 0, ga) is None else 1.0],
-                                    dtype=torch.float64)
-                dist.all_reduce(flag)
-                _check_finite_window(dev_window, done - window_steps + 1, done, ga, bool(flag.item()), ckpt_root,
-                                     log)
-            save(done)
+            if stop.requested:
+                stopped = "SIGTERM"                # this step is the last: logged and checkpointed below
+            if done % cfg.log_every == 0 or done == end or stopped:
+                if dev_window:                          # the window's one device read
+                    names = list(dev_window)
+                    sums = torch.stack([torch.stack(dev_window[n]).float().sum().to(info.device)
+                                        for n in names]).tolist()
+                    for name, v in zip(names, sums):
+                        window[name] = window.get(name, 0.0) + v
+                window["data_wait_s"] = data_wait
+                keys = sorted(window)
+                vec = torch.tensor([window[k] for k in keys], dtype=torch.float64)
+                dist.all_reduce(vec)                    # mean over ranks (grad_norm is global: same on every rank)
+                dt = time.perf_counter() - t_window
+                last = {k: float(v) / window_steps / world for k, v in zip(keys, vec)}
+                last.update(lr=cfg.lr * lr_factor(step, cfg.warmup, cfg.decay, cfg.steps),
+                            samples_per_s=cfg.batch_size * window_steps / dt, steps_per_s=window_steps / dt,
+                            step_s=dt / window_steps, samples_seen=samples_seen)
+                if info.device.type == "cuda":           # allocator retries (cudaFree + retry: fragmentation) so far
+                    last["alloc_retries"] = float(_alloc_retries(info.device) - retries0)
+                # the sums were reduced over ranks: a NaN/inf on any rank is in every rank's `last`
+                bad = not all(math.isfinite(last.get(k, 0.0)) for k in ("loss", "grad_norm"))
+                _check_finite_window(dev_window, done - window_steps + 1, done, ga, bad, ckpt_root, log)
+                log.log(done, last)
+                window, dev_window, window_steps, t_window, data_wait = {}, {}, 0, time.perf_counter(), 0.0
+            if (cfg.save_every and done % cfg.save_every == 0) or done == end or stopped:
+                if window_steps:   # steps since the last log window: checked here, so no checkpoint holds NaN weights
+                    flag = torch.tensor([0.0 if _first_non_finite(dev_window, 0, ga) is None else 1.0],
+                                        dtype=torch.float64)
+                    dist.all_reduce(flag)
+                    _check_finite_window(dev_window, done - window_steps + 1, done, ga, bool(flag.item()), ckpt_root,
+                                         log)
+                save(done)
+            if stopped:
+                log.text(f"wamkit train: {stopped} at step {done}: checkpoint written, stopping (resume=true "
+                         f"continues)")
+                end = done
+                break
+    finally:
+        stop.close()
 
     log.close()
     summary = {"steps": end, "start": start, "world_size": world, "last": last,
-               "checkpoint": str(C.latest_checkpoint(ckpt_root)), "params": total_p, "trainable_params": train_p}
+               "checkpoint": str(C.latest_checkpoint(ckpt_root)), "params": total_p, "trainable_params": train_p,
+               "stopped": stopped}
     _ = all_gather_object(None)   # everyone finished writing before rank 0 returns
     return summary
