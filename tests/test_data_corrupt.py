@@ -195,3 +195,51 @@ def test_rows_of_an_episode_missing_from_the_episodes_metadata(tmp_path, capsys)
     assert "KeyError" not in err
     with pytest.raises(DatasetError, match="episode_index 7"):
         LeRobotDataset(root)
+
+
+def _relabel(path: Path, change) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path)
+    ep = change(t.column("episode_index").to_pylist())
+    pq.write_table(t.set_column(t.column_names.index("episode_index"), "episode_index", pa.array(ep, pa.int64())),
+                   path)
+
+
+def _set_episodes(root: Path, **columns) -> None:
+    """Overwrite columns of meta/episodes (each value: {episode_index: new value})."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = next((root / "meta" / "episodes").rglob("*.parquet"))
+    t = pq.read_table(path)
+    eps = t.column("episode_index").to_pylist()
+    for name, new in columns.items():
+        vals = [new.get(e, v) for e, v in zip(eps, t.column(name).to_pylist())]
+        t = t.set_column(t.column_names.index(name), name, pa.array(vals, t.schema.field(name).type))
+    pq.write_table(t, path)
+
+
+def test_episode_rows_that_do_not_match_the_episodes_metadata_are_named(tmp_path, capsys):
+    """A probe's findings, each read without a word before: an episode of meta/episodes with no rows (dropped), an
+    episode whose rows resume after another's (its frames decoded at the other's timestamps), a `length` or a
+    dataset_from_index..dataset_to_index that the rows do not match (LeRobot's reader selects rows by those)."""
+    import shutil
+
+    # episode 1's rows (33..90) relabelled 0: episode 1 has no rows left (and 0 is 91 rows long)
+    root = _copy(tmp_path / "a")
+    _relabel(root / DATA, lambda ep: [0 if e == 1 else e for e in ep])
+    _inspect_fails(capsys, root, "episode 1", "has no rows")
+    # rows 50..55 of episode 1 relabelled 0: episode 0 is no longer one run
+    root = _copy(tmp_path / "b")
+    _relabel(root / DATA, lambda ep: [0 if 50 <= i <= 55 else e for i, e in enumerate(ep)])
+    _inspect_fails(capsys, root, "episode 0", "not one contiguous run", "row 50")
+    # meta/episodes says episode 1 has 10 rows; then that episode 2 spans up to 10000
+    root = _copy(tmp_path / "c")
+    _set_episodes(root, length={1: 10})
+    _inspect_fails(capsys, root, "episode 1 has length 10", "58 rows")
+    shutil.rmtree(root)
+    root = _copy(tmp_path / "c")
+    _set_episodes(root, dataset_to_index={2: 10000})
+    _inspect_fails(capsys, root, "episode 2", "91..10000", "91..120")

@@ -4,7 +4,7 @@ against info.json's feature shapes, ordered by `index`, with each row's episode 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -117,18 +117,49 @@ class DataColumns:
                 raise DatasetError(f"column {name!r} has non-finite values (NaN/inf) in {rows.size} row(s), the "
                                    f"first: {self.where(rows[0])}")
 
-    def check_episodes(self, known: Iterable[int]) -> None:
-        """DatasetError naming the data file and the episode when a row's episode_index is not in meta/episodes:
-        the row has no video location or task, and reading it failed mid-run with a bare KeyError in a DataLoader
-        worker."""
+    def check_episodes(self, episodes: dict[int, dict]) -> None:
+        """The data rows against meta/episodes (episode_index -> its row there), DatasetError naming the file and
+        the episode at the first mismatch:
+        - a row whose episode_index is not in meta/episodes (it has no video location or task: reading it failed
+          mid-run with a bare KeyError in a DataLoader worker);
+        - an episode whose rows are not one contiguous run (its frames would be decoded at another episode's
+          timestamps, its action chunks cut at the run's ends);
+        - an episode of meta/episodes with no rows, or with another number of rows than its `length`, or whose rows
+          are not those of its `dataset_from_index`..`dataset_to_index` (LeRobot's reader selects rows by those:
+          the two readers would train on different rows). An episode was silently dropped before."""
         ep = np.asarray(self.columns["episode_index"])
-        unknown = ~np.isin(ep, np.fromiter((int(k) for k in known), np.int64))
+        unknown = ~np.isin(ep, np.fromiter((int(k) for k in episodes), np.int64))
         if unknown.any():
             i = int(np.flatnonzero(unknown)[0])
             n = np.unique(ep[unknown]).size
             raise DatasetError(f"{self.files[int(self.row_file[i])]}: episode_index {int(ep[i])} (row "
                                f"{int(self.row_in_file[i])}) is not in meta/episodes"
                                + (f" (nor are {n - 1} other episode(s) of the data)" if n > 1 else ""))
+        n_rows = len(ep)
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(ep) != 0) + 1]) if n_rows else np.zeros(0, np.int64)
+        stops = np.append(starts[1:], n_rows)
+        runs: dict[int, tuple[int, int]] = {}
+        index = np.asarray(self.columns["index"])
+        for a, b in zip(starts.tolist(), stops.tolist()):
+            e = int(ep[a])
+            if e in runs:
+                raise DatasetError(f"{self.files[int(self.row_file[a])]}: the rows of episode {e} are not one "
+                                   f"contiguous run (they resume at {self.where(a)} after another episode's)")
+            runs[e] = (a, b)
+        meta = f"{self.root}/meta/episodes"
+        for e, row in episodes.items():
+            if e not in runs:
+                raise DatasetError(f"{meta}: episode {e} (length {row.get('length')}) has no rows in the data files")
+        for e, row in episodes.items():
+            a, b = runs[e]
+            length = row.get("length")
+            if length is not None and int(length) != b - a:
+                raise DatasetError(f"{meta}: episode {e} has length {int(length)} but the data files hold {b - a} "
+                                   f"rows of it (from {self.where(a)})")
+            lo, hi = row.get("dataset_from_index"), row.get("dataset_to_index")
+            if lo is not None and hi is not None and (int(lo), int(hi)) != (int(index[a]), int(index[b - 1]) + 1):
+                raise DatasetError(f"{meta}: episode {e} has dataset_from_index..dataset_to_index {int(lo)}..{int(hi)}"
+                                   f" but its rows have index {int(index[a])}..{int(index[b - 1]) + 1}")
 
     def __contains__(self, name: str) -> bool:
         return name in self.columns
