@@ -163,7 +163,7 @@ def set_cell(root: Path, column: str, row: int, dim: int, value: float) -> Path:
 
 @pytest.mark.parametrize("column,value", [("action", float("nan")), ("action", float("inf")),
                                           ("observation.state", float("-inf"))])
-def test_non_finite_values_are_named_with_file_row_and_episode(tmp_path, column, value):
+def test_non_finite_values_are_named_with_file_row_and_episode(tmp_path, capsys, column, value):
     """One NaN action made the action stats' quantiles NaN and trained a NaN model, exit 0: the training path
     checks its columns (LeRobotDataset.check_finite) and names where the bad value is."""
     root = _copy(tmp_path)
@@ -176,6 +176,7 @@ def test_non_finite_values_are_named_with_file_row_and_episode(tmp_path, column,
     for s in (repr(column), "1 row(s)", "row 40 (index 40, episode 1)", str(path)):
         assert s in msg, (s, msg)
     LeRobotDataset(FIXTURE).check_finite(["action", "observation.state"])
+    _inspect_fails(capsys, root, repr(column), "row 40 (index 40, episode 1)")     # `wamkit data inspect` says so
 
 
 def test_rows_of_an_episode_missing_from_the_episodes_metadata(tmp_path, capsys):

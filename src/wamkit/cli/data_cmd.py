@@ -35,6 +35,8 @@ def inspect_cmd(root: str) -> int:
 
     ds = LeRobotDataset(root)
     n_videos = ds.verify_videos()   # every mp4 opens and decodes at the declared size, else exit 2 naming it
+    # what training reads: a NaN/inf action or state is an error there (train/data.py), so it is one here
+    ds.check_finite([k for k in ("action", "observation.state") if k in ds.features])
     con = _console()
     con.print(f"[bold]{ds.root}[/bold]  LeRobot {ds.info.get('codebase_version')}  robot={ds.info.get('robot_type')}")
     con.print(f"episodes {ds.num_episodes}   frames {len(ds)}   fps {ds.fps}   tasks {len(ds.tasks)}   "
