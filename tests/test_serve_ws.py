@@ -184,8 +184,8 @@ def test_websocket_frames_get_the_servers_decode_limits_and_a_bad_seed_fails_onl
             assert unpackb(ws.receive_bytes())["actions"]["shape"] == [16, 7]
             for el, code, path in [
                     ({**good, "observation/image": np.zeros((80, 80, 3), np.uint8)}, 413, "observation/image"),
-                    ({**good, "observation/extra_cam": np.zeros((48, 48, 3), np.uint8)}, 413,   # 3 cameras: 20.7 KB > 18.9
-                     "observation/extra_cam"),
+                    # 3 cameras: 20.7 KB > 18.9
+                    ({**good, "observation/extra_cam": np.zeros((48, 48, 3), np.uint8)}, 413, "observation/extra_cam"),
                     ({**good, "prompt": "x" * 41}, 400, "prompt"),
                     ({**good, "seed": -1}, 400, "seed"),
                     ({**good, "seed": 2 ** 64 - 1}, 400, "seed")]:
