@@ -27,6 +27,7 @@ docs/training.md). The data sampler's per-rank position is translated through th
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -340,28 +341,27 @@ def read_json_file(path: Path) -> dict:
     return obj
 
 
-class loading:
+def _quiet_dcp(record: logging.LogRecord) -> bool:
+    """Logging filter: DCP logs a failed metadata read with its traceback on the root logger before it raises."""
+    return "torch/distributed/checkpoint" not in record.pathname.replace("\\", "/")
+
+
+@contextlib.contextmanager
+def loading(path: Path, what: str = "is corrupt or incomplete"):
     """`with loading(path):` turns whatever reading `path` raises (DCP's CheckpointException with every rank's
     traceback, safetensors' header errors, a missing directory, a size mismatch) into one line naming the path."""
-
-    def __init__(self, path: Path, what: str = "is corrupt or incomplete"):
-        self.path, self.what = path, what
-
-    @staticmethod
-    def _quiet(record: logging.LogRecord) -> bool:
-        # DCP logs a failed metadata read with its traceback on the root logger before it raises
-        return "torch/distributed/checkpoint" not in record.pathname.replace("\\", "/")
-
-    def __enter__(self) -> None:
-        if not self.path.exists():
-            raise UserError(f"checkpoint {self.path.parent} is incomplete: {self.path} is missing")
-        logging.getLogger().addFilter(self._quiet)
-
-    def __exit__(self, typ, exc, tb) -> bool:
-        logging.getLogger().removeFilter(self._quiet)
-        if exc is not None and isinstance(exc, (Exception, CheckpointException)) and not isinstance(exc, UserError):
-            raise corrupt(self.path, exc, self.what) from None
-        return False
+    if not path.exists():
+        raise UserError(f"checkpoint {path.parent} is incomplete: {path} is missing")
+    root = logging.getLogger()
+    root.addFilter(_quiet_dcp)
+    try:
+        yield
+    except UserError:
+        raise
+    except (Exception, CheckpointException) as e:
+        raise corrupt(path, e, what) from None
+    finally:
+        root.removeFilter(_quiet_dcp)
 
 
 def load_weights_into(module: torch.nn.Module, ckpt: str | Path, weights: str = "auto") -> str:
