@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 
 import numpy as np
@@ -114,3 +115,67 @@ def test_sigstopped_env_worker_process_does_not_hang_the_eval(tmp_path):
     assert sum(r["attempts"] > 1 for r in recs) == 1
     with pytest.raises(ProcessLookupError):   # the stopped process was killed, not left behind
         os.kill(stopped[0], 0)
+
+
+class _PoisonResetEnv(_FakeEnv):
+    """An env whose reset of trial 1 always crashes its worker (a simulator that dies on one init state)."""
+
+    def __init__(self, index: int, fail_once: bool = False):
+        super().__init__(index)
+        self.fail_once, self.failed = fail_once, 0
+
+    async def reset(self, task_id, trial):
+        from wamkit.envs.worker import EnvWorkerCrashed
+
+        if trial == 1 and not (self.fail_once and self.failed):
+            self.failed += 1
+            raise EnvWorkerCrashed(self.index, "reset killed the worker")
+        return await super().reset(task_id, trial)
+
+
+@pytest.mark.parametrize("mode", ["serial", "auto", "pipelines"])
+def test_an_episode_whose_reset_always_crashes_its_env_stops_the_run_after_its_retries(mode):
+    """A probe's finding: in mode=pipelines an episode whose reset crashed its env worker every time was put back
+    on the queue and retried forever (158 restarts in 100 s), the group's other envs waiting for it. Every mode now
+    counts a reset crash as an attempt: max_episode_retries retries, then EpisodeFailed names the episode; a reset
+    that crashes once is retried and recorded with its attempts."""
+    from wamkit.eval.scheduler import EpisodeFailed
+
+    n = 1 if mode == "serial" else 2
+    envs = [_PoisonResetEnv(i) for i in range(n)]
+    opts = SchedulerOptions(mode=mode, pipelines=n, max_episode_retries=2)
+    sched = Scheduler(envs, _Inference(), make_plan("s", [0], 3), opts, lambda o: None)
+    with pytest.raises(EpisodeFailed, match=r"episode s/0/1 crashed its env worker 3 times"):
+        asyncio.run(asyncio.wait_for(sched.run(), 60))
+    assert sum(e.restarts for e in envs) == 2
+
+    envs = [_PoisonResetEnv(i, fail_once=True) for i in range(n)]
+    done = []
+    sched = Scheduler(envs, _Inference(), make_plan("s", [0], 3), opts, done.append)
+    asyncio.run(asyncio.wait_for(sched.run(), 60))
+    assert sorted(o.episode.key for o in done) == ["s/0/0", "s/0/1", "s/0/2"]
+    assert {o.episode.key: o.attempts for o in done}["s/0/1"] == 2
+
+
+@pytest.mark.parametrize("bad, says", [
+    (lambda n: np.full((n, 2, 4), np.nan, np.float32), "non-finite actions"),
+    (lambda n: np.full((n, 2, 4), np.inf, np.float32), "non-finite actions"),
+    (lambda n: np.zeros((n, 2, 5), np.float32), "shape [1, 2, 5]"),
+    (lambda n: np.zeros((0, 2, 4), np.float32), "shape [0, 2, 4]")])
+def test_unusable_actions_stop_the_run_naming_what_is_wrong(bad, says):
+    """A probe's finding: NaN actions went into the simulator and the episodes counted as ordinary failures (a
+    broken model looked like 0% success), inf was clipped without a word, a wrong shape failed later in the env
+    worker with a long traceback, a short batch as an IndexError. Inference.predict checks every answer."""
+    from wamkit.eval.inference import Inference, PolicyOutputError
+
+    class Bad(Inference):
+        name = "bad"
+
+        async def _predict(self, observations, seeds):
+            return bad(len(observations))
+
+    inf = Bad()
+    inf.action_dim = 4
+    sched = Scheduler([_FakeEnv(0)], inf, make_plan("s", [0], 1), SchedulerOptions(mode="serial"), lambda o: None)
+    with pytest.raises(PolicyOutputError, match=re.escape(says)):
+        asyncio.run(asyncio.wait_for(sched.run(), 60))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from wamkit.core.errors import UserError
+from wamkit.core.errors import RunError, UserError
 
 VERBS = {
     "eval": ("wamkit.cli.eval_cmd", "evaluate a policy in simulation"),
@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"wamkit {verb}: error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"wamkit {verb}: error: {e}", file=sys.stderr)
+        return 1
     except Terminated:
         print(f"wamkit {verb}: terminated (SIGTERM); workers stopped", file=sys.stderr)
         return 143

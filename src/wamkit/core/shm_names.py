@@ -13,22 +13,14 @@ import os
 import re
 import secrets
 
+from wamkit.core.pids import pid_alive
+
 SHM_DIR = "/dev/shm"
 
 
 def owned_name(prefix: str) -> str:
     """A fresh name: `prefix` + this process's pid + '_' + 24 random hex digits."""
     return f"{prefix}{os.getpid()}_{secrets.token_hex(12)}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:      # another user's process: it runs
-        return True
-    return True
 
 
 def sweep_orphans(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
@@ -42,7 +34,7 @@ def sweep_orphans(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
         return removed
     for name in names:
         m = pattern.match(name)
-        if m is None or _pid_alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         path = os.path.join(shm_dir, name)
         try:

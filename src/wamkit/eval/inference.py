@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from wamkit.core.cpu_pinning import split_cpus
-from wamkit.core.errors import UserError
+from wamkit.core.errors import RunError, UserError
 from wamkit.core.types import Observation
 from wamkit.eval.timeline import Timeline
 from wamkit.policies.base import RemoteCodec
@@ -31,6 +31,7 @@ class Inference(abc.ABC):
 
     def __init__(self, timeline: Timeline | None = None):
         self.timeline = timeline
+        self.action_dim: int | None = None   # the envs' (set by the runner): each chunk's last axis is checked against it
         self.observations = 0
         self.requests = 0
         self.latencies: list[tuple[int, float]] = []   # (batch size, seconds) of every call
@@ -47,7 +48,8 @@ class Inference(abc.ABC):
 
     async def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
         t0 = time.time()
-        out = await self._predict(observations, seeds)
+        out = check_actions(await self._predict(observations, seeds), len(observations), self.action_dim,
+                            self.describe())
         t1 = time.time()
         self.observations += len(observations)
         self.requests += 1
@@ -55,6 +57,36 @@ class Inference(abc.ABC):
         if self.timeline is not None:
             self.timeline.add("request", "request", t0, t1, len(observations))
         return out
+
+
+    def describe(self) -> str:
+        """Who answered, for an error message."""
+        return f"the policy ({self.name or type(self).__name__})"
+
+
+class PolicyOutputError(RunError):
+    """The policy answered with actions no env can execute: the run stops, saying what was wrong."""
+
+
+def check_actions(out, n: int, action_dim: int | None, who: str) -> np.ndarray:
+    """(n, H, action_dim) finite float32 actions, or PolicyOutputError: NaN went into the simulator (MuJoCo warned
+    and the episode counted as an ordinary failure: a broken model looked like a 0% success rate), inf was clipped
+    without a word, a wrong shape failed later in an env worker with a long traceback, a short batch as an
+    IndexError in the scheduler."""
+    a = np.asarray(out)
+    if a.ndim != 3 or a.shape[0] != n or a.shape[1] < 1 or (action_dim is not None and a.shape[2] != action_dim):
+        want = f"({n}, H, {action_dim if action_dim is not None else 'action_dim'})"
+        raise PolicyOutputError(f"{who} returned actions of shape {list(a.shape)} for {n} observation(s); the envs "
+                                f"need {want}")
+    if a.dtype.kind not in "fiu":
+        raise PolicyOutputError(f"{who} returned actions of dtype {a.dtype}; the envs need numbers")
+    a = a.astype(np.float32, copy=False)
+    bad = ~np.isfinite(a)
+    if bad.any():
+        rows = np.flatnonzero(bad.reshape(n, -1).any(axis=1))
+        raise PolicyOutputError(f"{who} returned non-finite actions (NaN/inf) for {rows.size} of {n} "
+                                f"observation(s) of a request (the first: observation {int(rows[0])})")
+    return a
 
 
 class InProcessInference(Inference):
@@ -66,6 +98,9 @@ class InProcessInference(Inference):
     on merging (merges_requests). None: each request is its own call, one after another."""
 
     name = "inprocess"
+
+    def describe(self) -> str:
+        return f"the policy ({getattr(getattr(self.policy, 'spec', None), 'name', None) or type(self.policy).__name__})"
 
     def __init__(self, policy, timeline: Timeline | None = None, batching: tuple[int, float] | None = None):
         super().__init__(timeline)
@@ -122,6 +157,9 @@ class ServerInference(Inference):
 
     name = "server"
     merges_requests = True    # wamkit serve's DynamicBatcher; SGLang under --batching-mode dynamic
+
+    def describe(self) -> str:
+        return f"the action server's policy ({self.policy_name})"
 
     def __init__(self, *, policy: str, policy_args: dict, options, timeline: Timeline | None = None,
                  worker_factory=None, workers: Sequence | None = None, codec: RemoteCodec | None = None,

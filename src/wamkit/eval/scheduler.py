@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import math
 import statistics
@@ -33,6 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from wamkit.core.errors import RunError
 from wamkit.core.types import ChunkResult, Observation
 from wamkit.eval.affinity import TaskAffinity
 from wamkit.eval.inference import Inference
@@ -43,8 +45,8 @@ from wamkit.eval.timeline import Timeline
 log = logging.getLogger(__name__)
 
 
-class EpisodeFailed(RuntimeError):
-    pass
+class EpisodeFailed(RunError):
+    """An episode crashed (or stalled) its env worker on every attempt: the run stops, naming it."""
 
 
 @dataclass
@@ -313,14 +315,19 @@ class Scheduler:
         b = max(1, self.opts.request_size)
 
         async def start(i: int):
-            while (ep := self._next_episode(i)) is not None:
+            # a reset that crashes (or stalls) the worker is an attempt, as in _run_episode (uncounted, a poisoned
+            # init state was retried forever while the group's other envs waited for it)
+            if (ep := self._next_episode(i)) is None:
+                return None
+            for attempts in itertools.count(1):
                 try:
+                    if attempts > 1:
+                        await self._restart_env(i)
                     return {"ep": ep, "obs": await self._reset(i, ep), "steps": 0, "t0": time.time(),
-                            "frames": [], "attempts": 1, "digest": chunk_digest(), "chunks": 0, "sim_s": 0.0}
+                            "frames": [], "attempts": attempts, "digest": chunk_digest(), "chunks": 0, "sim_s": 0.0}
                 except self.crash_types:
-                    await self._restart_env(i)
-                    self.queue.appendleft(ep)
-            return None
+                    if attempts > self.opts.max_episode_retries:
+                        raise EpisodeFailed(f"episode {ep.key} crashed its env worker {attempts} times") from None
 
         state: dict[int, dict | None] = dict(zip(env_ids, await asyncio.gather(*(start(i) for i in env_ids))))
 
@@ -335,7 +342,7 @@ class Scheduler:
                 while True:
                     st["attempts"] += 1
                     if st["attempts"] > self.opts.max_episode_retries + 1:
-                        raise EpisodeFailed(f"episode {ep.key} crashed its env worker repeatedly") from None
+                        raise EpisodeFailed(f"episode {ep.key} crashed its env worker {st['attempts'] - 1} times")
                     try:
                         await self._restart_env(i)
                         st.update(obs=await self._reset(i, ep), steps=0, t0=time.time(), frames=[],
