@@ -474,3 +474,52 @@ def test_episode_videos_are_written_off_the_loop_and_journaled_after_them(mw_ser
     assert outcome_view(recs) == outcome_view(mw_serial)
     stalls = s["scheduler"]["client"]["stalls"]
     assert not [x for x in stalls if any("write_mp4" in w for w in x["where"])], stalls   # (old code: 426 ms there)
+
+
+@pytest.mark.slow
+@pytest.mark.metaworld
+def test_output_directory_faults_found_by_a_probe(tmp_path):
+    """What a probe of the eval's output handling found, each now one line or handled:
+    - a resume with nothing left to run (a run killed after its last episode was journaled) crashed drawing an
+      empty timeline (KeyError) and overwrote the first run's timeline.json; now it writes the summary and report
+      and keeps the timeline;
+    - a resume that changes server.policy was accepted (two policies' results in one summary);
+    - a second evaluation into a directory another one is writing ran too (both journaled there);
+    - duplicate task ids ran twice, then crashed ("recorded twice");
+    - out= that is a file was a traceback, after every env worker had been built;
+    - journal records outside the plan were counted in the summary."""
+    from wamkit.core.errors import UserError
+    from wamkit.eval.runner import LOCK, run_eval
+
+    out = tmp_path / "x"
+    first = run_eval(mw_cfg(tmp_path, "x", "tasks=0"))
+    tl = (out / "timeline.json").read_text()
+    (out / "summary.json").unlink()
+    (out / "report.md").unlink()
+    again = run_eval(mw_cfg(tmp_path, "x", "tasks=0", "resume=true"))       # nothing left to run
+    assert again["episodes"] == first["episodes"] == 2 and (out / "report.md").exists()
+    assert (out / "timeline.json").read_text() == tl and not (out / LOCK).exists()
+    with pytest.raises(UserError, match="different server.policy"):
+        run_eval(mw_cfg(tmp_path, "x", "tasks=0", "resume=true", "inference=server", "server.policy=zero"))
+    (out / LOCK).write_text(str(os.getppid()))                           # a live process holds it
+    with pytest.raises(UserError, match=f"being written by another evaluation \\(pid {os.getppid()}\\)"):
+        run_eval(mw_cfg(tmp_path, "x", "tasks=0", "resume=true"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / LOCK).write_text(str(dead.pid))                               # its holder was killed: taken over
+    run_eval(mw_cfg(tmp_path, "x", "tasks=0", "resume=true"))
+    with pytest.raises(UserError, match="task 0 is listed twice"):
+        run_eval(mw_cfg(tmp_path, "dup", "tasks=0,0"))
+    (tmp_path / "afile").write_text("x")
+    p = cli("eval", "env=metaworld", MW_TASKS, "trials=1", "policy=zero", "progress=false",
+            f"out={tmp_path / 'afile'}")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "not a writable directory" in p.stderr
+    # a policy whose chunks do not fit the env (5 action dims for MetaWorld's 4): one line, exit 1
+    p = cli("eval", "env=metaworld", MW_TASKS, "trials=1", "policy=fixed-cost", "policy_args.action_dim=5",
+            "policy_args.base_ms=0", "max_steps=8", "progress=false", f"out={tmp_path / 'shape'}")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "returned actions of shape [1, 16, 5] for 1 observation(s); the envs need (1, H, 4)" in p.stderr
+    # one trial fewer: the journal's second trial is outside the plan, kept in the file but not summarized
+    (out / "config.json").unlink()
+    s = run_eval(mw_cfg(tmp_path, "x", "tasks=0", "trials=1", "resume=true"))
+    assert s["episodes"] == 1 and len(results(out)) == 2

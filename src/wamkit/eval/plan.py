@@ -36,6 +36,9 @@ def plan_for_tasks(suite: str, tasks, task_ids: list[int] | None, trials: int, t
     from wamkit.core.errors import UserError
 
     ids = list(range(len(tasks))) if task_ids is None else list(task_ids)
+    dup = sorted({t for t in ids if ids.count(t) > 1})
+    if dup:
+        raise UserError(f"task {dup[0]} is listed twice in tasks=; each task is evaluated once per trial")
     bad = [t for t in ids if not 0 <= t < len(tasks)]
     if bad:
         raise UserError(f"unknown task {bad[0]}{' for ' + where if where else ''}; "

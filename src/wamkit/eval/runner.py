@@ -36,9 +36,16 @@ from wamkit.eval.shape_probe import SHAPES
 from wamkit.eval.timeline import Timeline
 from wamkit.policies.registry import is_export_dir, make_policy, policy_class
 
-# config keys that define *what* is evaluated; a resumed run must agree on them
+# config keys that define *what* is evaluated; a resumed run must agree on them (dotted: nested; server.policy and
+# server.policy_args: what the started servers run, which a probe changed on resume and got results of two policies)
 PLAN_KEYS = ("env", "suite", "tasks", "trials", "trial_start", "policy", "policy_args", "horizon", "max_steps",
-             "image_size", "env_args", "seed", "run_to_max_steps")
+             "image_size", "env_args", "seed", "run_to_max_steps", "server.policy", "server.policy_args")
+
+
+def _key(d: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
 
 
 def env_kwargs(cfg: EvalConfig) -> dict[str, Any]:
@@ -110,21 +117,67 @@ def check_names(cfg: EvalConfig) -> None:
         check_options("policy_args", cfg.policy, policy_class(cfg.policy), cfg.policy_args, common=COMMON_KWARGS)
 
 
+LOCK = ".wamkit-eval.lock"   # in out=: the pid of the evaluation writing there
+
+
 def _prepare_out(cfg: EvalConfig) -> tuple[Path, Journal]:
+    """out= checked, locked and given this run's config, before any worker starts: an out= that is a file or cannot
+    be written, or another run's results without resume=true, or a resume that changes what is evaluated, is one
+    line; a second evaluation into a directory that one is writing is refused (two runs both journaled there)."""
     out = Path(cfg.out)
     results = out / "results.jsonl"
     cfg_path = out / "config.json"
     if results.exists() and not cfg.resume:
         raise UserError(f"{out} already holds results; pass resume=true to continue it or choose another out=")
     if cfg.resume and cfg_path.exists():
-        old = json.loads(cfg_path.read_text())
+        try:
+            old = json.loads(cfg_path.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"resume=true but {cfg_path} cannot be read ({e}); move it away to resume anyway") from None
         new = to_dict(cfg)
-        diff = [k for k in PLAN_KEYS if old.get(k) != new.get(k)]
+        diff = [k for k in PLAN_KEYS if _key(old, k) != _key(new, k)]
         if diff:
             raise UserError(f"resume=true but {out} was evaluated with different {', '.join(diff)}")
-    out.mkdir(parents=True, exist_ok=True)
-    cfg_path.write_text(json.dumps(to_dict(cfg), indent=2))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _lock(out)
+        cfg_path.write_text(json.dumps(to_dict(cfg), indent=2))
+    except OSError as e:
+        raise UserError(f"out={out} is not a writable directory: {e.strerror or e}") from None
     return out, Journal(results)
+
+
+def _lock(out: Path) -> None:
+    """Take out='s lock (its file holds our pid); one whose process is gone (killed) is taken over."""
+    from wamkit.core.pids import pid_alive
+
+    path = out / LOCK
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                pid = int(path.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and pid != os.getpid() and pid_alive(pid):
+                raise UserError(f"{out} is being written by another evaluation (pid {pid}); wait for it to end, or "
+                                f"choose another out=") from None
+            path.unlink(missing_ok=True)      # its evaluation ended without removing it (killed): take it over
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return
+    raise UserError(f"could not take the lock {path}")
+
+
+def _unlock(out: Path) -> None:
+    path = out / LOCK
+    try:
+        if int(path.read_text().strip() or 0) == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
 
 
 def _log_summary(tracker, summary: dict[str, Any]) -> None:
@@ -202,7 +255,9 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
     inference = None
     journal = None
     tracker = None
+    out = None
     try:
+        out, journal = _prepare_out(cfg)
         t_build = time.time()
         with console.status(f"starting {n_envs} {cfg.env} env worker(s): each builds its simulator "
                             f"(LIBERO: ~15-20 s) ...") if cfg.progress else contextlib.nullcontext():
@@ -225,7 +280,6 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                 raise UserError(f"policy {cfg.policy!r} runs in {codec.protocol}: give policy_args.url=... (or "
                                 f"server.url=...), or inference=server to start servers")
             options = dataclasses.replace(options, url=url)
-        out, journal = _prepare_out(cfg)
         if cfg.logger == "wandb":
             from wamkit.core.tracking import start_wandb
 
@@ -239,6 +293,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
             inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=options, timeline=timeline,
                                         worker_factory=server_worker_factory, workers=server_workers, codec=codec,
                                         log_dir=out)
+        inference.action_dim = spec.action_dim
         # SGLang batches one prompt per request: requests of one task each unless told otherwise
         sglang = getattr(inference, "protocol", "") == "sglang"
         group = cfg.group_by_task if cfg.group_by_task is not None else sglang
@@ -257,19 +312,24 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         run_id = uuid.uuid4().hex[:12]
         if journal.bad_lines:
             console.print(f"warning: {journal.bad_lines_message()}", soft_wrap=True, markup=False, highlight=False)
+        done_before = [journal.records[ep.key] for ep in plan if journal.done(ep.key)]
         if journal.records:
-            console.print(f"resuming: {len(journal.records)} of {len(plan)} episodes already done, "
+            console.print(f"resuming: {len(done_before)} of {len(plan)} episodes already done, "
                           f"{len(todo)} to run")
+        foreign = len(journal.records) - len(done_before)
+        if foreign:
+            console.print(f"warning: {out / 'results.jsonl'} holds {foreign} record(s) of episodes outside this plan: "
+                          f"kept in the file, left out of the summary", soft_wrap=True, markup=False, highlight=False)
         # the clock starts once the inference side is up: a server's start-up and warm-up (CUDA graphs) is setup,
         # reported as setup_s, not evaluation time (throughput is episodes and env steps over evaluation time)
         clock = {"t0": time.time(), "setup_s": 0.0}
-        stats = {"done": 0, "succ": sum(int(r["success"]) for r in journal.records.values()), "steps": 0}
+        stats = {"done": 0, "succ": sum(int(r["success"]) for r in done_before), "steps": 0}
         progress = Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("success {task.fields[succ]}"), TextColumn("{task.fields[rate]}"),
                             TimeElapsedColumn(), console=console, disable=not cfg.progress, transient=False)
         starting = ("starting the action server(s) (policy load, warm-up) ..." if cfg.inference == "server"
                     else "starting ...")
-        bar = progress.add_task("eval", total=len(plan), completed=len(journal.records), succ="-", rate=starting)
+        bar = progress.add_task("eval", total=len(plan), completed=len(done_before), succ="-", rate=starting)
         videos_dir = out / "videos"
         videos: set[asyncio.Task] = set()   # episodes whose video is being written (recorded once it is on disk)
 
@@ -305,7 +365,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
             stats["succ"] += int(o.success)
             stats["steps"] += o.env_steps
             el = time.time() - clock["t0"]
-            n_total = len(journal.records)
+            n_total = len(done_before) + stats["done"]
             if tracker is not None:
                 tracker.log({"eval/episodes": n_total, "eval/success_rate": stats["succ"] / n_total,
                              "eval/episode_success": int(o.success), "eval/episode_steps": o.steps,
@@ -349,9 +409,11 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         with progress:
             asyncio.run(main())
         wall = time.time() - clock["t0"]
-        timeline.save(out / "timeline.json")
+        if timeline.spans or not (out / "timeline.json").exists():   # a resume with nothing to run keeps the last
+            timeline.save(out / "timeline.json")
         util = timeline.utilization()
-        summary = summarize(list(journal.records.values()), wall_s=wall, config=to_dict(cfg), versions=versions(),
+        planned = [journal.records[ep.key] for ep in plan if journal.done(ep.key)]   # not records of another plan
+        summary = summarize(planned, wall_s=wall, config=to_dict(cfg), versions=versions(),
                             inference_obs=inference.observations,
                             extra={"run_id": run_id, "scheduler": {
                                 "mode": cfg.mode, "num_envs": n_envs, "env_restarts": sched.restarts,
@@ -384,7 +446,9 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "client": health.summary(),
                                 "gc_frozen_objects": clock.get("gc_frozen", 0),
                                 "auto_shape": sched.batcher.shape_summary() if sched.batcher else None}})
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        tmp = out / "summary.json.tmp"        # a kill mid-write leaves the old summary or the new one, never half
+        tmp.write_text(json.dumps(summary, indent=2))
+        os.replace(tmp, out / "summary.json")
         write_report(out)   # timeline.png, report.md, report.html
         if tracker is not None:
             _log_summary(tracker, summary)
@@ -394,6 +458,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
             tracker.finish()
         if journal is not None:
             journal.close()
+        if out is not None:
+            _unlock(out)
         for w in workers:
             try:
                 w.close()

@@ -62,8 +62,9 @@ class Timeline:
         return total
 
     def utilization(self) -> dict[str, float]:
-        if not self.spans:
-            return {"wall_s": 0.0, "env_busy": 0.0, "inference_busy": 0.0}
+        if not self.spans:   # (a resumed run with nothing left to run): the same keys, so readers need no case
+            return {"wall_s": 0.0, "env_busy": 0.0, "inference_busy": 0.0, "mean_batch": 0.0, "requests": 0,
+                    "request_ms_mean": 0.0, "compute_ms_mean": 0.0, **self.env_cycle()}
         t0 = min(s.t0 for s in self.spans)
         t1 = max(s.t1 for s in self.spans)
         wall = max(t1 - t0, 1e-9)
