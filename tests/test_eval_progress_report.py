@@ -125,3 +125,19 @@ def test_eval_progress_says_what_it_waits_for_and_ends_with_rates(tmp_path):
     text = buf.getvalue()
     assert "metaworld env worker(s) ready in" in text            # the env build is announced, not silent
     assert "2/2" in text and "ep/h done" in text                  # rates and the ETA field at the end
+
+
+def test_a_truncated_summary_or_timeline_is_one_line_naming_the_file(tmp_path, capsys):
+    """A probe's finding: `wamkit report` on a directory whose summary.json or timeline.json was cut short (summary
+    was not written atomically) printed a JSONDecodeError traceback."""
+    from wamkit.cli.main import main
+    from wamkit.core.errors import UserError
+    from wamkit.eval.timeline import Timeline
+
+    (tmp_path / "summary.json").write_text('{"episodes": 4, "succ')
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "summary.json cannot be read" in err and "resume=true" in err
+    (tmp_path / "timeline.json").write_text('{"t_origin": 1.0, "spans": [{"lane"')
+    with pytest.raises(UserError, match="timeline.json is not a readable timeline"):
+        Timeline.load(tmp_path / "timeline.json")

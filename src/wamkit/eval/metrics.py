@@ -78,5 +78,12 @@ def load_summary(out) -> dict:
     p = Path(out) / "summary.json"
     if not p.exists():
         raise UserError(f"no summary.json in {out} (is it an evaluation output directory?)")
-    return json.loads(p.read_text())
+    try:
+        s = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{p} cannot be read ({type(e).__name__}: {e}); `wamkit eval ... resume=true` into {out} "
+                        f"writes it again from results.jsonl") from None
+    if not isinstance(s, dict):
+        raise UserError(f"{p} is not a summary (a JSON object); `wamkit eval ... resume=true` writes it again")
+    return s
 

@@ -46,9 +46,15 @@ class Timeline:
 
     @classmethod
     def load(cls, path: str | Path) -> "Timeline":
-        d = json.loads(Path(path).read_text())
-        tl = cls(d["t_origin"])
-        tl.spans = [Span(**s) for s in d["spans"]]
+        """A saved timeline, or a UserError naming the file (a truncated one was a JSONDecodeError traceback)."""
+        from wamkit.core.errors import UserError
+
+        try:
+            d = json.loads(Path(path).read_text())
+            tl = cls(d.get("t_origin"))
+            tl.spans = [Span(**s) for s in d["spans"]]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"{path} is not a readable timeline ({type(e).__name__}: {e})") from None
         return tl
 
     @staticmethod
