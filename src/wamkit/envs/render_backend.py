@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from wamkit.core.errors import ConfigError, UserError
+from wamkit.core.files import write_atomic
 from wamkit.envs.process_setup import GL_SET_MARK, GL_VARS, cache_dir
 
 BACKENDS = ("egl", "osmesa")          # concrete backends, in preference order on a tie
@@ -226,9 +227,7 @@ def choose(size: int, device: int | None = None, model_gpu: int = MODEL_GPU) -> 
         entry = measure(size, device, model_gpu, gpus=len(ident["gpus"]))
         entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         data["entries"][key] = entry
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(data, indent=1))
     return {**entry, "source": "measured", "cache": str(path)}
 
 

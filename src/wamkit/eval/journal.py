@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from wamkit.core.files import write_atomic
+
 # field -> accepted types of a finished episode's record (what resume, metrics and the report read)
 REQUIRED = {"key": (str,), "suite": (str,), "task_id": (int,), "trial": (int,), "success": (bool,), "steps": (int,)}
 
@@ -70,9 +72,7 @@ class Journal:
             with open(self.rejected_path, "ab") as f:
                 f.writelines(bad)
         # rewrite without bad/duplicate lines so the file stays a clean JSONL
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(g + "\n" for g in good), encoding="utf-8")
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(g + "\n" for g in good))
 
     @property
     def rejected_path(self) -> Path:

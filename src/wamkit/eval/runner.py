@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from wamkit.core.config import to_dict
 from wamkit.core.cpu_pinning import split_cpus
 from wamkit.core.errors import UserError
+from wamkit.core.files import write_atomic
 from wamkit.core.heap import frozen_heap
 from wamkit.core.versions import versions
 from wamkit.envs.base import env_class
@@ -446,9 +447,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "client": health.summary(),
                                 "gc_frozen_objects": clock.get("gc_frozen", 0),
                                 "auto_shape": sched.batcher.shape_summary() if sched.batcher else None}})
-        tmp = out / "summary.json.tmp"        # a kill mid-write leaves the old summary or the new one, never half
-        tmp.write_text(json.dumps(summary, indent=2))
-        os.replace(tmp, out / "summary.json")
+        write_atomic(out / "summary.json", json.dumps(summary, indent=2))   # a kill leaves the old one or the new
         write_report(out)   # timeline.png, report.md, report.html
         if tracker is not None:
             _log_summary(tracker, summary)

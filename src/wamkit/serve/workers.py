@@ -64,16 +64,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _stop_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """SIGTERM to the process group, wait up to `timeout`, then SIGKILL; reap the leader."""
     pgid = proc.pid  # start_new_session: the leader's pid is the group id

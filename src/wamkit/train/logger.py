@@ -5,9 +5,10 @@ WANDB_MODE=offline keeps it local, `wandb sync OUT/wandb/offline-run-*` uploads 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
+
+from wamkit.core.files import write_atomic
 
 
 def truncate_log(path: Path, last_step: int) -> int:
@@ -29,12 +30,7 @@ def truncate_log(path: Path, last_step: int) -> int:
                 dropped += bool(line.strip())
     if not dropped:
         return 0
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.writelines(keep)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)        # a kill now leaves the old log or the new one, never half of one
+    write_atomic(path, "".join(keep), fsync=True)   # a kill leaves the old log or the new one, never half of one
     return dropped
 
 
