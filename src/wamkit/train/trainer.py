@@ -10,6 +10,8 @@ from __future__ import annotations
 import gc
 import math
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -349,23 +351,16 @@ class StopOnSigterm:
     step, and torchrun kills them 30 s after it forwards the signal; they resume from their last checkpoint."""
 
     def __init__(self, enabled: bool):
-        import signal
-        import threading
-
         self.requested = False
         self._old = None
         if enabled and threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
-        import signal
-
         self.requested = True
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def close(self) -> None:
-        import signal
-
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
             self._old = None
