@@ -34,6 +34,23 @@ def truncate_log(path: Path, last_step: int) -> int:
     return dropped
 
 
+def after_earlier_event_files(tb: Path) -> None:
+    """Wait (under a second) until this second is past the creation second of tb/'s event files. TensorBoard reads
+    a run's event files in name order, and a name starts with its writer's creation second then ends with a counter:
+    a writer created in the same second as the last one can sort before it ('.10' before '.9'), and the purge of
+    the earlier run's steps past the checkpoint is then read first and applies to nothing (each such step shown
+    twice; seen in a test that resumes within the second)."""
+    stamps = []
+    for p in tb.glob("events.out.tfevents.*"):
+        parts = p.name.split(".")
+        if len(parts) > 3 and parts[3].isdigit():
+            stamps.append(int(parts[3]))
+    if stamps:
+        wait = max(stamps) + 1 - time.time()
+        if 0 < wait <= 1:
+            time.sleep(wait)
+
+
 class TrainLogger:
     def __init__(self, out: str | Path, enabled: bool, total_steps: int, start_step: int, progress: bool = True,
                  wandb_project: str | None = None, config: dict | None = None):
@@ -55,6 +72,8 @@ class TrainLogger:
             truncate_log(log_path, start_step)
         # purge_step: TensorBoard drops the earlier run's events from this step on (those after the checkpoint
         # resumed from, or all of them on a restart from step 0), so a resumed run shows each step once
+        if earlier:
+            after_earlier_event_files(out / "tb")
         self._tb = SummaryWriter(str(out / "tb"), purge_step=start_step + 1 if earlier else None)
         self._jsonl = open(log_path, "a", buffering=1)
         if progress:
