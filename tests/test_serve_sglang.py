@@ -42,7 +42,7 @@ def test_sglang_worker_command_line():
 def test_sglang_parameters_rules():
     p = sglang_parameters(raw_action_dim=7, domain_name="libero", action_horizon=16, num_inference_steps=10)
     assert p["num_frames"] == 17 and p["action_mode"] == "policy" and p["raw_action_dim"] == 7
-    with pytest.raises(ValueError, match="% 4"):
+    with pytest.raises(ValueError, match="multiple of 4"):
         sglang_parameters(domain_name="libero", action_horizon=10)
     with pytest.raises(ValueError, match="num_frames"):
         sglang_parameters(domain_name="libero", action_horizon=16, num_frames=16)
@@ -175,3 +175,46 @@ def test_real_sglang_server_roundtrip():
                 return await c.predict(obs(3, side=side), [0, 1, 2])
         a = asyncio.run(go())
         assert a.shape[0] == 3 and a.shape[2] == 7 and np.isfinite(a).all()
+
+
+def _standin_post(client, images, **params):
+    import json
+
+    body = {"input": {"prompt": "put the bowl on the plate",
+                      "image": [{"__ndarray__": True, "dtype": "uint8", "shape": list(im.shape),
+                                 "data": im.tobytes()} for im in images]},
+            "parameters": {"seed": 1, **params}}
+    data = msgpack.packb(body, use_bin_type=True)
+    r = client.post("/v1/actions/generations", content=data, headers={"content-type": "application/msgpack"})
+    return r.status_code, (json.loads(r.content) if r.headers["content-type"].startswith("application/json")
+                           else None)
+
+
+def test_the_standin_refuses_what_sglang_refuses_and_keeps_serving():
+    """cosmos3-standin answers in SGLang's place on the CPU, so it refuses (400, naming the field) what SGLang 0.5.23's
+    router refuses; an image of the wrong size is the policy's own input check: 422, not a 500 the client retries."""
+    from starlette.testclient import TestClient
+
+    from wamkit.serve.app import create_app
+    from wamkit.serve.config import ServeConfig
+
+    cfg = ServeConfig(policy="cosmos3-standin", warmup=False, log_every_s=0, max_wait_ms=1, max_batch_size=4,
+                      policy_args={"action_stats": {"q01": [-1.0] * 10, "q99": [1.0] * 10},
+                                   "inner_args": {"base_ms": 0}})
+    good = np.zeros((192, 320, 3), np.uint8)
+    ok = dict(domain_name="libero", raw_action_dim=10, action_horizon=16)
+    with TestClient(create_app(cfg)) as c:
+        assert c.get("/v1/actions/metadata").json()["capabilities"]["max_batch_size"] == 4
+        cases = [([good], dict(domain_name="libero", action_horizon=5, num_frames=6), "parameters.action_horizon"),
+                 ([good], dict(raw_action_dim=10), "parameters.domain_name"),
+                 ([good], dict(domain_id=5), "parameters.raw_action_dim"),
+                 ([good] * 5, ok, "input.image")]
+        for images, params, path in cases:
+            status, body = _standin_post(c, images, **params)
+            assert status == 400 and body["error"]["path"] == path, (params, status, body)
+            assert _standin_post(c, [good], **ok)[0] == 200
+        status, body = _standin_post(c, [np.zeros((256, 256, 3), np.uint8)], **ok)
+        assert status == 422 and "192x320x3" in body["error"]["message"], body
+        status, body = _standin_post(c, [good, np.zeros((96, 320, 3), np.uint8)], **ok)
+        assert status == 422, body
+        assert _standin_post(c, [good] * 4, **ok)[0] == 200

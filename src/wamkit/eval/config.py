@@ -44,6 +44,12 @@ class ServerOptions:
     sglang: dict[str, Any] = field(default_factory=dict)  # launch=sglang: model_path (required), batching_max_size,
                                   # batching_delay_ms, attention_backend, action_stats_path, extra_args, sglang_bin
     startup_timeout_s: float = 300.0  # give up when a started server is not healthy after this long
+    request_timeout_s: float | None = None  # a request with no answer after this long counts as failed (and is
+                                  # retried); None: the policy's own timeout_s where it has one (cosmos3), else 120
+    retries: int = 4              # a failed request (no connection, timeout, 429/5xx) is retried at least this often
+    retry_s: float = 120.0        # ... and for at least this long since its first failure: the outage a server at
+                                  # server.url may take to come back (a restart elsewhere); then the run stops, and
+                                  # resume=true continues it. Servers started here are restarted by the evaluation
     replicas: int = 1             # local servers to start (e.g. one per GPU); requests go to the least loaded one
     gpus: list[int] | None = None  # replica i sees only GPU gpus[i % len(gpus)] (CUDA_VISIBLE_DEVICES); None: all
     serve_args: dict[str, Any] = field(default_factory=dict)  # more `wamkit serve` keys, e.g. {torch_threads: 8}
@@ -153,6 +159,9 @@ class EvalConfig:
         check_number("server.max_batch_size", self.server.max_batch_size, 1)
         check_number("server.max_wait_ms", self.server.max_wait_ms, 0)
         check_number("server.startup_timeout_s", self.server.startup_timeout_s, 0, lo_open=True)
+        check_number("server.request_timeout_s", self.server.request_timeout_s, 0, lo_open=True, none_ok=True)
+        check_number("server.retries", self.server.retries, 0)
+        check_number("server.retry_s", self.server.retry_s, 0)
         if self.auto_shapes is not None:
             from wamkit.eval.shape_probe import SHAPES
 

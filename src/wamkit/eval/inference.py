@@ -143,6 +143,9 @@ class InProcessInference(Inference):
             self._pool.shutdown(wait=True)
 
 
+DEFAULT_REQUEST_TIMEOUT_S = 120.0   # server.request_timeout_s when neither it nor the policy names one
+
+
 class ServerInference(Inference):
     """Action server(s) over HTTP or websockets (`server.protocol`; auto: SGLang's realtime websocket to the `wamkit
     serve` processes started here, HTTP to server.url): local servers started here (`server.launch`: `wamkit serve`
@@ -224,9 +227,15 @@ class ServerInference(Inference):
         (predict(observations, seeds) -> (N, H, D) float32, max_request_size(), aclose())."""
         from wamkit.protocol.client import ActionClient
 
-        kw = dict(token=self.options.token, on_timing=self._on_timing, worker=worker)
+        o, own = self.options, (self.codec.transport if self.codec is not None else {})
+        # the policy's own transport options (cosmos3's token, timeout_s, max_request_size) where server.* names none
+        timeout = o.request_timeout_s or own.get("timeout_s") or DEFAULT_REQUEST_TIMEOUT_S
+        kw = dict(token=o.token or own.get("token"), on_timing=self._on_timing, worker=worker,
+                  timeout_s=timeout, retries=o.retries, retry_s=o.retry_s,
+                  max_request_size=own.get("max_request_size") or None)
         if self.protocol == "wamkit":
-            return ActionClient(url, **kw)
+            horizon = self.policy_args.get("horizon")
+            return ActionClient(url, parameters={"action_horizon": int(horizon)} if horizon else None, **kw)
         if self.protocol == "sglang":
             if self.codec is not None:
                 return ActionClient(url, mode="sglang", camera=self.codec.camera, parameters=self.codec.parameters(),
@@ -266,7 +275,20 @@ class ServerInference(Inference):
         finally:
             self.in_flight[i] -= n
         self.served[i] += 1
-        return out
+        return self._at_horizon(out)
+
+    def _at_horizon(self, out: np.ndarray) -> np.ndarray:
+        """With a horizon asked for (`horizon=`, sent to the server as action_horizon), a longer chunk is cut to it
+        and a shorter one refused: a server that ignores the parameter must not change how many steps each chunk
+        runs (a 9-step chunk would be executed whole)."""
+        h = self.policy_args.get("horizon")
+        a = np.asarray(out)
+        if not h or a.ndim != 3:
+            return out
+        if a.shape[1] < int(h):
+            raise PolicyOutputError(f"{self.describe()} returned chunks of {a.shape[1]} actions; horizon={h} asks "
+                                    f"for {h}")
+        return a[:, : int(h)]
 
     async def close(self) -> None:
         for c in self.clients:

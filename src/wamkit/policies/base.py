@@ -18,7 +18,9 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Sequence, TypeVar, runtime_checkable
 
 import numpy as np
@@ -76,6 +78,9 @@ class RemoteCodec(abc.ABC):
     camera: str = "image"              # the one camera key of the encoded observations
     raw_action_dim: int = 0            # channels of the model's output kept from each response
     server_normalizes: bool = False    # the server returns denormalized actions (it was started with action stats)
+    # the policy's own transport options, used by an evaluation's client where server.* names none: token,
+    # timeout_s, max_request_size (cosmos3's policy_args of the same names)
+    transport: Mapping[str, Any] = MappingProxyType({})
 
     @abc.abstractmethod
     def parameters(self) -> dict[str, Any]:

@@ -8,8 +8,12 @@ What it does per predict():
    text and image shape, optionally same seed), splits groups into requests of at most `max_request_size` (default: the
    server's metadata `capabilities.max_batch_size`);
 2. sends all requests concurrently over one pooled httpx.AsyncClient (msgpack + raw uint8 arrays by default);
-3. retries connection errors, 5xx and 429 with exponential backoff + jitter, honouring Retry-After; 4xx raise at once
-   (ActionClientError with the server's message naming the field);
+3. retries connection errors, timeouts, 5xx and 429 with exponential backoff + jitter, honouring Retry-After (up to
+   RETRY_AFTER_MAX_S): at least `retries` times, and while the server is unreachable or unavailable (no answer,
+   429/502/503/504) for at least `retry_s` seconds (an outage budget: a server being restarted elsewhere), each
+   first retry of an outage logged; 4xx (and 3xx: a url that redirects is the wrong url)
+   raise at once (ActionClientError, one line naming the server and the server's message naming the field; 401/403
+   as ActionAuthError, a UserError);
 4. sorts each response by input_index, keeps the first raw_action_dim channels, scatters chunks back into order, then
    applies `postprocess` (e.g. a denormalizer) to the (N, H, D) array.
 Every request's timing (client send/receive wall times + the server's `timing` extension) is appended to
@@ -30,6 +34,7 @@ it (it lives in the protocol layer, below the policies).
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import threading
 import time
@@ -38,6 +43,7 @@ from typing import Any, Callable, Sequence
 import httpx
 import numpy as np
 
+from wamkit.core.errors import RunError, UserError
 from wamkit.core.lifecycle import ClosingContext
 from wamkit.core.types import Observation
 from wamkit.protocol import (MSGPACK, ProtocolError, build_request, build_sglang_request, check_sglang_request,
@@ -45,30 +51,82 @@ from wamkit.protocol import (MSGPACK, ProtocolError, build_request, build_sglang
 from wamkit.protocol.messages import DEFAULT_CAMERA
 
 RETRY_STATUS = frozenset((429, 500, 502, 503, 504))
+UNAVAILABLE_STATUS = frozenset((429, 502, 503, 504))   # the server is not there (yet): retried for retry_s too; a
+                                                       # 500 (the policy failed) only `retries` times
+AUTH_STATUS = frozenset((401, 403))
+RETRY_AFTER_MAX_S = 30.0   # a longer Retry-After (a proxy's 3600) is waited out in steps of this, within retry_s
+
+log = logging.getLogger("wamkit.client")
 
 
-class ActionClientError(RuntimeError):
-    """The server refused a request (4xx) or retries ran out. status: HTTP status (None: connection failure)."""
+class ActionClientError(RunError):
+    """The server refused a request (4xx), answered something unusable, or retries ran out: one line naming the
+    server (the CLI prints it, exit 1). status: HTTP status (None: connection failure)."""
 
     def __init__(self, message: str, status: int | None = None, body: Any = None):
         super().__init__(message)
         self.status, self.body = status, body
 
 
+class ActionAuthError(ActionClientError, UserError):
+    """401/403: the token is missing or wrong (exit 2: the user's setting, not the run)."""
+
+
+def client_error(url: str, what: str, status: int | None, body: Any = None) -> ActionClientError:
+    """The error for a refused request: ActionAuthError (with the settings to check) for 401/403."""
+    if status in AUTH_STATUS:
+        return ActionAuthError(f"{url}: {what} (check server.token, or the WAMKIT_TOKEN environment variable)",
+                               status, body)
+    return ActionClientError(f"{url}: {what}", status, body)
+
+
+def exception_text(e: BaseException) -> str:
+    """'TypeName: message', or the type name alone when the message is empty (httpx's ReadError often is)."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 class RetryingClient:
     """What both transports (this HTTP client, wamkit.serve.ws_client's websocket one) share: backoff between
-    attempts and restarting their local server (`worker`) when it cannot be reached, one restart at a time."""
+    attempts, how long to keep retrying (`retries` attempts at least, and at least `retry_s` seconds since the first
+    failure), and restarting their local server (`worker`) when it cannot be reached, one restart at a time."""
 
+    url: str
     backoff: float
     backoff_max: float
+    retries: int = 4
+    retry_s: float = 0.0
     worker: Any = None
     _restart_lock: asyncio.Lock | None = None
+    _warned_at: float = 0.0
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
-        """Seconds before attempt+1: the server's Retry-After (+ jitter), else exponential backoff with jitter."""
+        """Seconds before attempt+1: the server's Retry-After (at most RETRY_AFTER_MAX_S, + jitter), else
+        exponential backoff with jitter."""
         if retry_after is not None:
-            return max(0.0, float(retry_after)) + random.uniform(0, 0.1)
+            return min(max(0.0, float(retry_after)), RETRY_AFTER_MAX_S) + random.uniform(0, 0.1)
         return min(self.backoff_max, self.backoff * (2 ** attempt)) * random.uniform(0.5, 1.5)
+
+    def _retry_again(self, attempt: int, t_first: float, status: int | None) -> bool:
+        """Whether a request that failed `attempt + 1` times, first at t_first (monotonic), the last time with
+        `status` (None: no answer), is tried again."""
+        if attempt < self.retries:
+            return True
+        return (status is None or status in UNAVAILABLE_STATUS) and time.monotonic() - t_first < self.retry_s
+
+    async def _backoff(self, attempt: int, retry_after: float | None, why: str) -> None:
+        """Wait before the next attempt; the first retry of an outage is logged (at most one line per 10 s)."""
+        delay = self._delay(attempt, retry_after)
+        now = time.monotonic()
+        if attempt == 0 and now - self._warned_at > 10.0:
+            self._warned_at = now
+            log.warning("%s: %s; retrying (at least %d times%s)", self.url, why, self.retries,
+                        f" and for {self.retry_s:g} s" if self.retry_s else "")
+        await asyncio.sleep(delay)
+
+    def _gave_up(self, what: str, attempt: int, t_first: float, last: str, status: int | None = None
+                 ) -> ActionClientError:
+        return ActionClientError(f"{self.url}: {what} failed after {attempt + 1} attempts over "
+                                 f"{time.monotonic() - t_first:.1f} s: {last}", status)
 
     async def _maybe_restart_worker(self) -> None:
         if self.worker is None:
@@ -94,7 +152,7 @@ class ActionClient(RetryingClient):
                  postprocess: Callable[[np.ndarray], np.ndarray] | None = None,
                  on_timing: Callable[[dict[str, Any]], None] | None = None, camera: str = DEFAULT_CAMERA,
                  raw_action_dim: int | None = None, max_connections: int = 64,
-                 worker: Any = None):
+                 worker: Any = None, retry_s: float = 0.0):
         if mode not in ("wamkit", "sglang"):
             raise ValueError(f"mode must be 'wamkit' or 'sglang', got {mode!r}")
         self.url = url.rstrip("/")
@@ -102,6 +160,7 @@ class ActionClient(RetryingClient):
         self._max_request = max_request_size
         self.timeout_s = float(timeout_s)
         self.retries, self.backoff, self.backoff_max = int(retries), float(backoff), float(backoff_max)
+        self.retry_s = float(retry_s)
         self.mode, self.binary = mode, bool(binary)
         self.parameters = dict(parameters or {})
         self.postprocess, self.on_timing = postprocess, on_timing
@@ -134,33 +193,46 @@ class ActionClient(RetryingClient):
 
     async def _request(self, method: str, path: str, content: bytes | None = None,
                        headers: dict[str, str] | None = None) -> tuple[httpx.Response, int]:
-        """One HTTP exchange with retries. Returns (response with status < 400, attempts)."""
-        last: str = ""
-        for attempt in range(self.retries + 1):
+        """One HTTP exchange with retries. Returns (2xx response, attempts)."""
+        last, status, attempt, t_first = "", None, 0, time.monotonic()
+        while True:
             retry_after = None
             try:
                 r = await self._client().request(method, path, content=content, headers=headers)
             except httpx.TransportError as e:
-                last = f"{type(e).__name__}: {e}"
-                status = None
+                last, status = exception_text(e), None
                 await self._maybe_restart_worker()
             else:
-                if r.status_code < 400:
+                if r.is_success:
                     return r, attempt + 1
                 status = r.status_code
+                if r.is_redirect or status < 400:
+                    raise ActionClientError(f"{self.url}: {method} {path} answered {status} (redirect to "
+                                            f"{r.headers.get('location', '?')}): give the server's own address, "
+                                            f"not one that redirects", status, r.content)
                 last = _error_message(r)
                 if status not in RETRY_STATUS:
-                    raise ActionClientError(f"{method} {path} -> {status}: {last}", status, r.content)
+                    raise client_error(self.url, f"{method} {path} -> {status}: {last}", status, r.content)
+                last = f"{status}: {last}"
                 retry_after = r.headers.get("retry-after")
-            if attempt < self.retries:
-                await asyncio.sleep(self._delay(attempt, retry_after_s(retry_after)))
-        raise ActionClientError(f"{method} {path} failed after {self.retries + 1} attempts: {last}", status)
+            if not self._retry_again(attempt, t_first, status):
+                raise self._gave_up(f"{method} {path}", attempt, t_first, last, status)
+            await self._backoff(attempt, retry_after_s(retry_after), last)
+            attempt += 1
 
     # ------------------------------------------------------------------ API
     async def metadata(self, refresh: bool = False) -> dict[str, Any]:
         if self._metadata is None or refresh:
             r, _ = await self._request("GET", "/v1/actions/metadata")
-            self._metadata = r.json()
+            try:
+                md = decode_body(r.content, r.headers.get("content-type"))
+            except Exception as e:  # noqa: BLE001 - e.g. a proxy's HTML page at that path
+                md = e
+            if not isinstance(md, dict):
+                what = exception_text(md) if isinstance(md, Exception) else f"a {type(md).__name__}"
+                raise ActionClientError(f"{self.url}/v1/actions/metadata did not answer the action server's metadata "
+                                        f"(a JSON object); got {what}: is server.url an action server?", r.status_code)
+            self._metadata = md
         return self._metadata
 
     async def health(self) -> bool:
@@ -175,12 +247,13 @@ class ActionClient(RetryingClient):
             return int(self._max_request)
         try:
             md = await self.metadata()
-            caps = md.get("capabilities") or {}
-            self._max_request = int(caps.get("max_batch_size") or 1)
+            caps, output = _mapping(md, "capabilities"), _mapping(md, "output")
+            self._max_request = _count(caps.get("max_batch_size") or 1, "capabilities.max_batch_size", self.url)
             if caps.get("batch_inputs") is False:      # SGLang's Cosmos3 metadata at --batching-max-size 1
                 self._max_request = 1
-            padded = (md.get("output") or {}).get("padded_action_dim")
-            if self.raw_action_dim and padded and int(self.raw_action_dim) > int(padded):
+            padded = output.get("padded_action_dim")
+            padded = _count(padded, "output.padded_action_dim", self.url) if padded else None
+            if self.raw_action_dim and padded and int(self.raw_action_dim) > padded:
                 raise ActionClientError(f"{self.url}: raw_action_dim {self.raw_action_dim} > the model's "
                                         f"{padded} action channels (metadata output.padded_action_dim)")
         except ActionClientError as e:
@@ -233,7 +306,7 @@ class ActionClient(RetryingClient):
             try:
                 check_sglang_request(body, self._max_request)
             except ValueError as e:
-                raise ActionClientError(f"not sent to {self.url} (SGLang would refuse it): {e}") from None
+                raise ActionClientError(f"{self.url}: not sent (SGLang would refuse it): {e}") from None
         else:
             body = build_request(obs, seeds, params, binary=self.binary)
         data, ctype = encode_body(body, self.binary)
@@ -245,7 +318,7 @@ class ActionClient(RetryingClient):
             resp = parse_response(decode_body(r.content, r.headers.get("content-type")), raw_action_dim=rad,
                                   expect_n=len(obs))
         except ProtocolError as e:
-            raise ActionClientError(f"bad response from {self.url}: {e}", r.status_code) from None
+            raise ActionClientError(f"{self.url}: bad response: {e}", r.status_code) from None
         rec = {"request_id": body["request_id"], "n": len(obs), "t_send": t_send, "t_recv": t_recv,
                "client_ms": round((t_recv - t_send) * 1000.0, 3), "attempts": attempts,
                "request_bytes": len(data), "response_bytes": len(r.content), "server": resp.timing}
@@ -275,6 +348,22 @@ def scatter_chunks(n: int, plan: list[list[int]], results: Sequence[np.ndarray])
             raise ActionClientError(f"requests returned chunks of shapes {acts.shape[1:]} and {out.shape[1:]}")
         out[idx] = acts
     return out
+
+
+def _mapping(md: dict[str, Any], key: str) -> dict[str, Any]:
+    v = md.get(key) or {}
+    return v if isinstance(v, dict) else {}
+
+
+def _count(value: Any, field: str, url: str) -> int:
+    """A positive integer from the server's metadata, or one line naming the field."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or isinstance(value, bool):
+        raise ActionClientError(f"{url}/v1/actions/metadata: {field} must be a positive integer, got {value!r}")
+    return n
 
 
 def _error_message(r: httpx.Response) -> str:

@@ -40,22 +40,16 @@ def sglang_parameters(raw_action_dim: int | None = None, domain_name: str | None
     """SGLang `parameters` with its rules checked (ValueError names the rule)."""
     p = {**SGLANG_DEFAULTS, **{k: v for k, v in extra.items() if v is not None}}
     p["action_horizon"] = int(action_horizon)
-    if p["action_horizon"] <= 0 or p["action_horizon"] % 4:
-        raise ValueError(f"SGLang needs action_horizon % 4 == 0 (temporal VAE), got {action_horizon}")
-    nf = p.get("num_frames")
-    if nf is not None and int(nf) != p["action_horizon"] + 1:
-        raise ValueError(f"SGLang needs num_frames == action_horizon + 1, got {nf} for {action_horizon}")
-    p["num_frames"] = p["action_horizon"] + 1
     if domain_name:
         p["domain_name"] = domain_name
     if domain_id is not None:
         p["domain_id"] = int(domain_id)
-    if not domain_name and domain_id is None:
-        raise ValueError("SGLang action requests need domain_name or domain_id")
-    if domain_id is not None and not domain_name and raw_action_dim is None:
-        raise ValueError("SGLang needs raw_action_dim when only domain_id is given")
     if raw_action_dim is not None:
         p["raw_action_dim"] = int(raw_action_dim)
+    refusal = sglang_parameter_refusal(p)
+    if refusal is not None:
+        raise ValueError(f"{refusal[0]}: {refusal[1]}")
+    p["num_frames"] = p["action_horizon"] + 1
     if p.get("candidate_count", 1) > 1:
         raise ValueError("candidate_count > 1 is only valid with one image; wamkit does not use it")
     return p
@@ -109,17 +103,27 @@ def check_sglang_request(body: dict[str, Any], max_batch_size: int | None = None
     seed = params.get("seed", 42)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"parameters.seed: SGLang takes one non-negative integer per request, got {seed!r}")
+    refusal = sglang_parameter_refusal(params)
+    if refusal is not None:
+        raise ValueError(f"{refusal[0]}: {refusal[1]}")
+
+
+def sglang_parameter_refusal(params: dict[str, Any]) -> tuple[str, str] | None:
+    """(field path, why) for action parameters SGLang's Cosmos3 entrypoint refuses with 400, else None: checked by
+    the client before sending and by `wamkit serve` for policies that answer in SGLang's place (cosmos3-standin), so
+    a CPU run through the stand-in refuses what SGLang would."""
     h, nf = params.get("action_horizon"), params.get("num_frames")
     if h is not None and (int(h) <= 0 or int(h) % 4):
-        raise ValueError(f"parameters.action_horizon: must be a positive multiple of 4, got {h}")
+        return "parameters.action_horizon", f"must be a positive multiple of 4, got {h}"
     if h is not None and nf is not None and int(nf) != int(h) + 1:
-        raise ValueError(f"parameters.num_frames: must be action_horizon + 1 = {int(h) + 1}, got {nf}")
+        return "parameters.num_frames", f"must be action_horizon + 1 = {int(h) + 1}, got {nf}"
     if not params.get("domain_name") and params.get("domain_id") is None:
-        raise ValueError("parameters.domain_name: SGLang needs domain_name or domain_id")
+        return "parameters.domain_name", "SGLang needs domain_name or domain_id"
     if params.get("domain_id") is not None and not params.get("domain_name") and params.get("raw_action_dim") is None:
-        raise ValueError("parameters.raw_action_dim: needed when only domain_id is given")
+        return "parameters.raw_action_dim", "needed when only domain_id is given"
     if params.get("action_mode", "policy") != "policy":
-        raise ValueError("parameters.action_mode: wamkit sends policy mode only")
+        return "parameters.action_mode", "wamkit sends policy mode only"
+    return None
 
 
 def decode_sglang_response(body: dict[str, Any], raw_action_dim: int | None, expect_n: int | None = None

@@ -13,7 +13,8 @@ Routes
 
 Errors answer ``{"error": {"message", "type", "path", "code"}, "detail": message}``: 400 malformed (the message names
 the field path), 401 bad/missing token, 408 body not received within body_timeout_s, 413 body or decoded images too
-large, 415 content type, 422 valid but unsupported here, 500 the policy failed, 503 queue full or shutting down (with
+large, 415 content type, 422 valid but unsupported here (also: the policy's own input check refused it, a UserError
+from predict), 500 the policy failed, 503 queue full or shutting down (with
 Retry-After). Decoding a request never answers 5xx: an unexpected error while decoding is a 400 (and counted in
 /metrics as decode_unexpected). Requests are never unpickled: JSON or msgpack without extension types only.
 """
@@ -37,9 +38,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from wamkit.core.cpu_pinning import torch_threads
+from wamkit.core.errors import UserError
 from wamkit.policies.base import Policy
 from wamkit.protocol import ProtocolError, build_response, decode_body, encode_body, is_msgpack, parse_request
 from wamkit.protocol.messages import ActionRequest
+from wamkit.protocol.sglang import sglang_parameter_refusal
 from wamkit.protocol.shm import ShmReader
 from wamkit.protocol.shm import available as shm_available
 from wamkit.serve.batcher import DynamicBatcher, QueueFull
@@ -167,6 +170,13 @@ class ActionServer:
     def _check_against_policy(self, req: ActionRequest) -> None:
         a = self.spec.action
         p = req.parameters
+        if self.spec.extra.get("request_rules") == "sglang":   # answering in SGLang's place: refuse what it refuses
+            refusal = sglang_parameter_refusal(p)
+            if refusal is not None:
+                raise ProtocolError(refusal[0], refusal[1])
+            if len(req) > self.max_batch_size:
+                raise ProtocolError("input.image", f"{len(req)} observations exceed the server's max batch size "
+                                                   f"{self.max_batch_size} (SGLang's --batching-max-size)")
         if p.get("action_horizon", 0) > a.horizon:
             raise ProtocolError("parameters.action_horizon", f"{p['action_horizon']} > this policy's horizon "
                                                              f"{a.horizon}", status=422)
@@ -315,6 +325,8 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
             except QueueFull as e:
                 srv.metrics.count("rejected_busy")
                 resp = error_response(503, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
+            except UserError as e:  # the policy refused this request's input (its own check): not the server's fault
+                resp = error_response(422, str(e), "input")
             except Exception as e:  # the policy failed: answer 500, keep serving
                 log.exception("request failed")
                 resp = error_response(500, f"{type(e).__name__}: {e}")

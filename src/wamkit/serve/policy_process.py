@@ -14,7 +14,8 @@ does no policy work at all, and the policy process's GIL belongs to predict.
   for that call. 64 observations of two 256 px cameras: one 25 MB memcpy instead of pickling them through the pipe
   (~10 vs ~90 ms on a 2-core CPU).
 - Errors: a failing build raises here (UserError stays UserError: `wamkit serve` exits 2 with its line); a failing
-  predict raises RuntimeError with the child's message (the server answers 500 and keeps serving); a child that died
+  predict raises RuntimeError with the child's message (the server answers 500 and keeps serving), UserError where the
+  policy refused its input (422); a child that died
   raises RuntimeError on every call.
 - The child ignores SIGINT/SIGTERM (a server worker signals the whole process group; the parent flushes its queued
   batches first) and exits when the parent closes the pipe or dies (EOF).
@@ -140,6 +141,8 @@ def _child(conn, name: str, kwargs: dict[str, Any], torch_threads: int) -> None:
                     out = policy.warmup(msg[1])
                     freeze_heap()   # and what warm-up built (compiled graphs)
                 conn.send(("ok", out))
+            except UserError as e:    # the policy refused this input (the server answers 422)
+                conn.send(("user", str(e)))
             except Exception as e:  # noqa: BLE001 - the request fails, the child keeps serving
                 conn.send(("error", f"{type(e).__name__}: {e}"))
     finally:

@@ -33,6 +33,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from wamkit.core.errors import UserError
 from wamkit.protocol import ProtocolError, build_response, parse_request
 from wamkit.protocol.limits import DecodeLimits
 from wamkit.protocol.messages import ActionRequest
@@ -147,6 +148,8 @@ class _Connection:
         except QueueFull as e:
             srv.metrics.count("rejected_busy")
             status, body = 503, _error_body(503, str(e), retry_after_s=round(e.retry_after_s, 3))
+        except UserError as e:  # the policy refused this frame's input (its own check)
+            status, body = 422, _error_body(422, str(e), "input")
         except Exception as e:  # the policy failed: answer 500, keep serving
             log.exception("websocket request failed")
             status, body = 500, _error_body(500, f"{type(e).__name__}: {e}")

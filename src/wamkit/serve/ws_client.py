@@ -37,7 +37,8 @@ import numpy as np
 
 from wamkit.core.types import Observation
 from wamkit.protocol import ProtocolError
-from wamkit.protocol.client import RETRY_STATUS, ActionClientError, RetryingClient, checked_seeds, scatter_chunks
+from wamkit.protocol.client import (RETRY_STATUS, ActionClientError, RetryingClient, checked_seeds, client_error,
+                                    exception_text, scatter_chunks)
 from wamkit.protocol.openpi import packb, unpackb
 from wamkit.protocol.shm import UNREADABLE as SHM_UNREADABLE
 from wamkit.protocol.shm import available as shm_available
@@ -64,7 +65,8 @@ class WebsocketActionClient(RetryingClient):
                  parameters: dict[str, Any] | None = None, send_seed: bool = True,
                  postprocess: Callable[[np.ndarray], np.ndarray] | None = None,
                  on_timing: Callable[[dict[str, Any]], None] | None = None, raw_action_dim: int | None = None,
-                 action_horizon: int | None = None, worker: Any = None, shm_arrays: bool = False):
+                 action_horizon: int | None = None, worker: Any = None, shm_arrays: bool = False,
+                 retry_s: float = 0.0):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
         if max_connections < 1:
@@ -78,6 +80,7 @@ class WebsocketActionClient(RetryingClient):
         headers = {"Authorization": f"{self.codec.auth_scheme} {token}"} if token else {}
         self.pool = ConnectionPool(self.url, headers, self.max_connections, self.connect_timeout_s, self.timeout_s)
         self.retries, self.backoff, self.backoff_max = int(retries), float(backoff), float(backoff_max)
+        self.retry_s = float(retry_s)
         self.parameters = dict(parameters or {})
         self.send_seed = bool(send_seed)          # openpi frames carry "seed" (wamkit and SGLang servers read it)
         self.postprocess, self.on_timing, self.raw_action_dim = postprocess, on_timing, raw_action_dim
@@ -119,19 +122,19 @@ class WebsocketActionClient(RetryingClient):
             status = e.response.status_code
             why = f"handshake refused with HTTP {status}: {_denial_text(e.response)}"
             if status not in RETRY_STATUS:
-                raise ActionClientError(f"{self.url}: {why}", status) from None
+                raise client_error(self.url, why, status) from None
             return None, why
         except (OSError, asyncio.TimeoutError, TimeoutError, WebSocketException, ProtocolError, Refused) as e:
             await self._maybe_restart_worker()
-            return None, f"connect: {type(e).__name__}: {e}"
+            return None, f"connect: {exception_text(e)}"
 
     async def _exchange(self, frame: bytes) -> tuple[dict[str, Any], int, int, float, float]:
         """Send one frame, return (decoded reply, attempts, reply bytes, t_send, t_recv); retries as documented."""
         from websockets.exceptions import WebSocketException
 
-        last = ""
-        for attempt in range(self.retries + 1):
-            retry_after = None
+        last, attempt, t_first = "", 0, time.monotonic()
+        while True:
+            retry_after, status = None, None
             ws, why = await self._checkout()
             if ws is None:
                 last = why
@@ -143,7 +146,8 @@ class WebsocketActionClient(RetryingClient):
                     raw = await asyncio.wait_for(ws.recv(), self.timeout_s)
                     reusable = True
                 except (OSError, asyncio.TimeoutError, TimeoutError, WebSocketException) as e:
-                    last = f"{type(e).__name__}: {e}"
+                    last = exception_text(e) if not isinstance(e, (asyncio.TimeoutError, TimeoutError)) else \
+                        f"no reply within {self.timeout_s:g} s"
                     raw = None
                 finally:
                     await self.pool.release(ws, reusable)
@@ -156,32 +160,34 @@ class WebsocketActionClient(RetryingClient):
                         try:
                             reply = unpackb(raw)
                         except ProtocolError as e:
-                            raise ActionClientError(f"bad reply from {self.url}: {e}") from None
+                            raise ActionClientError(f"{self.url}: bad reply: {e}") from None
                     err = error_reply(reply)
                     if err is None:
                         return reply, attempt + 1, len(raw), t_send, t_recv
-                    last = f"{err.status}: {err}"
+                    last, status = f"{err.status}: {err}", err.status
                     if err.status not in RETRY_STATUS:
-                        raise ActionClientError(f"{self.url} -> {last}", err.status, raw)
+                        raise client_error(self.url, last, err.status, raw)
                     retry_after = err.retry_after
-            if attempt < self.retries:
-                await asyncio.sleep(self._delay(attempt, retry_after))
-        raise ActionClientError(f"{self.url} failed after {self.retries + 1} attempts: {last}")
+            if not self._retry_again(attempt, t_first, status):
+                raise self._gave_up("a request", attempt, t_first, last, status)
+            await self._backoff(attempt, retry_after, last)
+            attempt += 1
 
     # ------------------------------------------------------------------ API
     async def metadata(self) -> dict[str, Any]:
         """The server's metadata frame (the first connection's)."""
-        last = ""
-        for attempt in range(self.retries + 1):
-            if self.pool.metadata is not None:
-                return self.pool.metadata
+        last, attempt, t_first = "", 0, time.monotonic()
+        while self.pool.metadata is None:
             ws, last = await self._checkout()
             if ws is not None:
                 await self.pool.release(ws, True)
-            elif attempt < self.retries:
-                await asyncio.sleep(self._delay(attempt, None))
-        if self.pool.metadata is None:
-            raise ActionClientError(f"{self.url} failed after {self.retries + 1} attempts: {last}")
+                if self.pool.metadata is not None:
+                    break
+                last = "connected, but no metadata frame came"
+            if not self._retry_again(attempt, t_first, None):
+                raise self._gave_up("the metadata frame", attempt, t_first, last)
+            await self._backoff(attempt, None, last)
+            attempt += 1
         return self.pool.metadata
 
     async def max_request_size(self) -> int:
@@ -256,7 +262,7 @@ class WebsocketActionClient(RetryingClient):
         try:
             actions, server = self.codec.decode(reply, rad, len(obs))
         except ProtocolError as e:
-            raise ActionClientError(f"bad reply from {self.url}: {e}") from None
+            raise ActionClientError(f"{self.url}: bad reply: {e}") from None
         rec = {"request_id": rid, "n": len(obs), "t_send": t_send, "t_recv": t_recv,
                "client_ms": round((t_recv - t_send) * 1000.0, 3), "attempts": attempts,
                "request_bytes": len(frame), "response_bytes": nbytes, "server": server}

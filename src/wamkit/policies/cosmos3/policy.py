@@ -165,9 +165,10 @@ class Cosmos3Codec(RemoteCodec):
     protocol, camera, raw_action_dim = "sglang", "image", C.RAW_ACTION_DIM
 
     def __init__(self, num_inference_steps: int, framing: str, seed: int | None, pipeline,
-                 server_normalizes: bool = False):
+                 server_normalizes: bool = False, transport: dict[str, Any] | None = None):
         self.num_inference_steps, self.framing, self.seed = int(num_inference_steps), framing, seed
         self.pipeline, self.server_normalizes = pipeline, bool(server_normalizes)
+        self.transport = {k: v for k, v in (transport or {}).items() if v is not None}
 
     def parameters(self) -> dict[str, Any]:
         return C.cosmos3_parameters(self.num_inference_steps, framing=self.framing)
@@ -281,7 +282,9 @@ class Cosmos3Policy(Policy):
                             "10-D training actions, or the stats JSON) so they can be denormalized, or "
                             "normalization=server if the SGLang server was started with action stats")
         return Cosmos3Codec(self.num_inference_steps, self.framing, self.seed, self.action_pipeline,
-                            server_normalizes=self.normalization == "server")
+                            server_normalizes=self.normalization == "server",
+                            transport={"token": self.token, "timeout_s": self.timeout_s,
+                                       "max_request_size": self.max_request_size})
 
     def sglang_parameters(self) -> dict[str, Any]:
         return C.cosmos3_parameters(self.num_inference_steps, framing=self.framing)

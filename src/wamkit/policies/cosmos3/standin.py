@@ -85,7 +85,8 @@ class Cosmos3StandIn(Policy):
                                input=InputSpec(cameras=("image",), image_size=0, state_dim=0, text=True),
                                action=ActionSpec(dim=self.padded, horizon=C.ACTION_HORIZON, representation="rot6d10"),
                                deterministic=self.inner.spec.deterministic,
-                               extra={"inner": inner, "policy_family": "cosmos3", "raw_action_dim": C.RAW_ACTION_DIM})
+                               extra={"inner": inner, "policy_family": "cosmos3", "raw_action_dim": C.RAW_ACTION_DIM,
+                                      "request_rules": "sglang"})
 
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
         env_obs = [Observation(images=split_side_by_side(o.images["image"]), state=None, task=task_of_prompt(o.task))
