@@ -482,7 +482,8 @@ def test_output_directory_faults_found_by_a_probe(tmp_path):
     """What a probe of the eval's output handling found, each now one line or handled:
     - a resume with nothing left to run (a run killed after its last episode was journaled) crashed drawing an
       empty timeline (KeyError) and overwrote the first run's timeline.json; now it writes the summary and report
-      and keeps the timeline;
+      and keeps the timeline, and (a docs probe, session 30) keeps the last measured throughput and scheduler
+      figures instead of zeros;
     - a resume that changes server.policy was accepted (two policies' results in one summary);
     - a second evaluation into a directory another one is writing ran too (both journaled there);
     - duplicate task ids ran twice, then crashed ("recorded twice");
@@ -492,8 +493,11 @@ def test_output_directory_faults_found_by_a_probe(tmp_path):
     from wamkit.eval.runner import LOCK, run_eval
 
     out = tmp_path / "x"
-    first = run_eval(mw_cfg(tmp_path, "x", "tasks=0"))
+    first = json.loads(json.dumps(run_eval(mw_cfg(tmp_path, "x", "tasks=0"))))
     tl = (out / "timeline.json").read_text()
+    kept = run_eval(mw_cfg(tmp_path, "x", "tasks=0", "resume=true"))        # nothing to run: the figures stay
+    assert kept["throughput"] == first["throughput"] and kept["scheduler"] == first["scheduler"]
+    assert kept["throughput"]["env_steps_per_s"] > 0 and kept["episodes"] == 2
     (out / "summary.json").unlink()
     (out / "report.md").unlink()
     again = run_eval(mw_cfg(tmp_path, "x", "tasks=0", "resume=true"))       # nothing left to run

@@ -28,6 +28,7 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("WAMKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(rb, "_resolved", {})
     monkeypatch.setattr(rb, "_said", set())
+    monkeypatch.setattr(rb, "_egl_count", [])
     for v in rb.GL_VARS + (GL_SET_MARK, rb.SAID_MARK):
         monkeypatch.delenv(v, raising=False)
     return tmp_path
@@ -127,6 +128,20 @@ def test_explicit_egl_device_reaches_mujoco():
     # MUJOCO_EGL_DEVICE_ID is read by mujoco.egl when it opens its display: device 0 exists here (llvmpipe)
     got = _child({"render_backend": "egl", "render_device": "0"}, {})
     assert got["ctx"] == "mujoco.egl" and got["MUJOCO_EGL_DEVICE_ID"] == "0"
+
+
+def test_an_egl_device_this_machine_lacks_is_one_line_before_any_env(monkeypatch):
+    """render_device=1 on a machine with one EGL device was a 27-frame traceback from inside every env worker
+    (MuJoCo's error); now a ConfigError (exit 2) before any env starts. An EGL that cannot list devices refuses
+    nothing."""
+    monkeypatch.setattr(rb, "_egl_count", [])
+    monkeypatch.setattr(rb, "egl_devices", lambda: [{"index": 0, "cuda": 0, "drm": None, "software": False}])
+    with pytest.raises(ConfigError, match=r"render_device=1: this machine has 1 EGL device\(s\) \(indices 0..0"):
+        rb.resolve("egl", "1", 64)
+    assert rb.resolve("egl", "0", 64).device == 0
+    monkeypatch.setattr(rb, "_egl_count", [])
+    monkeypatch.setattr(rb, "egl_devices", lambda: [])
+    assert rb.resolve("egl", "5", 64).device == 5
 
 
 @pytest.mark.slow
@@ -264,6 +279,7 @@ def test_workers_spread_over_the_chosen_devices(fresh, monkeypatch):
     got = [rb.worker_kwargs(MW, {"render_backend": "auto"}, i)["render_device"] for i in range(4)]
     assert got == ["1", "2", "3", "1"]
     # an explicit device is kept for every worker
+    monkeypatch.setattr(rb, "egl_devices", lambda: [{"index": i} for i in range(6)])
     assert rb.worker_kwargs(MW, {"render_backend": "egl", "render_device": 5}, 3)["render_device"] == "5"
 
 

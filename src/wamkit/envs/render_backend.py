@@ -254,6 +254,9 @@ def resolve(backend: str, device: Any, size: int) -> Resolved:
     measured choice); memoized per process."""
     check_render_options(backend, device)
     dev = parse_device(device)
+    if dev is not None and backend == "egl":   # (auto measures the device and names its failure)
+        with _lock:
+            check_egl_device(dev)
     if backend != "auto":
         return Resolved(backend, dev if backend == "egl" else None)
     user = user_mujoco_gl()
@@ -263,6 +266,20 @@ def resolve(backend: str, device: Any, size: int) -> Resolved:
     memo = (backend, dev, int(size))
     with _lock:
         return _resolved[memo] if memo in _resolved else _resolve_auto(memo)
+
+
+_egl_count: list[int] = []   # the EGL devices this process found (listed once)
+
+
+def check_egl_device(dev: int) -> None:
+    """ConfigError (one line, before any env starts) for an EGL device index this machine does not have; MuJoCo's own
+    error came from inside every env worker, a long traceback. Nothing is refused when EGL cannot list its devices."""
+    if not _egl_count:
+        _egl_count.append(len(egl_devices()))
+    n = _egl_count[0]
+    if n and dev >= n:
+        raise ConfigError(f"render_device={dev}: this machine has {n} EGL device(s) (indices 0..{n - 1}; "
+                          f"`.venv/bin/python bench/device/gl_check.py` lists them)")
 
 
 def _resolve_auto(memo: tuple) -> Resolved:

@@ -217,6 +217,21 @@ def start_env_workers(workers) -> None:
         raise
 
 
+def keep_measurements(summary: dict[str, Any], previous: Path) -> dict[str, Any]:
+    """A resume with nothing left to run recounts the episodes but measures nothing: the throughput and scheduler
+    figures stay those of the last run that ran episodes (`previous` summary.json), not zeros."""
+    try:
+        old = json.loads(previous.read_text())
+    except (OSError, ValueError):
+        return summary
+    if not isinstance(old, dict):
+        return summary
+    for key in ("throughput", "scheduler", "run_id"):
+        if key in old:
+            summary[key] = old[key]
+    return summary
+
+
 def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=None, server_worker_factory=None,
              server_workers=None, cores: int | None = None) -> dict[str, Any]:
     """Run an evaluation; returns the summary (also written to OUT/summary.json).
@@ -407,8 +422,9 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                         status.cancel()
                     await inference.close()
 
-        with progress:
-            asyncio.run(main())
+        if todo:   # a resume with nothing to run starts no server and measures nothing
+            with progress:
+                asyncio.run(main())
         wall = time.time() - clock["t0"]
         if timeline.spans or not (out / "timeline.json").exists():   # a resume with nothing to run keeps the last
             timeline.save(out / "timeline.json")
@@ -447,6 +463,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "client": health.summary(),
                                 "gc_frozen_objects": clock.get("gc_frozen", 0),
                                 "auto_shape": sched.batcher.shape_summary() if sched.batcher else None}})
+        if not todo:
+            summary = keep_measurements(summary, out / "summary.json")
         write_atomic(out / "summary.json", json.dumps(summary, indent=2))   # a kill leaves the old one or the new
         write_report(out)   # timeline.png, report.md, report.html
         if tracker is not None:
