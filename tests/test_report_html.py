@@ -154,6 +154,72 @@ def test_report_page_without_browser(tmp_path):
     assert "timeline.png" not in md and "(report.html)" in md
 
 
+def test_report_embeds_only_files_under_videos_and_reads_odd_records(tmp_path):
+    """A probe's findings (session 30): a results.jsonl naming "/etc/passwd" or "../../x" as an episode's video had
+    that file embedded in report.html (a page meant to be mailed); lines that are not objects were an
+    AttributeError; a | in a task name broke report.md's table."""
+    from wamkit.eval.report import write_report
+
+    out = _fake_out(tmp_path / "ev")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0")
+    recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()[:2]]
+    recs[1]["video"] = str(secret)
+    extra = [{**recs[1], "key": "k9", "index": 9, "video": "../secret.txt"}, [1], {"video": 5}]
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs + extra))
+    s = json.loads((out / "summary.json").read_text())
+    s["per_task"]["1"]["task"] = "a | b"
+    (out / "summary.json").write_text(json.dumps(s))
+    write_report(out)
+    page = (out / "report.html").read_text()
+    import base64
+
+    embedded = [base64.b64decode(m) for m in __import__("re").findall(r"data:video/mp4;base64,([A-Za-z0-9+/=]+)", page)]
+    assert len(embedded) == 1 and b"root:x" not in b"".join(embedded)
+    assert page.count("is not under videos/ (not embedded)") == 2
+    assert "| a \\| b |" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda s: s.pop("throughput"), "field throughput"),
+    (lambda s: s["throughput"].pop("episodes_this_run"), "field throughput.episodes_this_run"),
+    (lambda s: s.update(per_task=[1]), "field per_task"),
+    (lambda s: s["per_task"]["0"].pop("success_rate"), "field per_task.0.success_rate"),
+    (lambda s: s.update(success_rate="50%"), "field success_rate"),
+    (lambda s: s.update(scheduler=[]), "field scheduler")])
+def test_report_on_a_summary_it_cannot_read_names_the_field(tmp_path, capsys, edit, field):
+    """Hand-edited summaries or another tool's: one line naming the field (were KeyError/TypeError tracebacks)."""
+    from wamkit.cli.main import main
+
+    out = _fake_out(tmp_path)
+    s = json.loads((out / "summary.json").read_text())
+    edit(s)
+    (out / "summary.json").write_text(json.dumps(s))
+    assert main(["report", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and field in err, err
+
+
+def test_report_on_a_run_that_did_not_finish_says_resume(tmp_path, capsys):
+    from wamkit.cli.main import main
+
+    out = _fake_out(tmp_path)
+    (out / "summary.json").unlink()
+    assert main(["report", str(out)]) == 2
+    assert "did not finish" in capsys.readouterr().err
+
+
+def test_report_with_a_null_utilization_falls_back(tmp_path):
+    from wamkit.eval.report import write_report
+
+    out = _fake_out(tmp_path)
+    s = json.loads((out / "summary.json").read_text())
+    s["scheduler"] = {"env_busy": None, "inference_busy": 0.5}
+    (out / "summary.json").write_text(json.dumps(s))
+    write_report(out)
+    assert (out / "report.md").exists()
+
+
 def test_report_with_a_timeline(tmp_path):
     """timeline.json -> timeline.png, linked from report.md (with the utilization) and embedded in report.html."""
     from wamkit.eval.report import write_report

@@ -199,6 +199,50 @@ def test_export_dir_is_loadable_by_make_policy(tmp_path):
     np.testing.assert_array_equal(pol.predict(obs, [0]), ref.predict(obs, [0]))
 
 
+def test_export_guards_its_out_and_refuses_damaged_exports(tmp_path):
+    """A probe's findings (session 30): export wrote into any directory (a dataset, the checkpoint itself) and kept
+    an earlier export's stale files; an export missing action_pipeline.json served actions that were never
+    denormalized; a truncated model.safetensors or a manifest that is not an object was a traceback; weights=auto
+    on a checkpoint of an EMA run whose ema/ was lost exported the raw weights without a word."""
+    import shutil
+
+    from wamkit.policies import make_policy, register_policy
+    from wamkit.train.export import export_checkpoint, load_trained_policy
+
+    register_policy("tiny-test", "test_train_support:TinyPolicy")
+    train(cfg_of(tmp_path / "run", "steps=4", "batch_size=8", "ema=0.5"))
+    step = list_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    other = tmp_path / "dataset"
+    (other / "meta").mkdir(parents=True)
+    with pytest.raises(UserError, match="not empty and holds no earlier export"):
+        export_checkpoint(tmp_path / "run", other)
+    with pytest.raises(UserError, match="is the checkpoint"):
+        export_checkpoint(step, step)
+    out = export_checkpoint(tmp_path / "run", tmp_path / "export")
+    (out / "tokenizer").mkdir()
+    (out / "tokenizer" / "stale").write_text("x")
+    export_checkpoint(tmp_path / "run", out)                            # an earlier export is replaced whole
+    assert not (out / "tokenizer").exists() and make_policy(str(out)).spec.name == "tiny-test"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dataset", "export", "run"]   # no temporary dirs left
+    for damage, match in [(lambda d: (d / "action_pipeline.json").unlink(), "action_pipeline.json, named in"),
+                          (lambda d: (d / "model.safetensors").write_bytes(b"\x05\x00" * 100), "corrupt or incomplete"),
+                          (lambda d: (d / "wamkit_policy.json").write_text("[]"), "expected a JSON object")]:
+        bad = tmp_path / "bad"
+        shutil.copytree(out, bad)
+        damage(bad)
+        with pytest.raises(UserError, match=match):
+            make_policy(str(bad))
+        shutil.rmtree(bad)
+    lost = tmp_path / "lost-ema"
+    shutil.copytree(step, lost)
+    shutil.rmtree(lost / "ema")
+    with pytest.raises(UserError, match="trained with EMA but has no ema/"):
+        load_trained_policy(lost)
+    assert load_trained_policy(lost, weights="model")[1] == "model"
+    with pytest.raises(UserError, match="is a training run or checkpoint, not a servable policy: `wamkit export"):
+        make_policy(str(tmp_path / "run"))
+
+
 # ------------------------------------------------------------------------------------------------ run dir reuse
 
 def test_existing_out_is_refused_unless_resume_or_overwrite(tmp_path):

@@ -69,7 +69,8 @@ def outcome_view(records: list[dict[str, Any]]) -> dict[str, tuple[bool, int]]:
 
 
 def load_summary(out) -> dict:
-    """OUT/summary.json of an evaluation output directory (UserError naming the directory when there is none)."""
+    """OUT/summary.json of an evaluation output directory, checked for what the reports read (UserError, one line
+    naming the directory or the field: a hand-edited summary or another tool's was a KeyError traceback)."""
     import json
     from pathlib import Path
 
@@ -77,6 +78,9 @@ def load_summary(out) -> dict:
 
     p = Path(out) / "summary.json"
     if not p.exists():
+        if (Path(out) / "results.jsonl").exists():
+            raise UserError(f"no summary.json in {out}: the evaluation did not finish; `wamkit eval ... resume=true` "
+                            f"with the same keys and out={out} finishes it and writes the summary")
         raise UserError(f"no summary.json in {out} (is it an evaluation output directory?)")
     try:
         s = json.loads(p.read_text())
@@ -85,5 +89,41 @@ def load_summary(out) -> dict:
                         f"writes it again from results.jsonl") from None
     if not isinstance(s, dict):
         raise UserError(f"{p} is not a summary (a JSON object); `wamkit eval ... resume=true` writes it again")
+    problem = summary_problem(s)
+    if problem:
+        raise UserError(f"{p}: {problem} (not a summary this wamkit wrote?); `wamkit eval ... resume=true` writes "
+                        f"it again from results.jsonl")
     return s
 
+
+SUMMARY_COUNTS = ("episodes", "successes", "success_rate")
+THROUGHPUT_KEYS = ("episodes_this_run", "wall_s", "episodes_per_hour", "env_steps_per_s", "inference_obs_per_s")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def summary_problem(s: dict) -> str | None:
+    """The first field the reports need that is missing or of the wrong type ("field per_task.3.episodes: ..."),
+    else None."""
+    def bad(d, keys, where):
+        for k in keys:
+            if not _is_number(d.get(k)):
+                return f"field {where}{k}: expected a number, got {d.get(k)!r}"
+        return None
+
+    checks = [bad(s, SUMMARY_COUNTS, "")]
+    per_task, th, sch = s.get("per_task"), s.get("throughput"), s.get("scheduler", {})
+    if not isinstance(per_task, dict):
+        return f"field per_task: expected an object of tasks, got {type(per_task).__name__}"
+    for tid, row in per_task.items():
+        if not isinstance(row, dict):
+            return f"field per_task.{tid}: expected an object, got {type(row).__name__}"
+        checks.append(bad(row, SUMMARY_COUNTS, f"per_task.{tid}."))
+    if not isinstance(th, dict):
+        return f"field throughput: expected an object, got {type(th).__name__}"
+    checks.append(bad(th, THROUGHPUT_KEYS, "throughput."))
+    if not isinstance(sch, dict):
+        return f"field scheduler: expected an object, got {type(sch).__name__}"
+    return next((c for c in checks if c), None)

@@ -45,7 +45,8 @@ def throughput_line(summary: dict) -> str:
 def table_markdown(summary: dict) -> str:
     lines = ["| task_id | task | episodes | successes | success rate | chunk ms |", "|---|---|---|---|---|---|"]
     for tid, row in summary["per_task"].items():
-        lines.append(f"| {tid} | {row.get('task', '')} | {row['episodes']} | {row['successes']} | "
+        task = str(row.get("task", "")).replace("|", "\\|")   # a | in a task name would end the cell
+        lines.append(f"| {tid} | {task} | {row['episodes']} | {row['successes']} | "
                      f"{row['success_rate']:.1%} | {chunk_ms_text(row)} |")
     lines.append(f"| all | | {summary['episodes']} | {summary['successes']} | {summary['success_rate']:.1%} | |")
     return "\n".join(lines) + "\n"
@@ -54,7 +55,7 @@ def table_markdown(summary: dict) -> str:
 def utilization(out: str | Path, summary: dict) -> dict | None:
     """env_busy / inference_busy / mean_batch of a run: the summary's, else measured from OUT/timeline.json."""
     sch = summary.get("scheduler", {})
-    if "env_busy" in sch:
+    if all(isinstance(sch.get(k), (int, float)) for k in ("env_busy", "inference_busy")):
         keys = ("env_busy", "inference_busy", "mean_batch", "sim_ms_mean", "env_wait_ms_mean", "request_ms_mean",
                 "sim_worker_ms_mean", "server_batches")
         return {k: sch[k] for k in keys if sch.get(k) is not None}

@@ -59,9 +59,11 @@ def load_records(out: Path) -> list[dict[str, Any]]:
     recs = []
     for line in (p.read_text().splitlines() if p.exists() else []):
         try:
-            recs.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(rec, dict):   # a line another tool wrote is skipped, not an AttributeError
+            recs.append(rec)
     return sorted(recs, key=lambda r: r.get("index", 0))
 
 
@@ -71,10 +73,10 @@ def _cards(s: dict[str, Any]) -> str:
              (f"{th.get('episodes_per_hour', 0):.0f}", "episodes / h"),
              (f"{th.get('env_steps_per_s', 0):.1f}", "env steps / s"),
              (f"{th.get('inference_obs_per_s', 0):.1f}", "inference obs / s")]
-    if "env_busy" in sch:
+    if all(isinstance(sch.get(k), (int, float)) for k in ("env_busy", "inference_busy")):
         cards += [(f"{sch['env_busy']:.0%}", "env busy"),
                   (f"{sch['inference_busy']:.0%}", "inference busy"),
-                  (f"{sch.get('mean_batch', 0):.1f}", "mean batch")]
+                  (f"{sch.get('mean_batch') or 0:.1f}", "mean batch")]
     cards.append((f"{th.get('wall_s', 0):.1f} s", f"wall, {th.get('episodes_this_run', 0)} episodes"))
     return '<div class="cards">' + "".join(f'<div class="card"><b>{_e(v)}</b><span>{_e(k)}</span></div>'
                                            for v, k in cards) + "</div>"
@@ -133,7 +135,7 @@ def _throughput(s: dict[str, Any]) -> str:
     for k, label in labels.items():
         if k in sch:
             v = sch[k]
-            items.append((label, f"{v:.0%}" if k.endswith("_busy") else _f(v, 1)))
+            items.append((label, f"{v:.0%}" if k.endswith("_busy") and isinstance(v, (int, float)) else _f(v, 1)))
     return ('<table id="throughput">' + "".join(f'<tr><th class="l">{_e(k)}</th><td>{_e(v)}</td></tr>'
                                                 for k, v in items) + "</table>")
 
@@ -143,19 +145,21 @@ def _f(v: Any, nd: int) -> str:
 
 
 def _videos(out: Path, records: list[dict[str, Any]]) -> str:
-    vids = [r for r in records if r.get("video")]
+    vids = [r for r in records if isinstance(r.get("video"), str) and r["video"]]
     if not vids:
         return '<p class="sub">No episode videos in this run (record the first N episodes with save_videos=N).</p>'
     budget, figs = EMBED_BUDGET_BYTES, []
     for r in vids:
         p = out / r["video"]
-        ok = bool(r["success"])
+        ok = bool(r.get("success"))
         cap = (f'<span class="badge {"success" if ok else "failure"}">{"success" if ok else "failure"}</span> '
-               f'{_e(r.get("task", ""))}<br>task {_e(r["task_id"])}, trial {_e(r["trial"])}, '
-               f'{_e(r["steps"])} steps')
-        if not p.exists():
+               f'{_e(r.get("task", ""))}<br>task {_e(r.get("task_id"))}, trial {_e(r.get("trial"))}, '
+               f'{_e(r.get("steps"))} steps')
+        inside = (out / "videos").resolve() in p.resolve().parents   # never embed a file from elsewhere (a path in
+        if not inside or not p.is_file():                            # results.jsonl could name /etc/passwd)
+            why = "is missing" if inside else "is not under videos/ (not embedded)"
             figs.append(f'<figure data-success="{str(ok).lower()}"><figcaption>{cap}<br>'
-                        f'<span class="note">video file {_e(r["video"])} is missing</span></figcaption></figure>')
+                        f'<span class="note">video file {_e(r["video"])} {why}</span></figcaption></figure>')
             continue
         size = p.stat().st_size
         if size <= budget:

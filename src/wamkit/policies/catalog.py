@@ -7,8 +7,9 @@ The bottom of the policy factory: `export.py` (rebuilds an exported policy by na
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
-from wamkit.core.errors import unknown_choice
+from wamkit.core.errors import UserError, unknown_choice
 
 _REGISTRY: dict[str, str] = {
     "zero": "wamkit.policies.simple:ZeroPolicy",
@@ -31,6 +32,11 @@ def policy_names() -> list[str]:
 
 def policy_class(name: str):
     if name not in _REGISTRY:
-        raise unknown_choice("policy", name, policy_names() + ["<dir written by wamkit export>"])
+        err = unknown_choice("policy", name, policy_names() + ["<dir written by wamkit export>"])
+        d = Path(name)
+        if d.is_dir() and ((d / "checkpoints").is_dir() or (d / "policy.json").exists()):   # a training run/step
+            err = UserError(f"{name} is a training run or checkpoint, not a servable policy: `wamkit export {name} "
+                            f"OUT` writes one (then policy=OUT)")
+        raise err
     mod, cls = _REGISTRY[name].split(":")
     return getattr(importlib.import_module(mod), cls)

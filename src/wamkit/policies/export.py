@@ -78,6 +78,8 @@ def load_exported(directory, **overrides):
     files = meta.files
     if "action_pipeline" not in overrides:
         pipe_file = d / files.get("action_pipeline", PIPELINE)
+        if "action_pipeline" in files and not pipe_file.exists():   # served actions would not be denormalized
+            raise UserError(f"{d}: {pipe_file.name}, named in {EXPORT_MARKER}, is missing (export again)")
         overrides["action_pipeline"] = ActionPipeline.load(pipe_file) if pipe_file.exists() else None
     cfg.update(overrides)
     policy = policy_class(meta.policy)(**cfg)
@@ -85,7 +87,11 @@ def load_exported(directory, **overrides):
     if not wfile.exists():
         raise UserError(f"{d}: weights file {wfile.name} is missing")
     module = policy.module
-    state = load_file(str(wfile), device="cpu")
+    try:
+        state = load_file(str(wfile), device="cpu")
+    except Exception as e:  # noqa: BLE001 - SafetensorError (truncated, not safetensors) or OSError
+        raise UserError(f"{wfile} is corrupt or incomplete ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                        f"export again") from None
     try:
         missing, unexpected = module.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatch: an override changed the architecture

@@ -44,6 +44,8 @@ class PolicyManifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str | Path = "manifest") -> "PolicyManifest":
+        if not isinstance(d, dict):
+            raise UserError(f"{source}: expected a JSON object, got a {type(d).__name__}")
         if "format" not in d and "policy_args" in d:   # a checkpoint's policy.json before this format
             return cls(policy=d["policy"], config=dict(d.get("policy_args") or {}), spec=dict(d.get("spec") or {}))
         if d.get("format") != FORMAT:

@@ -370,6 +370,9 @@ def load_weights_into(module: torch.nn.Module, ckpt: str | Path, weights: str = 
     ckpt = Path(ckpt)
     if weights == "auto":
         weights = "ema" if (ckpt / "ema").exists() else "model"
+        if weights == "model" and _trained_with_ema(ckpt):
+            raise UserError(f"{ckpt} was trained with EMA but has no ema/ weights (an incomplete copy?): pass "
+                            f"weights=model to use the raw weights")
     if weights not in ("model", "ema"):
         raise UserError(f"weights must be auto, model or ema, got {weights!r}")
     import warnings
@@ -392,6 +395,14 @@ def load_weights_into(module: torch.nn.Module, ckpt: str | Path, weights: str = 
     with loading(ckpt / "model", "does not fit the policy its policy.json builds"):
         module.load_state_dict(sd, strict=True)
     return weights
+
+
+def _trained_with_ema(ckpt: Path) -> bool:
+    try:
+        cfg = json.loads((ckpt / "config.json").read_text())
+        return float(cfg.get("ema") or 0) > 0
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
 
 
 def _safetensors_keys(d: Path) -> set[str]:
