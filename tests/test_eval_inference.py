@@ -133,6 +133,67 @@ def test_attached_server_is_restarted_and_left_running(protocol):
             assert w.healthy()                                    # close left it running
 
 
+class _MovingWorker:
+    """A server whose replacement listens on another port (a Ray actor re-created elsewhere, session 30's probe):
+    the ServerWorker surface the clients use."""
+
+    def __init__(self):
+        from wamkit.serve.workers import WamkitServerWorker
+
+        self._make = lambda: WamkitServerWorker("fixed-cost", {**ARGS, "base_ms": 1})
+        self.w, self.starts = self._make().start(), 1
+
+    url = property(lambda self: self.w.url)
+    pid = property(lambda self: self.w.pid)
+
+    def wait_healthy(self, timeout):
+        return self.w.wait_healthy(timeout)
+
+    def healthy(self):
+        return self.w.healthy()
+
+    def ensure_healthy(self, timeout=None):
+        if self.w.healthy():
+            return False
+        self.w.stop()
+        self.w = self._make().start()
+        self.w.wait_healthy(60)
+        self.starts += 1
+        return True
+
+    def stop(self):
+        self.w.stop()
+
+
+@pytest.mark.parametrize("protocol", ["auto", "wamkit"])
+def test_a_restarted_server_on_another_address_is_followed(protocol):
+    """The client asks a worker that stopped answering to restart it, then sends to the worker's url (it kept the
+    old one: under Ray the replacement actor listens on a new port, and the run died after its retries)."""
+    import signal
+
+    mw = _MovingWorker()
+    try:
+        cfg = load_config(EvalConfig, None, [f"server.protocol={protocol}"])
+        inf = ServerInference(policy="fixed-cost", policy_args={}, options=cfg.server, workers=[mw])
+
+        async def main():
+            await inf.start()
+            try:
+                a = await inf.predict(obs(2), [1, 2])
+                old = mw.url
+                os.killpg(mw.pid, signal.SIGKILL)
+                b = await inf.predict(obs(2), [1, 2])
+                assert mw.url != old and inf.clients[0].url.split("//")[1].startswith(mw.url.split("//")[1])
+                np.testing.assert_array_equal(a, b)
+            finally:
+                await inf.close()
+
+        asyncio.run(main())
+        assert inf.restarts == 1
+    finally:
+        mw.stop()
+
+
 def test_sglang_launch_builds_one_server_per_gpu_and_guards_the_stats(tmp_path):
     """server.launch=sglang: one `sglang serve` per GPU with the server options (the command line is checked, the
     process is not run: SGLang needs a GPU); server-side stats need normalization=server, and the reverse."""

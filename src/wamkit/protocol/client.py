@@ -129,12 +129,26 @@ class RetryingClient:
                                  f"{time.monotonic() - t_first:.1f} s: {last}", status)
 
     async def _maybe_restart_worker(self) -> None:
+        """Restart the local server if it stopped answering; a replacement that listens elsewhere (a Ray actor
+        re-created on another port or node) is followed: later attempts go to its url."""
         if self.worker is None:
             return
         if self._restart_lock is None:
             self._restart_lock = asyncio.Lock()
         async with self._restart_lock:
             await asyncio.to_thread(self.worker.ensure_healthy)
+            url = getattr(self.worker, "url", None)
+            if url and self._target(url) != self.url:
+                log.warning("%s: the restarted server listens at %s; following it", self.url, url)
+                await self._retarget(url)
+
+    def _target(self, url: str) -> str:
+        """The form of a server url this client keeps in self.url."""
+        return url.rstrip("/")
+
+    async def _retarget(self, url: str) -> None:
+        """Send from now on to `url` (connections to the old address are dropped)."""
+        raise NotImplementedError
 
 
 def retry_after_s(header: str | None) -> float | None:
@@ -170,6 +184,7 @@ class ActionClient(RetryingClient):
         self._metadata: dict[str, Any] | None = None
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http: httpx.AsyncClient | None = None
+        self._old_http: list[httpx.AsyncClient] = []
         self._restart_lock: asyncio.Lock | None = None
 
     # ------------------------------------------------------------------ plumbing
@@ -181,8 +196,15 @@ class ActionClient(RetryingClient):
         return self._http
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
+        for h in [*self._old_http, self._http]:
+            if h is not None:
+                await h.aclose()
+        self._http, self._old_http = None, []
+
+    async def _retarget(self, url: str) -> None:
+        self.url = self._target(url)
+        if self._http is not None:   # requests in flight on it finish or fail (and retry); closed at aclose()
+            self._old_http.append(self._http)
             self._http = None
 
     async def __aenter__(self) -> "ActionClient":

@@ -77,8 +77,9 @@ class WebsocketActionClient(RetryingClient):
         self._max_request = max_request_size
         self.max_connections = int(max_connections)
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
-        headers = {"Authorization": f"{self.codec.auth_scheme} {token}"} if token else {}
-        self.pool = ConnectionPool(self.url, headers, self.max_connections, self.connect_timeout_s, self.timeout_s)
+        self._headers = {"Authorization": f"{self.codec.auth_scheme} {token}"} if token else {}
+        self.pool = self._new_pool()
+        self._old_pools: list[ConnectionPool] = []
         self.retries, self.backoff, self.backoff_max = int(retries), float(backoff), float(backoff_max)
         self.retry_s = float(retry_s)
         self.parameters = dict(parameters or {})
@@ -96,10 +97,24 @@ class WebsocketActionClient(RetryingClient):
         self._restart_lock: asyncio.Lock | None = None
 
     # ------------------------------------------------------------------ connections
+    def _new_pool(self) -> ConnectionPool:
+        return ConnectionPool(self.url, self._headers, self.max_connections, self.connect_timeout_s, self.timeout_s)
+
+    def _target(self, url: str) -> str:
+        return websocket_url(url, self.protocol)
+
+    async def _retarget(self, url: str) -> None:
+        self.url = self._target(url)
+        self._old_pools.append(self.pool)   # closed at aclose(): requests in flight on it finish or fail and retry
+        self.pool = self._new_pool()
+
     async def aclose(self) -> None:
         """Close every connection (call it with no request in flight); the client may be used again afterwards,
         also from another event loop."""
         self._restart_lock = None
+        for old in self._old_pools:
+            await old.close()
+        self._old_pools = []
         await self.pool.close()
         if self._slots is not None:
             self._slots.close()
