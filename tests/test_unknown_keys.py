@@ -152,3 +152,19 @@ def test_a_bad_option_value_is_one_line_before_anything_starts(argv, key, tmp_pa
     lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
     assert len(lines) == 1 and key in lines[0], r.stderr[-1500:]
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("path, kind", [("configs/train_tiny.yaml", "train"), ("configs/serve_example.yaml", "serve"),
+                                        ("configs/libero_cosmos3_sglang.yaml", "eval")])
+def test_the_shipped_example_configs_load(path, kind):
+    """The docs point users at these files: every key in them must be a key of its verb (and its policy's)."""
+    from pathlib import Path
+
+    from wamkit.core.config import load_config
+
+    cls = {"train": "wamkit.train.config:TrainConfig", "serve": "wamkit.serve.config:ServeConfig",
+           "eval": "wamkit.eval.config:EvalConfig"}[kind]
+    mod, name = cls.split(":")
+    cfg = load_config(getattr(__import__(mod, fromlist=[name]), name), str(Path(__file__).parents[1] / path), [])
+    if getattr(cfg, "policy", None) and not str(cfg.policy).startswith("cosmos3"):
+        policy_class(cfg.policy).config_class(**{k: v for k, v in (cfg.policy_args or {}).items()})
