@@ -276,6 +276,10 @@ def test_resume_with_another_model_is_refused_naming_the_keys(tmp_path, capsys):
     assert s["checkpoint"].endswith("step-000003")
     s = train(cfg_of(tmp_path, "steps=5", "batch_size=8", "resume=true", "lr=1e-3"))   # lr may change
     assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
+    from test_train_support import run_train
+
+    p = run_train(["steps=5", "batch_size=8", "resume=true", f"out={tmp_path}"])   # the CLI says it once (was twice)
+    assert p.stdout.count("nothing to train") == 1, p.stdout
 
 
 def test_cli_refuses_existing_out_in_one_line(tmp_path):

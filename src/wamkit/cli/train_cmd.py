@@ -27,13 +27,14 @@ def main(argv: list[str]) -> int:
 
     path, overrides = split_args(argv)
     cfg = load_config(TrainConfig, path, overrides)
-    from wamkit.train.trainer import check_out_dir, train
+    from wamkit.train.trainer import RESUME_WARNED, check_out_dir, train
 
     check_out_dir(cfg)          # one line here, not one per rank
     if cfg.nproc > 1 and not under_torchrun():
+        os.environ[RESUME_WARNED] = "1"   # its warnings were printed here: the ranks do not print them again
         return relaunch_under_torchrun(cfg.nproc, argv)
 
-    summary = train(cfg)
+    summary = train(cfg, out_checked=True)
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps({k: summary[k] for k in ("steps", "world_size", "checkpoint", "last")}, default=str))
     return 143 if summary.get("stopped") == "SIGTERM" else 0   # stopped by SIGTERM, its checkpoint written

@@ -158,6 +158,7 @@ def check_out_dir(cfg: TrainConfig) -> None:
 # what a resumed run must share with the run that wrote its checkpoint: the model the weights load into and what its
 # actions mean. The rest may change on resume (steps to extend the schedule, lr, batch size, workers, logging)
 RESUME_FIXED = ("policy", "policy_args", "cameras", "horizon", "representation", "trainable")
+RESUME_WARNED = "WAMKIT_RESUME_WARNED"   # set by `wamkit train nproc=N` for its ranks: it printed the warnings
 
 
 def check_resume_config(cfg: TrainConfig, ckpt: Path) -> None:
@@ -178,8 +179,8 @@ def check_resume_config(cfg: TrainConfig, ckpt: Path) -> None:
         asked = ", ".join(f"{k}={json.dumps(now.get(k))}" for k in diff)
         raise UserError(f"resume=true: {ckpt} was trained with {was}, this run asks for {asked}; resume with the "
                         f"checkpoint's values, or start a new run (overwrite=true or another out=)")
-    if os.environ.get("RANK", "0") != "0":    # under torchrun every rank checks, rank 0 says it
-        return
+    if os.environ.get("RANK", "0") != "0" or os.environ.get(RESUME_WARNED):   # under torchrun: said by the
+        return                                                                  # launcher, or by rank 0
     if saved.get("dataset") and saved.get("dataset") != now.get("dataset"):
         print(f"wamkit train: warning: resuming {ckpt} (trained on dataset={saved['dataset']}) on "
               f"dataset={now.get('dataset')}: the action statistics are computed again from it", flush=True)
@@ -207,9 +208,11 @@ def clear_out_dir(out: Path) -> None:
             p.unlink()
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Run (or continue) training; returns a summary dict (rank 0's view)."""
-    check_out_dir(cfg)
+def train(cfg: TrainConfig, out_checked: bool = False) -> dict:
+    """Run (or continue) training; returns a summary dict (rank 0's view). out_checked: the caller ran
+    check_out_dir (its warnings are not printed twice)."""
+    if not out_checked:
+        check_out_dir(cfg)
     info = init_distributed(cfg.device)
     gc_on = gc.isenabled()
     try:
