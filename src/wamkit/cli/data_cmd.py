@@ -11,7 +11,8 @@ from wamkit.core.errors import UserError
 USAGE = """usage:
   wamkit data inspect DIR                  episodes, frames, fps, features, tasks
   wamkit data stats DIR [horizon=16] [representation=rot6d10|raw] [num_chunks=10000] [seed=0] [out=FILE.json]
-                                           stats.json summary; with horizon=..., action-chunk quantile stats
+                                           stats.json summary; with any of the options, also action-chunk
+                                           quantile stats (horizon 16 unless given), which out= writes as JSON
   wamkit data record ...                   record a dataset from a policy in simulation (wamkit.eval.record)"""
 
 
@@ -34,13 +35,14 @@ def inspect_cmd(root: str) -> int:
     from wamkit.data.lerobot import LeRobotDataset
 
     ds = LeRobotDataset(root)
-    n_videos = ds.verify_videos()   # every mp4 opens and decodes at the declared size, else exit 2 naming it
+    # every mp4: frame size, frame rate, first frame and the last frame the episodes need; else exit 2 naming it
+    n_videos = ds.verify_videos()
     # what training reads: a NaN/inf action or state is an error there (train/data.py), so it is one here
     ds.check_finite([k for k in ("action", "observation.state") if k in ds.features])
     con = _console()
     con.print(f"[bold]{ds.root}[/bold]  LeRobot {ds.info.get('codebase_version')}  robot={ds.info.get('robot_type')}")
     con.print(f"episodes {ds.num_episodes}   frames {len(ds)}   fps {ds.fps}   tasks {len(ds.tasks)}   "
-              f"video files {n_videos} (each decoded)")
+              f"video files {n_videos} (size, fps, first and last needed frame decoded)")
     t = Table(title="features")
     for c in ("name", "dtype", "shape", "details"):
         t.add_column(c)
@@ -90,20 +92,23 @@ def stats_cmd(root: str, overrides: list[str]) -> int:
             raise UserError(f"{key}: expected an integer, got {opts[key]!r}") from None
         check_number(key, nums[key], lo)
     horizon, num_chunks, seed = nums["horizon"], nums["num_chunks"], nums["seed"]
+    rep = opts.get("representation", "rot6d10")
+    if rep not in ("rot6d10", "raw"):
+        raise UserError(f"unknown representation {rep!r}; valid choices: rot6d10, raw")
+    if "out" in opts:
+        _check_out(str(opts["out"]))
     ds = LeRobotDataset(root, cameras=[])
     con = _console()
-    stats = ds.stats
-    t = Table(title=f"{ds.root}/meta/stats.json")
+    stats_path = ds.root / "meta" / "stats.json"
+    stats = _checked_stats(ds.stats, stats_path)
+    t = Table(title=str(stats_path))
     for c in ("feature", "count", "min", "max", "mean", "std", "q01", "q99"):
         t.add_column(c)
     for feat, s in stats.items():
         t.add_row(feat, str(_count(s.get("count"))), *(_fmt(s[k], 3) if k in s else "-" for k in
                                                         ("min", "max", "mean", "std", "q01", "q99")))
     con.print(t)
-    if "horizon" in opts or "representation" in opts:
-        rep = opts.get("representation", "rot6d10")
-        if rep not in ("rot6d10", "raw"):
-            raise UserError(f"unknown representation {rep!r}; valid choices: rot6d10, raw")
+    if opts:   # any option asks for the chunk stats (out= without horizon= wrote nothing, silently)
         pipe = ActionPipeline([Rot6dStep()]) if rep == "rot6d10" else ActionPipeline([])
         st = compute_action_stats(ds, horizon=horizon, pipeline_before_norm=pipe, num_chunks=num_chunks, seed=seed)
         ct = Table(title=f"action chunks: horizon {horizon}, {rep}, {st['num_chunks']} chunks, {st['count']} actions")
@@ -113,10 +118,46 @@ def stats_cmd(root: str, overrides: list[str]) -> int:
             ct.add_row(str(d), *(f"{st[k][d]:.4g}" for k in ("q01", "q50", "q99", "min", "max", "mean", "std")))
         con.print(ct)
         if "out" in opts:
-            with open(opts["out"], "w") as f:
-                json.dump({"representation": rep, **st}, f, indent=2)
+            try:
+                with open(opts["out"], "w") as f:
+                    json.dump({"representation": rep, **st}, f, indent=2)
+            except OSError as e:
+                raise UserError(f"out={opts['out']}: cannot write it ({e.strerror or e})") from None
             con.print(f"wrote {opts['out']}")
     return 0
+
+
+def _check_out(out: str) -> None:
+    """out= names a file this command can create, checked before the stats are computed."""
+    from pathlib import Path
+
+    p = Path(out)
+    if p.is_dir():
+        raise UserError(f"out={out} is a directory; give a file path, e.g. out={p / 'action_stats.json'}")
+    if not p.parent.is_dir():
+        raise UserError(f"out={out}: its directory {p.parent} does not exist")
+
+
+def _checked_stats(stats, path) -> dict:
+    """meta/stats.json as a mapping of feature -> {stat: number or (nested, rectangular) list of numbers}; anything
+    else is one DatasetError naming the file and the feature (was an AttributeError/ValueError traceback)."""
+    import numpy as np
+
+    from wamkit.data.errors import DatasetError
+
+    if not isinstance(stats, dict):
+        raise DatasetError(f"{path}: expected a JSON object of feature -> stats, got {type(stats).__name__}")
+    for feat, st in stats.items():
+        if not isinstance(st, dict):
+            raise DatasetError(f"{path}: feature {feat!r}: expected a mapping of stat -> numbers, got "
+                               f"{type(st).__name__}")
+        for key, v in st.items():
+            try:
+                np.asarray(v, dtype=float)
+            except (TypeError, ValueError):
+                raise DatasetError(f"{path}: feature {feat!r}: stat {key!r} is not a number or a rectangular list "
+                                   f"of numbers: {str(v)[:80]}") from None
+    return stats
 
 
 def _count(c):

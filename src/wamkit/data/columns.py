@@ -9,7 +9,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from wamkit.data.errors import DatasetError, FeatureMissingError
-from wamkit.data.metadata import read_parquet
+from wamkit.data.layout import is_number
+from wamkit.data.metadata import NUMERIC_DTYPES, read_parquet
 
 
 def column_to_numpy(col, shape: Sequence[int] | None = None) -> np.ndarray | list:
@@ -32,6 +33,23 @@ def column_to_numpy(col, shape: Sequence[int] | None = None) -> np.ndarray | lis
         return vals.reshape(n, -1)
     return arr.to_numpy(zero_copy_only=False)
 
+
+def is_numeric(col) -> bool:
+    return isinstance(col, np.ndarray) and col.dtype.kind in "biuf"
+
+
+def _rounding(ts: np.ndarray):
+    """How far a stored time may be from the exact one: the spacing of its float type there (float32 timestamps
+    past 2048 s are 2.4e-4 s apart: lerobot's tolerance alone would refuse a long episode that is right)."""
+    return np.spacing(np.abs(ts)) if ts.dtype.kind == "f" else np.zeros(ts.shape)
+
+
+def _held(col) -> str:
+    """What a non-numeric column holds, for an error message: `strings (first: 'abc')`."""
+    flat = col.reshape(-1) if isinstance(col, np.ndarray) else col
+    first = flat[0] if len(flat) else None
+    kind = "strings" if isinstance(first, str) else "nulls" if first is None else type(first).__name__
+    return f"{kind} (first: {first!r})"[:120]
 
 
 class DataColumns:
@@ -64,6 +82,9 @@ class DataColumns:
             except ValueError:   # rows of different lengths
                 raise DatasetError(f"{info_path}: field 'features.{name}.shape' declares {shape} but the rows of "
                                    f"column {name!r} in the data files differ in length") from None
+            if feat.get("dtype") in NUMERIC_DTYPES and not is_numeric(col):   # stats/training crashed on it
+                raise DatasetError(f"{info_path}: field 'features.{name}.dtype' declares {feat['dtype']} but column "
+                                   f"{name!r} in the data files holds {_held(col)}")
             if shape and isinstance(col, np.ndarray) and feat.get("dtype") != "image":
                 got = [int(d) for d in col.shape[1:]] or [1]
                 if got != list(shape) and not (list(shape) == [1] and got == [1]):
@@ -77,6 +98,9 @@ class DataColumns:
         for need in ("episode_index", "frame_index", "timestamp", "index"):
             if need not in self.columns:
                 raise DatasetError(f"{root}: data files lack the {need!r} column")
+            if not is_numeric(self.columns[need]):
+                raise DatasetError(f"{root}: column {need!r} of the data files holds {_held(self.columns[need])}, "
+                                   f"not numbers")
         order = np.argsort(self.columns["index"], kind="stable")
         if not np.all(order == np.arange(len(order))):
             self.columns = {k: (v[order] if isinstance(v, np.ndarray) else [v[i] for i in order])
@@ -146,6 +170,7 @@ class DataColumns:
                 raise DatasetError(f"{self.files[int(self.row_file[a])]}: the rows of episode {e} are not one "
                                    f"contiguous run (they resume at {self.where(a)} after another episode's)")
             runs[e] = (a, b)
+        self.episode_runs = runs
         meta = f"{self.root}/meta/episodes"
         for e, row in episodes.items():
             if e not in runs:
@@ -160,6 +185,83 @@ class DataColumns:
             if lo is not None and hi is not None and (int(lo), int(hi)) != (int(index[a]), int(index[b - 1]) + 1):
                 raise DatasetError(f"{meta}: episode {e} has dataset_from_index..dataset_to_index {int(lo)}..{int(hi)}"
                                    f" but its rows have index {int(index[a])}..{int(index[b - 1]) + 1}")
+
+    def _first_bad(self, bad: np.ndarray, what) -> DatasetError:
+        """The error for the rows flagged in `bad`: `FILE: row R (index I, episode E): <what(first row)>`."""
+        rows = np.flatnonzero(bad)
+        i = int(rows[0])
+        more = f" ({rows.size - 1} more row(s) too)" if rows.size > 1 else ""
+        return DatasetError(f"{self.files[int(self.row_file[i])]}: row {int(self.row_in_file[i])} (index "
+                            f"{int(self.columns['index'][i])}, episode {int(self.columns['episode_index'][i])}): "
+                            f"{what(i)}{more}")
+
+    def check_tasks(self, tasks: dict[int, str]) -> None:
+        """Every row's task_index is in meta/tasks.parquet: an unknown one gave the row the task "" (trained on an
+        empty instruction, silently), a null one a traceback mid-run."""
+        if "task_index" not in self.columns:
+            return
+        ti = np.asarray(self.columns["task_index"]).reshape(self.num_rows, -1)[:, 0]
+        null = ~np.isfinite(ti) if ti.dtype.kind == "f" else np.zeros(len(ti), bool)
+        bad = null | ~np.isin(ti, np.fromiter(tasks, np.int64, len(tasks)))
+        if bad.any():
+            raise self._first_bad(bad, lambda i: ("task_index is null" if null[i] else f"task_index {ti[i]:g}")
+                                  + f" is not in {self.root}/meta/tasks.parquet")
+
+    def check_timestamps(self, fps: float, tolerance_s: float) -> None:
+        """Each row's `timestamp` (where its frame is in the episode's video) is finite, >= 0, increasing within the
+        episode and equal to frame_index / fps within tolerance_s (lerobot's check_timestamps_sync checks the
+        steps): a NaN, zeroed or swapped timestamp decoded another row's frame without an error. A float column
+        gets the spacing of its values on top of the tolerance (see _rounding)."""
+        n = self.num_rows
+        ts = np.asarray(self.columns["timestamp"]).reshape(n, -1)[:, 0]
+        t = ts.astype(np.float64)
+        bad = ~np.isfinite(t) | (t < 0)
+        if bad.any():
+            raise self._first_bad(bad, lambda i: f"timestamp {t[i]} is not a finite time >= 0")
+        ep = np.asarray(self.columns["episode_index"])
+        back = np.concatenate([[False], (ep[1:] == ep[:-1]) & (np.diff(t) <= 0)])
+        if back.any():
+            raise self._first_bad(back, lambda i: f"timestamp {t[i]:.6g} does not increase within the episode (the "
+                                                  f"row before has {t[i - 1]:.6g})")
+        fi = np.asarray(self.columns["frame_index"]).reshape(n, -1)[:, 0].astype(np.float64)
+        tol = tolerance_s + _rounding(ts)
+        off = ~(np.abs(t - fi / fps) <= tol)    # a NaN frame_index is off too
+        if off.any():
+            raise self._first_bad(off, lambda i: f"timestamp {t[i]:.6f} is not frame_index {fi[i]:g} / fps {fps:g} "
+                                                 f"= {fi[i] / fps:.6f} (tolerance {tolerance_s:g} s)")
+
+    def check_video_ends(self, episodes: dict[int, dict], video_keys: Sequence[str], fps: float,
+                         tolerance_s: float) -> None:
+        """Each episode's frames lie in its span of the video, [from_timestamp, to_timestamp) of meta/episodes: its
+        last frame (from_timestamp + its last row's timestamp) comes before to_timestamp, and the spans of the
+        episodes sharing a file do not overlap. A from_timestamp shifted by one frame read the next (or previous)
+        episode's frame as this one's, silently. lerobot writes to_timestamp = from_timestamp + length / fps, so
+        the last frame starts a whole frame before it; half a frame is the slack here. Runs after check_episodes
+        and DatasetFiles.check_videos (from_timestamp checked)."""
+        ts = np.asarray(self.columns["timestamp"]).reshape(self.num_rows, -1)[:, 0]
+        slack = 0.5 / fps - tolerance_s
+        for key in video_keys:
+            spans: dict[tuple, list[tuple[float, float, int]]] = {}
+            for e, row in episodes.items():
+                t0, t1 = row.get(f"videos/{key}/from_timestamp"), row.get(f"videos/{key}/to_timestamp")
+                if not is_number(t0) or not is_number(t1):
+                    continue
+                last = int(self.episode_runs[e][1]) - 1
+                end = float(t0) + float(ts[last])
+                if end > float(t1) - slack:
+                    raise DatasetError(
+                        f"{self.root}/meta/episodes: episode {e}: its last frame, at videos/{key}/from_timestamp "
+                        f"{t0:g} + timestamp {float(ts[last]):g} ({self.where(last)}) = {end:g} s, is not before its "
+                        f"to_timestamp {t1:g}")
+                loc = (row.get(f"videos/{key}/chunk_index"), row.get(f"videos/{key}/file_index"))
+                spans.setdefault(loc, []).append((float(t0), float(t1), e))
+            for same_file in spans.values():
+                same_file.sort()
+                for (_, a1, ea), (b0, _, eb) in zip(same_file, same_file[1:]):
+                    if b0 < a1 - slack:
+                        raise DatasetError(f"{self.root}/meta/episodes: episode {eb}'s videos/{key}/from_timestamp "
+                                           f"{b0:g} is inside episode {ea}'s span of the same file (to_timestamp "
+                                           f"{a1:g})")
 
     def __contains__(self, name: str) -> bool:
         return name in self.columns

@@ -118,6 +118,8 @@ class VideoDecoder:
     def get(self, t: float) -> np.ndarray:
         import av
 
+        if not np.isfinite(t):   # a NaN distance compares False with the tolerance: the first cached frame came back
+            raise FrameTimestampError(f"{self.path}: cannot read a frame at t={t} (not a finite time)")
         if self._pid != os.getpid():  # forked into a DataLoader worker: do not share the parent's container
             self._reset_state()
         tol = self.tolerance_s
@@ -199,6 +201,12 @@ class VideoFrames:
 
 def probe_video(path: Path) -> tuple[int, int]:
     """(height, width) of the first decoded frame of a video file; CorruptFileError if there is none."""
+    return probe_stream(path)[:2]
+
+
+def probe_stream(path: Path) -> tuple[int, int, float | None]:
+    """(height, width) of the first decoded frame of a video file and its stream's frame rate (None when the
+    container gives none); CorruptFileError if there is no frame."""
     import av
 
     if not Path(path).exists():
@@ -207,8 +215,10 @@ def probe_video(path: Path) -> tuple[int, int]:
         with av.open(str(path)) as c:
             if not c.streams.video:
                 raise CorruptFileError(path, "no video stream")
-            for frame in c.decode(c.streams.video[0]):
-                return int(frame.height), int(frame.width)
+            stream = c.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            for frame in c.decode(stream):
+                return int(frame.height), int(frame.width), (float(rate) if rate else None)
     except (av.error.FFmpegError, OSError, ValueError) as e:
         raise CorruptFileError(path, f"cannot decode video: {str(e).splitlines()[0][:200]}") from None
     raise CorruptFileError(path, "no decodable video frame")

@@ -56,6 +56,10 @@ def template_problem(template: Any) -> str | None:
         return f"template field {{{bad[0]}}} is not one of {', '.join(TEMPLATE_FIELDS)}"
     if os.path.isabs(template) or template.startswith(("/", "\\")):
         return f"template {template!r} is an absolute path; it must stay inside the dataset directory"
+    try:   # a bad format spec ({chunk_index:03q}) only fails when filled
+        format_path(template, 0, 0, "key")
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        return f"malformed template {template!r} ({e})"
     return None
 
 

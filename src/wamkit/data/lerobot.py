@@ -25,9 +25,9 @@ import numpy as np
 from wamkit.core.lifecycle import ClosingContext
 from wamkit.data.columns import DataColumns, column_to_numpy  # noqa: F401 - public here too
 from wamkit.data.errors import DatasetError, FeatureMissingError, FpsMismatchError, MissingFileError
-from wamkit.data.frames import VideoDecoder, VideoFrames, decode_image_cell, probe_video  # noqa: F401
+from wamkit.data.frames import VideoDecoder, VideoFrames, decode_image_cell, probe_stream, probe_video  # noqa: F401
 from wamkit.data.layout import (  # noqa: F401 - the v3 layout's names, public here too
-    CAMERA_PREFIX, DEFAULT_FEATURES, TEMPLATE_FIELDS, DatasetFiles, format_path, inside, template_problem)
+    CAMERA_PREFIX, DEFAULT_FEATURES, TEMPLATE_FIELDS, DatasetFiles, format_path, inside, is_number, template_problem)
 from wamkit.data.metadata import (  # noqa: F401
     check_info, read_episode_stats, read_episodes, read_json, read_parquet, read_tasks)
 
@@ -82,13 +82,16 @@ class LeRobotDataset(ClosingContext):
         self.video_keys = [k for k in self.camera_keys if self.features[k]["dtype"] == "video"]
 
         self.tasks: dict[int, str] = read_tasks(self.root / "meta" / "tasks.parquet")
-        self.episodes: list[dict] = read_episodes(self.root)
+        self.episodes: list[dict] = read_episodes(self.root, self.info.get("total_episodes"))
         self._episode_by_index = {int(e["episode_index"]): e for e in self.episodes}
         self.files = DatasetFiles(self.root, self.info, self.episodes)
         self.rows = DataColumns(self.root, self.info, self.files.data_files())
         self.rows.check_episodes(self._episode_by_index)
+        self.rows.check_tasks(self.tasks)
+        self.rows.check_timestamps(float(self.fps), self.tolerance_s)
         self._columns = self.rows.columns
         self.files.check_videos(self.video_keys)
+        self.rows.check_video_ends(self._episode_by_index, self.video_keys, float(self.fps), self.tolerance_s)
         self._frames = VideoFrames(self.tolerance_s, video_cache_size)
 
     # ------------------------------------------------------------------------------------------- metadata
@@ -103,18 +106,46 @@ class LeRobotDataset(ClosingContext):
         return read_episode_stats(self.root)
 
     def verify_videos(self) -> int:
-        """Open every video file of the selected cameras and decode its first frame: a garbage, empty or truncated
-        mp4, or frames of another size than the feature's shape, raise (CorruptFileError / DatasetError, naming the
-        file). Returns the number of files checked."""
+        """Check every video file of the selected cameras against what the episodes read from it: its first frame
+        decodes at the feature's shape, its stream's frame rate is the dataset's fps (and the feature's video.fps),
+        and the last frame the episodes need from it (the largest from_timestamp + last row timestamp) decodes
+        within tolerance_s (a seek to it). A garbage, empty, truncated or short mp4, or one at another frame rate,
+        raises (CorruptFileError / FrameTimestampError / DatasetError, one line naming the file). The frames in
+        between are not decoded. Returns the number of files checked."""
         checked = 0
         for key in self.video_keys:
-            for p in self.files.video_files(key):
-                h, w = probe_video(p)
-                want = self.features[key]["shape"][:2]
-                if [h, w] != list(want):
-                    raise DatasetError(f"{p}: frames are {h}x{w} but features.{key}.shape declares {want[0]}x{want[1]}")
+            for p, t_last in self._last_frame_times(key).items():
+                self._check_stream(key, p)
+                dec = VideoDecoder(p, tolerance_s=self.tolerance_s)
+                try:
+                    dec.get(t_last)
+                finally:
+                    dec.close()
                 checked += 1
         return checked
+
+    def _last_frame_times(self, key: str) -> dict[Path, float]:
+        """Video file of camera `key` -> the time of the last frame an episode reads from it."""
+        ts = self.rows.columns["timestamp"].reshape(len(self.rows), -1)[:, 0]
+        out: dict[Path, float] = {}
+        for e in self.episodes:
+            last = self.rows.episode_runs[int(e["episode_index"])][1] - 1
+            p = self.files.video_path(key, e)
+            t = float(e[f"videos/{key}/from_timestamp"]) + float(ts[last])
+            out[p] = max(out.get(p, t), t)
+        return out
+
+    def _check_stream(self, key: str, p: Path) -> None:
+        h, w, rate = probe_stream(p)
+        want = self.features[key]["shape"][:2]
+        if [h, w] != list(want):
+            raise DatasetError(f"{p}: frames are {h}x{w} but features.{key}.shape declares {want[0]}x{want[1]}")
+        info = self.features[key].get("info")
+        video_fps = info.get("video.fps") if isinstance(info, dict) else None
+        for what, fps in (("meta/info.json fps", self.fps), (f"features.{key}.info video.fps", video_fps)):
+            # a video at another rate decodes every row at another time (at 2x, row 5 got row 10's frame)
+            if rate is not None and is_number(fps) and abs(rate - float(fps)) > 1e-3 * float(fps):
+                raise DatasetError(f"{p}: the video stream runs at {rate:g} fps but {what} is {fps:g}")
 
     # ------------------------------------------------------------------------------------------- access
     def __len__(self) -> int:

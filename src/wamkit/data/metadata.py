@@ -11,6 +11,11 @@ from wamkit.data.errors import CorruptFileError, DatasetError, MissingFileError
 from wamkit.data.layout import is_number as _is_number
 from wamkit.data.layout import template_problem
 
+# the feature dtypes of LeRobot v3 (HF `datasets` Value dtypes + video/image); a typo here used to read silently
+NUMERIC_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                            "float16", "float32", "float64"})
+KNOWN_DTYPES = NUMERIC_DTYPES | {"video", "image", "string", "large_string"}
+
 
 def check_info(info: Any, path: Path) -> None:
     """meta/info.json's fields that the reader relies on: one DatasetError naming the file and the field."""
@@ -35,6 +40,9 @@ def check_info(info: Any, path: Path) -> None:
     for name, f in feats.items():
         if not isinstance(f, dict) or not isinstance(f.get("dtype"), str):
             raise bad(f"features.{name}", f"expected a mapping with a 'dtype' string, got {f!r}"[:300])
+        if f["dtype"] not in KNOWN_DTYPES:
+            raise bad(f"features.{name}.dtype",
+                      f"unknown dtype {f['dtype']!r}; known: {', '.join(sorted(KNOWN_DTYPES))}"[:300])
         shape = f.get("shape")
         if not isinstance(shape, list) or not shape or not all(
                 isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
@@ -91,7 +99,14 @@ def read_tasks(path: Path) -> dict[int, str]:
         key = next((c for c in idx if isinstance(c, str) and c in names), None)
     if key is None or "task_index" not in names:
         raise DatasetError(f"{path}: expected a task_index column and a task column/index, got columns {names}")
-    return {int(i): str(s) for i, s in zip(t.column("task_index").to_pylist(), t.column(key).to_pylist())}
+    tasks: dict[int, str] = {}
+    for row, (i, s) in enumerate(zip(t.column("task_index").to_pylist(), t.column(key).to_pylist())):
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise DatasetError(f"{path}: row {row}: task_index must be an integer, got {i!r}")
+        if i in tasks:   # a dict would keep the last one: rows of that index would train on the wrong task
+            raise DatasetError(f"{path}: row {row}: task_index {i} appears twice ({tasks[i]!r} and {s!r})"[:300])
+        tasks[i] = str(s)
+    return tasks
 
 
 
@@ -99,11 +114,13 @@ def episodes_files(root: Path) -> list[Path]:
     return sorted((root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
 
 
-def read_episodes(root: Path) -> list[dict]:
+def read_episodes(root: Path, total_episodes: Any = None) -> list[dict]:
     """Rows of the episodes parquet files without their stats columns, sorted by episode_index; the columns that
-    locate an episode's data are checked."""
+    locate an episode's data are checked. `total_episodes` (info.json's) tells an empty dataset from a broken one."""
     ep_dir = root / "meta" / "episodes"
     files = episodes_files(root)
+    if not files and total_episodes == 0:
+        raise DatasetError(f"{root}: dataset has no episodes (meta/info.json: total_episodes 0)")
     if not files:
         raise MissingFileError(ep_dir / "chunk-000" / "file-000.parquet", "episodes metadata file")
     rows: list[dict] = []

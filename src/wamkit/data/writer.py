@@ -169,7 +169,7 @@ class LeRobotWriter(ClosingContext):
         for key in self.video_keys:
             frames = np.stack([r[key] for r in self._buffer])
             stats[key] = image_stats(frames)
-            loc, from_ts, to_ts = self._videos.write_episode(key, frames)
+            loc, from_ts, to_ts = self._videos.write_episode(key, frames, ep_index)
             if "info" not in self.features[key]:
                 self.features[key]["info"] = self._videos.feature_info(*frames.shape[1:3])
             ep[f"videos/{key}/chunk_index"], ep[f"videos/{key}/file_index"] = loc
@@ -196,6 +196,9 @@ class LeRobotWriter(ClosingContext):
             return self.root
         if self._buffer:
             raise DatasetError(f"finalize: {len(self._buffer)} frames added but not saved (call save_episode)")
+        if not self.episodes:   # its meta/ would read as a dataset, and no reader takes one without episodes
+            self.abort()
+            raise DatasetError(f"finalize: no episode saved; nothing written to {self.root}")
         self._videos.close()
         meta = self.root / "meta"
         meta.mkdir(parents=True, exist_ok=True)

@@ -14,11 +14,14 @@ import numpy as np
 from wamkit.data.errors import DatasetError
 from wamkit.data.layout import VIDEO_PATH, format_path, next_file
 
-# codec name in info.json -> (PyAV encoder, encoder options)
+# codec name in info.json -> (PyAV encoder, encoder options). No B-frames (bf=0) for x264/x265: with them an
+# episode's first packet is decoded a frame before it is shown (dts < pts), and appended after a 1-frame episode
+# (dts == pts) its dts went backwards, which the mp4 muxer refuses. x265 logs errors only (not ~22 banner lines an
+# episode).
 VIDEO_CODECS = {
     "av1": ("libsvtav1", {"g": 2, "crf": 30, "preset": 12}),
-    "h264": ("libx264", {"g": 2, "crf": 23, "preset": "veryfast"}),
-    "hevc": ("libx265", {"g": 2, "crf": 28, "preset": "veryfast"}),
+    "h264": ("libx264", {"g": 2, "crf": 23, "preset": "veryfast", "bf": 0}),
+    "hevc": ("libx265", {"g": 2, "crf": 28, "preset": "veryfast", "bf": 0, "x265-params": "log-level=error"}),
 }
 
 
@@ -56,6 +59,7 @@ class Mp4Appender:
         self.stream = None
         self.frames = 0
         self.bytes = 0
+        self._last_dts = None   # of the last packet muxed, in the episodes' time base
 
     def append(self, episode_mp4: Path, n_frames: int) -> tuple[float, float]:
         import av
@@ -77,6 +81,9 @@ class Mp4Appender:
                     packet.pts += off
                 if packet.dts is not None:
                     packet.dts += off
+                    if self._last_dts is not None and packet.dts <= self._last_dts < packet.pts:
+                        packet.dts = self._last_dts + 1   # reordered frames (options with B-frames): keep dts rising
+                    self._last_dts = packet.dts
                 packet.stream = self.stream
                 self.bytes += packet.size
                 self.container.mux(packet)
@@ -125,8 +132,20 @@ class EpisodeVideoWriter:
                 c.mux(p)
         return out
 
-    def write_episode(self, key: str, frames: np.ndarray) -> tuple[tuple[int, int], float, float]:
-        """Encode and append one episode: ((chunk_index, file_index), from_timestamp, to_timestamp)."""
+    def write_episode(self, key: str, frames: np.ndarray,
+                      episode_index: int = 0) -> tuple[tuple[int, int], float, float]:
+        """Encode and append one episode: ((chunk_index, file_index), from_timestamp, to_timestamp); an FFmpeg
+        error is a DatasetError naming the file and the episode."""
+        import av
+
+        try:
+            return self._write_episode(key, frames)
+        except av.error.FFmpegError as e:
+            path = self.root / format_path(VIDEO_PATH, *self._loc[key], video_key=key)
+            raise DatasetError(f"{path}: cannot write episode {episode_index} of {key} "
+                               f"({str(e).splitlines()[0][:200]})") from None
+
+    def _write_episode(self, key: str, frames: np.ndarray) -> tuple[tuple[int, int], float, float]:
         ep_file = self.encode(key, frames)
         size_mb = ep_file.stat().st_size / 2 ** 20
         vf = self._files.get(key)

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from wamkit.core.config import split_args
 from wamkit.core.config import check_number, load_config
-from wamkit.core.errors import UserError
+from wamkit.core.errors import RunError, UserError
 from wamkit.eval.config import MAX_IMAGE, MIN_IMAGE
 from wamkit.eval.plan import plan_for_tasks, step_seed
 from wamkit.eval.progress import rate_text
@@ -61,8 +61,11 @@ def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:
 
     console = console or Console(stderr=True)
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"out={out} is a file, not a directory; choose another out=")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not empty; choose another out=")
+    created = not out.exists()
     kw = {"suite": cfg.suite, "image_size": cfg.image_size, "seed": cfg.seed, **cfg.env_args}
     if cfg.max_steps is not None:
         kw["max_steps"] = cfg.max_steps
@@ -94,46 +97,76 @@ def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:
         features["action"] = {"dtype": "float32", "shape": [spec.action_dim], "names": None}
         writer = LeRobotWriter(out, fps=int(round(spec.control_hz)), features=features, robot_type=cfg.env,
                                video_codec=cfg.video_codec)
-        kept = succ = 0
-        t0 = time.time()
-        with Progress(TextColumn("[bold]record"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
-                      disable=not cfg.progress) as progress:
-            bar = progress.add_task("record", total=len(plan), info="")
-            for ep in plan:
-                obs = worker.reset_sync(ep.task_id, ep.trial)
-                frames: list[dict[str, Any]] = []
-                steps, done, success = 0, False, False
-                while not done:
-                    chunk = policy.predict([obs], [step_seed(cfg.seed, ep, steps)])[0]
-                    for a in chunk:
-                        frame = {f"observation.images.{c}": obs.images[c] for c in spec.cameras}
-                        if spec.state_dim:
-                            frame["observation.state"] = np.asarray(obs.state, np.float32)
-                        frame["action"] = np.asarray(a, np.float32)
-                        frames.append(frame)
-                        res = worker.execute_sync(a[None], render_every_step=False)
-                        steps = res.episode_steps
-                        if res.done:
-                            done, success = True, bool(res.success)
-                            break
-                        obs = res.obs
-                succ += int(success)
-                if success or not cfg.only_success:
-                    for f in frames:
-                        writer.add_frame(f)
-                    writer.save_episode(task=ep.task)
-                    kept += 1
-                done = ep.index + 1
-                progress.update(bar, advance=1, info=f"success {succ}/{done}, kept {kept}, "
-                                                     f"{rate_text(done, None, time.time() - t0, len(plan) - done)}")
-        writer.finalize()
+        try:
+            kept, succ, t0 = _record_episodes(cfg, worker, policy, spec, plan, writer, console)
+            if kept:
+                writer.finalize()
+        except BaseException:
+            if _abandon(writer, out, created):
+                console.print(f"incomplete dataset left in {out} (no meta/); delete it", markup=False,
+                              highlight=False, soft_wrap=True)
+            raise
+        if not kept:   # a finalized dataset without episodes reads as broken ("missing episodes metadata")
+            _abandon(writer, out, created)
+            raise RunError(f"no episode kept: {succ}/{len(plan)} successful with only_success=true; nothing written "
+                           f"to {out}")
         info = {"episodes_run": len(plan), "successes": succ, "episodes_kept": kept, "out": str(out),
                 "wall_s": time.time() - t0}
         console.print(f"recorded {kept} episodes ({succ}/{len(plan)} successful) to {out}")
         return info
     finally:
         worker.close()
+
+
+def _record_episodes(cfg: RecordConfig, worker, policy, spec, plan, writer, console: Console) -> tuple[int, int, float]:
+    """Run the plan's episodes, each written to `writer` (with only_success, successful ones only):
+    (episodes kept, successes, start time)."""
+    kept = succ = 0
+    t0 = time.time()
+    with Progress(TextColumn("[bold]record"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+                  disable=not cfg.progress) as progress:
+        bar = progress.add_task("record", total=len(plan), info="")
+        for ep in plan:
+            obs = worker.reset_sync(ep.task_id, ep.trial)
+            frames: list[dict[str, Any]] = []
+            steps, done, success = 0, False, False
+            while not done:
+                chunk = policy.predict([obs], [step_seed(cfg.seed, ep, steps)])[0]
+                for a in chunk:
+                    frame = {f"observation.images.{c}": obs.images[c] for c in spec.cameras}
+                    if spec.state_dim:
+                        frame["observation.state"] = np.asarray(obs.state, np.float32)
+                    frame["action"] = np.asarray(a, np.float32)
+                    frames.append(frame)
+                    res = worker.execute_sync(a[None], render_every_step=False)
+                    steps = res.episode_steps
+                    if res.done:
+                        done, success = True, bool(res.success)
+                        break
+                    obs = res.obs
+            succ += int(success)
+            if success or not cfg.only_success:
+                for f in frames:
+                    writer.add_frame(f)
+                writer.save_episode(task=ep.task)
+                kept += 1
+            done = ep.index + 1
+            progress.update(bar, advance=1, info=f"success {succ}/{done}, kept {kept}, "
+                                                 f"{rate_text(done, None, time.time() - t0, len(plan) - done)}")
+    return kept, succ, t0
+
+
+def _abandon(writer, out: Path, created: bool) -> bool:
+    """Abort the writer (its temporary episode files go) and remove OUT when this run created it and nothing is left
+    in it. True when OUT still holds files of this run (an incomplete dataset: no meta/, never reads as valid)."""
+    writer.abort()
+    if created:
+        try:
+            out.rmdir()   # only when empty
+        except OSError:
+            pass
+    return out.is_dir() and any(out.iterdir())
 
 
 def main(argv: list[str]) -> int:

@@ -166,7 +166,13 @@ class BatchStream:
                 raise UserError("the data sampler yields no samples for this rank (dataset smaller than a batch?)")
 
     def next(self) -> dict:
-        batch = next(self._it)
+        try:
+            batch = next(self._it)
+        except Exception as e:   # noqa: BLE001 - only a worker's wrapped user-facing error is rewritten
+            short = one_line_worker_error(e)
+            if short is None:
+                raise
+            raise short from None
         self.state = self._states.popleft()
         return batch
 
@@ -175,6 +181,35 @@ class BatchStream:
         alone, the persistent workers live on until the cyclic GC frees both, and their shutdown (joins of up to 5 s
         a worker) then runs in whichever thread that collection starts. Dropping the only reference runs it here."""
         self._it = None
+
+
+def one_line_worker_error(e: Exception) -> Exception | None:
+    """A UserError/RunError raised in a DataLoader worker comes back as the same type with torch's message "Caught X
+    in DataLoader worker process N. Original Traceback ...", the worker's whole traceback (or as a RuntimeError when
+    the type cannot be built from one string, e.g. DatasetFileError): the one line the CLI prints was 25 lines.
+    Returns the error again with the original message (the traceback's last line), or None for anything else."""
+    from wamkit.core.errors import RunError
+
+    msg = str(e)
+    if " in DataLoader worker process " not in msg or "Original Traceback" not in msg:
+        return None
+    qualname, _, text = msg.strip().splitlines()[-1].partition(": ")
+    cls = type(e) if issubclass(type(e), (UserError, RunError)) else _wamkit_class(qualname)
+    if not (isinstance(cls, type) and issubclass(cls, (UserError, RunError))):
+        return None
+    err = cls.__new__(cls)
+    Exception.__init__(err, text)    # the subclass's __init__ would re-format the message (DatasetFileError)
+    return err
+
+
+def _wamkit_class(qualname: str):
+    module, _, name = qualname.rpartition(".")
+    if not module.startswith("wamkit."):
+        return None
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
 
 
 def to_device(x, device: torch.device, host_keys: tuple[str, ...] = ()):
