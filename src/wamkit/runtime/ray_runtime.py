@@ -15,20 +15,24 @@
   the driver-side scheduler calls `restart()` (a new actor in the same bundle; after a node loss Ray re-places the
   bundle on a node with room) and re-runs the episode.
 
-Action servers: `make_ray_server_worker(ray_opts, **kw)` -> a `RayServerWorker` with the ServerWorker interface (start(),
-wait_healthy(timeout), url, healthy(), stop(), restart(), ensure_healthy()). Each is an actor holding one GPU
+Action servers: `make_ray_server_worker(ray_opts, **kw)` -> a `RayServerWorker` with the ServerWorker interface
+(start(), wait_healthy(timeout), url, healthy(), stop(), restart(), ensure_healthy()). Each is an actor holding one GPU
 (num_gpus_per_server) that runs `wamkit.serve.workers.WamkitServerWorker` (the `wamkit serve` process) on its node
 and reports the URL.
 The server binds 127.0.0.1 when its node is on the driver's host, else the node's IP (the driver must reach it over
-HTTP; use a server token on shared networks).
+HTTP; use a server token on shared networks). It logs to a file in its node's Ray session log dir; stop() copies the
+tail to the driver (OUT/server-<i>.log) and removes the file. A replacement actor (after a crash) asks for the same
+node and port, so the URL usually survives; `url` is always the current one.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -111,6 +115,9 @@ class _EnvActorImpl:
         self.env.close()
 
 
+LOG_TAIL_BYTES = 4 * 2**20    # the end of a Ray server's log copied to the driver at stop()
+
+
 class _ServerActorImpl:
     """Runs one `wamkit serve` process (through WamkitServerWorker) on this actor's node."""
 
@@ -121,9 +128,17 @@ class _ServerActorImpl:
 
         self.node_ip = ray.util.get_node_ip_address()
         self.host = host or ("127.0.0.1" if self.node_ip == driver_ip else self.node_ip)
-        self.worker = WamkitServerWorker(host=self.host, **worker_kwargs)
+        kw = dict(worker_kwargs)
+        self.own_log: str | None = None
+        if not kw.get("log_path"):   # not loose in the node's /tmp: in Ray's session logs, removed at stop()
+            kw["log_path"] = self.own_log = _node_log_path()
+        self.worker = WamkitServerWorker(host=self.host, **kw)
 
-    def start(self) -> None:
+    def start(self, port: int | None = None) -> None:
+        if port and not self.worker.running():
+            # a replacement on the same node takes the old port, so URLs handed out stay valid; the worker may
+            # still re-pick a free one if another process holds it (auto_port)
+            self.worker.port = int(port)
         self.worker.start()
 
     def wait_healthy(self, timeout: float) -> str:
@@ -139,14 +154,68 @@ class _ServerActorImpl:
     def restart(self) -> None:
         self.worker.restart()
 
-    def stop(self) -> None:
+    def log_tail(self, max_bytes: int = LOG_TAIL_BYTES) -> str:
+        """The end of the server's output (the driver writes it to OUT/server-<i>.log)."""
+        try:
+            with open(self.worker.log_path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - max_bytes))
+                data = f.read()
+        except OSError:
+            return ""
+        text = data.decode(errors="replace")
+        if size > max_bytes:
+            text = f"[... {size - max_bytes} bytes cut; {self.node_ip}:{self.worker.log_path}]\n" + text
+        return text
+
+    def stop(self) -> str:
+        """Stop the server; its log tail, the log file removed if this actor chose it."""
         self.worker.stop()
+        tail = self.log_tail()
+        if self.own_log:
+            try:
+                os.unlink(self.own_log)
+            except OSError:
+                pass
+        return tail
 
     def info(self) -> dict[str, Any]:
         import ray
 
         return {"node_ip": self.node_ip, "host": self.host, "node_id": ray.get_runtime_context().get_node_id(),
-                "gpu_ids": ray.get_gpu_ids(), "pid": os.getpid()}
+                "gpu_ids": ray.get_gpu_ids(), "pid": os.getpid(), "log_path": str(self.worker.log_path)}
+
+
+def _node_log_path() -> str:
+    """A fresh log file in this node's Ray session log dir (a private Ray's goes with its temp dir; a cluster's
+    with Ray's own log rotation), else in the temp dir."""
+    import tempfile
+
+    try:
+        import ray
+
+        d = ray._private.worker.global_worker.node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001 - a private Ray attribute: fall back to the temp dir
+        d = None
+    fd, path = tempfile.mkstemp(prefix="wamkit-server-", suffix=".log", dir=d)
+    os.close(fd)
+    return path
+
+
+def _actor_error(e: BaseException) -> BaseException:
+    """What an actor method raised, as the driver should raise it: the original exception (a wamkit UserError stays
+    one line), not RayTaskError's text (remote traceback, ANSI colours)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, Exception):
+        return cause
+    first = next((ln for ln in _strip_ansi(str(e)).splitlines() if ln.strip()), type(e).__name__)
+    return RuntimeError(first)
+
+
+def _strip_ansi(text: str) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 _remote_cache: dict[str, Any] = {}
@@ -176,25 +245,45 @@ class RayEnvPool:
         self.session = ray_session.acquire(opts)
         self.open = n
         self._lock = threading.Lock()
-        bundle: dict[str, float] = {"CPU": opts.num_cpus_per_env}
+        bundle: dict[str, float] = {}
+        if opts.num_cpus_per_env > 0:      # Ray refuses a bundle holding a 0 resource
+            bundle["CPU"] = opts.num_cpus_per_env
         if opts.memory_gb_per_env > 0:
             bundle["memory"] = int(opts.memory_gb_per_env * 2**30)
+        self.pg = None
+        if self.session.started_here and not self._fits(n, bundle):   # a private Ray gets no more nodes
+            msg = self._no_room(n, bundle, "at all")      # (while Ray is up: release may shut it down)
+            ray_session.release(self.session)
+            raise UserError(msg) from None
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=opts.placement.upper())
         try:
             ray.get(self.pg.ready(), timeout=opts.startup_timeout_s)
         except Exception as e:  # noqa: BLE001
-            avail = ray.cluster_resources()
+            msg = self._no_room(n, bundle, f"within {opts.startup_timeout_s:.0f} s ({type(e).__name__})")
             self.pg_remove()
             ray_session.release(self.session)
-            raise UserError(
-                f"Ray could not place {n} env workers of {bundle} ({opts.placement}) within "
-                f"{opts.startup_timeout_s:.0f} s ({type(e).__name__}); the cluster has CPU={avail.get('CPU', 0)}, "
-                f"memory={avail.get('memory', 0) / 2**30:.1f} GiB. Lower num_envs, ray.num_cpus_per_env or "
-                f"ray.memory_gb_per_env, or add nodes") from None
+            raise UserError(msg) from None
+
+    @staticmethod
+    def _fits(n: int, bundle: dict[str, float]) -> bool:
+        import ray
+
+        total = ray.cluster_resources()
+        return all(n * v <= total.get(k, 0) for k, v in bundle.items())
+
+    def _no_room(self, n: int, bundle: dict[str, float], when: str) -> str:
+        import ray
+
+        avail = ray.cluster_resources()
+        return (f"Ray could not place {n} env workers of {bundle} ({self.opts.placement}) {when}; the cluster has "
+                f"CPU={avail.get('CPU', 0)}, memory={avail.get('memory', 0) / 2**30:.1f} GiB. Lower num_envs, "
+                f"ray.num_cpus_per_env or ray.memory_gb_per_env, or add nodes")
 
     def pg_remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
+        if self.pg is None:
+            return
         try:
             remove_placement_group(self.pg)
         except Exception:  # noqa: BLE001
@@ -420,16 +509,23 @@ class RayServerWorker(StartStopContext):
     """An action server (`wamkit serve`) launched by a Ray actor holding one GPU (the
     `wamkit.serve.contracts.ServerWorkerLike` contract, as the local ServerWorker).
 
-    Holds the Ray session from construction until stop()."""
+    Holds the Ray session from construction until stop(). A restart that must replace the actor (it or its node
+    died) asks for the same node and port, so `url` usually stays the same; when it cannot (another node, the port
+    taken), `url` is the new server's URL from then on: clients re-read it after ensure_healthy() returned True.
+    `log_path` (on the driver): where stop() appends the server's log tail (e.g. OUT/server-<i>.log)."""
 
     health_path = "/health"
 
     def __init__(self, worker_kwargs: dict[str, Any], opts: RayOptions | dict | None = None, index: int = 0):
         self.worker_kwargs, self.opts, self.index = dict(worker_kwargs), RayOptions.from_any(opts), index
+        # the log path is the driver's (OUT/server-<i>.log): the server on its node logs to a file of its own
+        log_path = self.worker_kwargs.pop("log_path", None)
+        self.log_path = Path(log_path) if log_path else None
         self.session = ray_session.acquire(self.opts)
         self._actor = None
         self._url: str | None = None
         self.node_ip: str | None = None
+        self.node_id: str | None = None
         self.host: str | None = None
         self.gpu_ids: list = []
         self.starts = 0
@@ -447,13 +543,7 @@ class RayServerWorker(StartStopContext):
     def actor(self):
         return self._actor
 
-    def start(self) -> "RayServerWorker":
-        import ray
-
-        if self._released:
-            raise RuntimeError("server worker was stopped")
-        if self._actor is not None:
-            return self
+    def _actor_options(self) -> dict[str, Any]:
         o = self.opts
         opts: dict[str, Any] = {"num_gpus": o.num_gpus_per_server, "num_cpus": o.num_cpus_per_server}
         if o.memory_gb_per_server > 0:
@@ -461,24 +551,90 @@ class RayServerWorker(StartStopContext):
         renv = o.runtime_env()
         if renv:
             opts["runtime_env"] = renv
-        self._actor = _remote("server").options(**opts).remote(self.worker_kwargs, self.session.driver_ip,
-                                                              o.server_host)
+        return opts
+
+    def start(self) -> "RayServerWorker":
+        import ray
+
+        if self._released:
+            raise RuntimeError("server worker was stopped")
+        if self._actor is not None:
+            return self
+        o, opts = self.opts, self._actor_options()
+        old_node, old_port = self.node_id, self._port()
+        if self.session.started_here:     # a private Ray gets no more nodes: refuse what it can never place
+            self._check_fits(0.0)
+            if old_node is None:          # (a replacement's CPU may still be held by the dead actor: not then)
+                self._check_free()
+        sched = dict(opts)
+        if old_node is not None:   # a replacement: the same node if it is still there (soft)
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            sched["scheduling_strategy"] = NodeAffinitySchedulingStrategy(old_node, soft=True)
+        self._actor = _remote("server").options(**sched).remote(self.worker_kwargs, self.session.driver_ip,
+                                                               o.server_host)
         try:
             info = ray.get(self._actor.info.remote(), timeout=o.startup_timeout_s)
-            ray.get(self._actor.start.remote(), timeout=o.startup_timeout_s)
+            port = old_port if old_node is not None and info["node_id"] == old_node else None
+            ray.get(self._actor.start.remote(port), timeout=o.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
             self._kill_actor()
-            raise RuntimeError(f"server worker {self.index}: actor not ready within {o.startup_timeout_s:.0f} s "
-                               f"(no node with {opts}?)") from None
+            self._check_fits(o.startup_timeout_s)
+            raise UserError(self._placement_error(o.startup_timeout_s)) from None
         except ray.exceptions.RayTaskError as e:
             self._kill_actor()
-            raise e.as_instanceof_cause() from None
+            raise _actor_error(e) from None
         except self._crash_types as e:
             self._kill_actor()
             raise RuntimeError(f"server worker {self.index}: actor died while starting: {e}") from None
-        self.node_ip, self.host, self.gpu_ids = info["node_ip"], info["host"], info["gpu_ids"]
+        self.node_ip, self.node_id, self.host = info["node_ip"], info["node_id"], info["host"]
+        self.gpu_ids = info["gpu_ids"]
         self.starts += 1
         return self
+
+    def _port(self) -> int | None:
+        try:
+            return int(self._url.rsplit(":", 1)[1]) if self._url else None
+        except ValueError:
+            return None
+
+    def _check_fits(self, waited: float) -> None:
+        """A UserError naming ray.num_gpus_per_server when the cluster has fewer GPUs than one server asks for."""
+        import ray
+
+        gpus = float(ray.cluster_resources().get("GPU", 0))
+        need = self.opts.num_gpus_per_server
+        if need > gpus:
+            within = f" within {waited:.0f} s" if waited else ""
+            raise UserError(f"Ray could not place action server {self.index}{within}: ray.num_gpus_per_server="
+                            f"{need:g} but the cluster has GPU={gpus:g}; set ray.num_gpus_per_server=0 on a "
+                            f"CPU-only cluster") from None
+
+    def _check_free(self) -> None:
+        """On a private Ray (no node will join, and what this run holds stays held while it runs): refuse at once a
+        first server that does not fit in what is free, instead of waiting ray.startup_timeout_s for nothing."""
+        import ray
+
+        free = ray.available_resources()
+        need = {k: v for k, v in (("CPU", self.opts.num_cpus_per_server), ("GPU", self.opts.num_gpus_per_server),
+                                  ("memory", self.opts.memory_gb_per_server * 2**30)) if v > 0}
+        short = [k for k, v in need.items() if v > free.get(k, 0) + 1e-9]
+        if short:
+            keys = {"CPU": "ray.num_cpus_per_server", "GPU": "ray.num_gpus_per_server",
+                    "memory": "ray.memory_gb_per_server"}
+            have = ", ".join(f"{k}={free.get(k, 0) / (2**30 if k == 'memory' else 1):g}" for k in short)
+            raise UserError(f"Ray could not place action server {self.index}: the local Ray has {have} free (the "
+                            f"env workers hold the rest); lower {' and '.join(keys[k] for k in short)} (0 is "
+                            f"allowed), or num_envs") from None
+
+    def _placement_error(self, waited: float) -> str:
+        import ray
+
+        avail = ray.cluster_resources()
+        return (f"Ray could not place action server {self.index} ({self._actor_options().get('num_cpus')} CPU, "
+                f"{self.opts.num_gpus_per_server:g} GPU) within {waited:.0f} s; the cluster has "
+                f"CPU={avail.get('CPU', 0):g}, GPU={avail.get('GPU', 0):g}. Lower ray.num_cpus_per_server, "
+                f"ray.num_gpus_per_server or ray.memory_gb_per_server, or add nodes")
 
     def wait_healthy(self, timeout: float | None = None) -> "RayServerWorker":
         import ray
@@ -489,7 +645,7 @@ class RayServerWorker(StartStopContext):
         try:
             self._url = ray.get(self._actor.wait_healthy.remote(timeout), timeout=timeout + 30)
         except ray.exceptions.RayTaskError as e:
-            raise e.as_instanceof_cause() from None
+            raise _actor_error(e) from None
         except self._crash_types as e:
             raise RuntimeError(f"server worker {self.index}: actor died: {e}") from None
         return self
@@ -506,22 +662,29 @@ class RayServerWorker(StartStopContext):
             return False
 
     def restart(self, timeout: float | None = None) -> "RayServerWorker":
-        """Restart the server process; a dead actor (or node) is replaced by a new one, possibly elsewhere."""
+        """Restart the server process in its actor (same URL); a dead or hung actor (or node) is replaced by a new
+        one, on the same node and port when possible (`url` tells). Each restart counts in `starts`."""
         import ray
 
         if self._actor is not None:
             try:
                 ray.get(self._actor.restart.remote(), timeout=self.opts.startup_timeout_s)
-                return self.wait_healthy(timeout)
-            except self._crash_types:
-                pass
+                ray.get(self._actor.url.remote(), timeout=30)   # still there after the restart
+            except ray.exceptions.RayTaskError as e:   # the server itself failed to start again
+                raise _actor_error(e) from None
+            except (*self._crash_types, ray.exceptions.GetTimeoutError):
+                log.warning("server worker %d: its Ray actor died or hangs; starting a new one", self.index)
+            else:
+                self.wait_healthy(timeout)
+                self.starts += 1
+                return self
         self._kill_actor()
-        self._url = None
         self.start()
         return self.wait_healthy(timeout)
 
     def ensure_healthy(self, timeout: float | None = None) -> bool:
-        """Restart the server if it died or stopped answering (as seen from here); True if a restart happened."""
+        """Restart the server if it died or stopped answering (as seen from here); True if a restart happened
+        (then re-read `url`: a replacement actor may serve on another node or port)."""
         if self.healthy():
             return False
         self.restart(timeout)
@@ -532,13 +695,23 @@ class RayServerWorker(StartStopContext):
 
         if self._actor is not None:
             try:
-                ray.get(self._actor.stop.remote(), timeout=60)
-            except Exception:  # noqa: BLE001
+                self._save_log(ray.get(self._actor.stop.remote(), timeout=60))
+            except Exception:  # noqa: BLE001 - a dead actor: nothing to stop, its log is on its node
                 pass
         self._kill_actor()
         if not self._released:
             self._released = True
             ray_session.release(self.session)
+
+    def _save_log(self, tail: str) -> None:
+        if not self.log_path or not tail:
+            return
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "a", encoding="utf-8", errors="replace") as f:
+                f.write(f"=== Ray action server {self.index} on node {self.node_ip} (log tail)\n{tail}")
+        except OSError as e:
+            log.warning("could not write the server log %s: %s", self.log_path, e)
 
     def kill(self) -> None:
         """Kill the actor as a crash would (its server exits too: it watches its parent's pid)."""
@@ -570,12 +743,18 @@ def make_ray_server_workers(n: int, ray_opts: dict[str, Any] | RayOptions | None
     return [RayServerWorker(worker_kwargs, ray_opts, i) for i in range(n)]
 
 
-def ray_server_worker_factory(ray_opts: dict[str, Any] | RayOptions | None = None):
+def ray_server_worker_factory(ray_opts: dict[str, Any] | RayOptions | None = None,
+                              log_dir: str | Path | None = None):
     """A drop-in for the WamkitServerWorker class where the eval builds its server: factory(**kwargs) ->
-    RayServerWorker (same kwargs: policy, policy_args, port, max_batch_size, max_wait_ms, token)."""
+    RayServerWorker (same kwargs: policy, policy_args, port, max_batch_size, max_wait_ms, token, log_path).
+    log_dir: the n-th server made (from 0) keeps its log tail in LOG_DIR/server-<n>.log unless given a log_path."""
     opts = RayOptions.from_any(ray_opts)
+    made = itertools.count()
 
     def factory(**worker_kwargs) -> RayServerWorker:
-        return RayServerWorker(worker_kwargs, opts)
+        i = next(made)
+        if log_dir is not None and not worker_kwargs.get("log_path"):
+            worker_kwargs["log_path"] = Path(log_dir) / f"server-{i}.log"
+        return RayServerWorker(worker_kwargs, opts, i)
 
     return factory

@@ -5,10 +5,17 @@
     release(session)          # the last holder out shuts down the Ray we started (and removes its temp dir)
 
 Rules
-- `address` given ("auto", "ray://...", "host:6379"): connect to that cluster; it is never shut down by us.
+- `address` given ("auto", "ray://...", "host:6379"): connect to that cluster; it is never shut down by us. A
+  host:port (or ray://host:port) that nothing answers at fails in seconds (a TCP connect first: ray.init itself
+  retries for minutes). With a token configured and RAY_AUTH_MODE unset, token mode is set for an explicit address
+  (Ray 2.60 does so only for "auto") until the session ends.
 - no `address` and Ray not initialized: start a local Ray with a fresh temp dir (RAY_TMPDIR points there, so the
-  address file and session logs stay inside it), no dashboard UI, node address 127.0.0.1 (Ray 2.60's own agents still
-  listen on wildcard gRPC ports: token auth guards them), `num_cpus` from the options if given. Shut down when the last holder releases it, or at exit.
+  address file and session logs stay inside it), no dashboard UI, node address 127.0.0.1 (Ray 2.60's own agents
+  still listen on wildcard gRPC ports: token auth guards them), `num_cpus` from the options if given. RAY_ADDRESS in
+  the environment is ignored (with a warning; ray.address=auto uses it). Shut down when the last holder releases
+  it, or at exit; a failed or interrupted start removes what it made, and the temp dirs of drivers that died
+  (SIGKILL) are removed at the next start.
+- ray.init keeps this process's SIGTERM handler (wamkit's: the run unwinds, exit 143).
 - Ray already initialized by the caller (tests, notebooks): used as is, never shut down by us.
 - Token auth stays on. Connecting needs the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
   ~/.ray/auth_token). For a local Ray we start and no token configured anywhere, an ephemeral random token is put in
@@ -22,17 +29,21 @@ import logging
 import os
 import secrets
 import shutil
+import signal
+import socket
 import tempfile
 import threading
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from wamkit.core.config import check_number, parse_bool
 from wamkit.core.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
 PLACEMENTS = ("spread", "pack", "strict_spread", "strict_pack")
+CONNECT_CHECK_S = 5.0     # a TCP connect to ray.address's port, before ray.init (which retries for minutes)
 
 
 @dataclass
@@ -69,22 +80,51 @@ class RayOptions:
         o = cls(**value)
         if o.address in ("", "none", "null", "local"):
             o.address = None
+        if o.address is not None:
+            o.address = str(o.address).strip()
         if isinstance(o.forward_env, str):
             o.forward_env = [s for s in o.forward_env.split(",") if s]
         o.placement = str(o.placement).lower()
         if o.placement not in PLACEMENTS:
             raise ConfigError(f"unknown ray.placement {o.placement!r}; valid choices: {', '.join(PLACEMENTS)}")
+        o._check_numbers()
+        o.copy_obs = parse_bool(o.copy_obs, "ray.copy_obs")
+        o.log_to_driver = parse_bool(o.log_to_driver, "ray.log_to_driver")
+        return o
+
+    def _check_numbers(self) -> None:
+        """Every number range-checked before Ray starts (one ConfigError naming the key): a bad value would
+        otherwise surface as a traceback, or after Ray started and waited for a placement that can never come."""
         for k in ("num_cpus_per_env", "memory_gb_per_env", "num_gpus_per_server", "num_cpus_per_server",
                   "memory_gb_per_server"):
-            v = float(getattr(o, k))
-            if v < 0:
-                raise ConfigError(f"ray.{k} must be >= 0")
-            setattr(o, k, v)
-        return o
+            setattr(self, k, _number(f"ray.{k}", getattr(self, k), lo=0))
+        self.startup_timeout_s = _number("ray.startup_timeout_s", self.startup_timeout_s, lo=0, lo_open=True)
+        if self.num_cpus is not None and str(self.num_cpus).strip().lower() not in ("none", "null", ""):
+            n = _number("ray.num_cpus", self.num_cpus, lo=1)
+            if not float(n).is_integer():
+                raise ConfigError(f"ray.num_cpus must be a whole number of CPUs, got {self.num_cpus!r}")
+            self.num_cpus = int(n)
+        else:
+            self.num_cpus = None
+        if self.num_cpus_per_env == 0 and self.memory_gb_per_env == 0:   # Ray refuses an all-zero bundle
+            raise ConfigError("ray.num_cpus_per_env and ray.memory_gb_per_env are both 0: an env worker's bundle needs "
+                              "at least one non-zero resource")
 
     def runtime_env(self) -> dict[str, Any]:
         env = {k: os.environ[k] for k in self.forward_env if k in os.environ}
         return {"env_vars": env} if env else {}
+
+
+def _number(key: str, value: Any, lo: float, lo_open: bool = False) -> float:
+    """A CLI/YAML value ('2', 2, 'nan', 'abc') as a finite float within range, else a ConfigError naming `key`."""
+    v = value
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            raise ConfigError(f"{key} must be a finite number, got {value!r}") from None
+    check_number(key, v, lo, lo_open=lo_open)
+    return float(v)
 
 
 @dataclass
@@ -113,6 +153,12 @@ def _setenv(s: RaySession, k: str, v: str) -> None:
     os.environ[k] = v
 
 
+def _unsetenv(s: RaySession, k: str) -> None:
+    if k not in s.env_backup:
+        s.env_backup[k] = os.environ.get(k)
+    os.environ.pop(k, None)
+
+
 def acquire(opts: RayOptions | dict | None = None) -> RaySession:
     """Make sure this process is connected to Ray (see the module doc); count one more holder."""
     global _session
@@ -126,42 +172,197 @@ def acquire(opts: RayOptions | dict | None = None) -> RaySession:
         if ray.is_initialized():          # the caller's own Ray: never ours to shut down
             _session = RaySession(started_here=False, address=None, temp_dir=None)
         elif opts.address:
-            if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
-                log.warning("RAY_AUTH_MODE=disabled: connecting without token authentication")
-            try:
-                ray.init(address=opts.address, namespace=opts.namespace, log_to_driver=opts.log_to_driver,
-                         logging_level=logging.WARNING)
-            except Exception as e:  # noqa: BLE001
-                if "auth" in type(e).__name__.lower() or "token" in str(e).lower():
-                    raise UserError(f"cannot connect to Ray at {opts.address}: {e}. Give this process the cluster's "
-                                    "token: RAY_AUTH_TOKEN=<token> or RAY_AUTH_TOKEN_PATH=<file> (on the head: "
-                                    "`ray get-auth-token`)") from None
-                raise UserError(f"cannot connect to Ray at {opts.address}: {e}") from None
-            _session = RaySession(started_here=False, address=opts.address, temp_dir=None)
+            _session = _connect(opts)
         else:
-            tmp = tempfile.mkdtemp(prefix="wkray-")       # short: Ray's unix socket paths live under it
-            s = RaySession(started_here=True, address=None, temp_dir=tmp)
-            _setenv(s, "RAY_TMPDIR", tmp)
-            if os.environ.get("RAY_AUTH_MODE") is None:
-                _setenv(s, "RAY_AUTH_MODE", "token")
-            if os.environ["RAY_AUTH_MODE"].lower() == "token" and not _token_configured():
-                _setenv(s, "RAY_AUTH_TOKEN", secrets.token_hex(32))   # ephemeral, never written to disk by us
-            _refresh_ray_auth_config()
-            try:
-                ray.init(num_cpus=opts.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                         _temp_dir=os.path.join(tmp, "ray"), namespace=opts.namespace,
-                         log_to_driver=opts.log_to_driver, logging_level=logging.WARNING)
-            except Exception:
-                _restore_env(s)
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            _session = s
+            _session = _start_private(opts)
         try:
             _session.driver_ip = ray.util.get_node_ip_address()
         except Exception:  # noqa: BLE001
             pass
         _session.holders += 1
         return _session
+
+
+def _connect(opts: RayOptions) -> RaySession:
+    """ray.init(address=...) to an existing cluster: fail in seconds with one line when nothing answers there."""
+    s = RaySession(started_here=False, address=opts.address, temp_dir=None)
+    target = label = opts.address
+    if opts.address == "auto" and os.environ.get("RAY_ADDRESS"):   # what ray.init connects to for auto
+        target = os.environ["RAY_ADDRESS"]
+        label = f"auto (RAY_ADDRESS={target})"
+    _check_reachable(target, label)
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        log.warning("RAY_AUTH_MODE=disabled: connecting without token authentication")
+    elif os.environ.get("RAY_AUTH_MODE") is None and _token_configured():
+        # Ray 2.60 turns token mode on by itself only for a cluster it finds (auto, no RAY_ADDRESS): an explicit
+        # host:port would send no token, and the cluster refuse us. Restored when the session ends.
+        _setenv(s, "RAY_AUTH_MODE", "token")
+        _refresh_ray_auth_config()
+    try:
+        _init_ray(address=opts.address, namespace=opts.namespace, log_to_driver=opts.log_to_driver,
+                  logging_level=logging.WARNING)
+    except BaseException as e:
+        _restore_env(s)
+        _refresh_ray_auth_config()
+        if not isinstance(e, Exception):
+            raise
+        raise UserError(_connect_error(opts.address, e)) from None
+    return s
+
+
+def _connect_error(address: str, e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if _auth_error(e):
+        return (f"cannot connect to Ray at {address}: {first}. Give this process the cluster's token: "
+                "RAY_AUTH_TOKEN=<token> or RAY_AUTH_TOKEN_PATH=<file> (on the head: `ray get-auth-token`)")
+    return f"cannot connect to Ray at {address}: {first}"
+
+
+def _auth_error(e: BaseException | None) -> bool:
+    """An authentication failure anywhere in the exception chain (Ray wraps it in a ConnectionError)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if "auth" in type(e).__name__.lower() or "token" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of 'host:port' or 'ray://host[:port]' (Ray client's default port 10001); None for 'auto'."""
+    a = address.strip()
+    default = None
+    if a.startswith("ray://"):
+        a, default = a[len("ray://"):].split("/")[0], 10001
+    elif "://" in a or a == "auto":
+        return None
+    host, sep, port = a.rpartition(":")
+    if not sep or not port.isdigit():
+        return (a.strip("[]"), default) if default and a else None
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _check_reachable(address: str, label: str, timeout: float = CONNECT_CHECK_S) -> None:
+    """A TCP connect to the cluster's port first: Ray itself retries a dead address for minutes."""
+    hp = _host_port(address)
+    if hp is None:
+        return
+    try:
+        socket.create_connection(hp, timeout=timeout).close()
+    except OSError as e:
+        raise UserError(f"cannot connect to Ray at {label}: nothing answers at {hp[0]}:{hp[1]} within "
+                        f"{timeout:g} s ({e.strerror or type(e).__name__}); check ray.address (the head's "
+                        "`ray start --head` prints it), or ray.address=auto on a cluster node") from None
+
+
+def _start_private(opts: RayOptions) -> RaySession:
+    """A local Ray in a fresh temp dir, for this process only; any failure (Ctrl-C too) leaves nothing behind."""
+    import ray
+
+    remove_stale_temp_dirs()
+    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX)       # short: Ray's unix socket paths live under it
+    s = RaySession(started_here=True, address=None, temp_dir=tmp)
+    _write_owner(tmp)
+    _setenv(s, "RAY_TMPDIR", tmp)
+    if os.environ.get("RAY_ADDRESS"):
+        # no ray.address means a private Ray (docs/ray.md); ray.init would otherwise connect to RAY_ADDRESS
+        log.warning("RAY_ADDRESS=%s ignored: no ray.address given, so a private local Ray is started (give "
+                    "ray.address=auto to use that cluster)", os.environ["RAY_ADDRESS"])
+        _unsetenv(s, "RAY_ADDRESS")
+    if os.environ.get("RAY_AUTH_MODE") is None:
+        _setenv(s, "RAY_AUTH_MODE", "token")
+    if os.environ["RAY_AUTH_MODE"].lower() == "token" and not _token_configured():
+        _setenv(s, "RAY_AUTH_TOKEN", secrets.token_hex(32))   # ephemeral, never written to disk by us
+    _refresh_ray_auth_config()
+    try:
+        _init_ray(num_cpus=opts.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                  _temp_dir=os.path.join(tmp, "ray"), namespace=opts.namespace,
+                  log_to_driver=opts.log_to_driver, logging_level=logging.WARNING)
+    except BaseException as e:   # KeyboardInterrupt too: whatever ray.init started goes
+        try:
+            ray.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+        _restore_env(s)
+        _refresh_ray_auth_config()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, ConnectionError):
+            first = (str(e).strip().splitlines() or ["ConnectionError"])[0]
+            raise UserError(f"could not start a local Ray: {first}") from None
+        raise
+    return s
+
+
+def _init_ray(**kwargs: Any) -> None:
+    """ray.init, keeping this process's SIGTERM handling: ray.init installs a handler that exits with code 15 (and
+    Ray's C++ failure handler prints a stack dump); wamkit's own handler unwinds the run (exit 143). A Python-level
+    re-install also takes SIGTERM back from the C++ handler (sigaction), so no dump."""
+    import ray
+
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        ray.init(**kwargs)
+    finally:
+        if main:
+            after = signal.getsignal(signal.SIGTERM)
+            # ours if one was set (wamkit CLI), else Ray's own Python handler: sys.exit runs atexit (shutdown)
+            handler = before if callable(before) else after
+            if handler is not None:
+                signal.signal(signal.SIGTERM, handler)
+
+
+# ---- leftovers of drivers that died without cleaning up (SIGKILL, a crash during start-up)
+
+TEMP_PREFIX = "wkray-"
+OWNER_FILE = "wamkit-owner"    # in each temp dir we create: '<pid> <process start time>' of the driver
+
+
+def _proc_start(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot) from /proc: tells a live pid from a reused one."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _write_owner(tmp: str) -> None:
+    Path(tmp, OWNER_FILE).write_text(f"{os.getpid()} {_proc_start(os.getpid()) or '-'}\n")
+
+
+def _creator_dead(d: Path) -> bool:
+    """True only when we are sure: our owner file names a pid that is gone (or reused)."""
+    try:
+        pid_s, start = Path(d, OWNER_FILE).read_text().split()[:2]
+        pid = int(pid_s)
+    except (OSError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    now = _proc_start(pid)
+    return now is None or (start != "-" and now != start)
+
+
+def remove_stale_temp_dirs(root: str | None = None) -> list[str]:
+    """Remove the wkray-* temp dirs (ours: the owner file) of drivers that died (a SIGKILL leaves them)."""
+    removed = []
+    try:
+        entries = list(Path(root or tempfile.gettempdir()).glob(TEMP_PREFIX + "*"))
+    except OSError:
+        return removed
+    for d in entries:
+        try:
+            if not d.is_dir() or d.is_symlink() or d.stat().st_uid != os.getuid() or not _creator_dead(d):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(str(d))
+    if removed:
+        log.info("removed %d Ray temp dir(s) of dead wamkit runs: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 def _refresh_ray_auth_config() -> None:
@@ -201,13 +402,16 @@ def release(session: RaySession | None = None) -> None:
 def _shutdown(s: RaySession) -> None:
     import ray
 
-    if s.started_here:
-        try:
-            ray.shutdown()
-        finally:
+    if not s.started_here:
+        if s.env_backup:   # the RAY_AUTH_MODE set for connecting
             _restore_env(s)
-            if s.temp_dir:
-                shutil.rmtree(s.temp_dir, ignore_errors=True)
+        return
+    try:
+        ray.shutdown()
+    finally:
+        _restore_env(s)
+        if s.temp_dir:
+            shutil.rmtree(s.temp_dir, ignore_errors=True)
 
 
 @atexit.register
