@@ -1,9 +1,22 @@
-"""Process checks the lifecycle tests share: is a pid still running, and which processes descend from one (read
-from /proc, Linux)."""
+"""Process checks the lifecycle tests share: is a pid still running, which processes descend from one, and the
+environment one was started with (read from /proc, Linux)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+
+
+def start_environ(pid: int, timeout: float = 10.0) -> dict[bytes, bytes]:
+    """The environment `pid` was started with. Read right after Popen returns, /proc/PID/environ can still be empty:
+    the parent learns the exec succeeded (its close-on-exec pipe closes) before the kernel has laid out the new
+    program's environment, a window a loaded machine widens (a CI run read None for a variable that was set)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        if raw or time.monotonic() > deadline:
+            return dict(kv.split(b"=", 1) for kv in raw.split(b"\0") if b"=" in kv)
+        time.sleep(0.01)
 
 
 def _state_and_parent(pid: int | str) -> tuple[str, int] | None:

@@ -138,8 +138,9 @@ def test_env_nice_is_checked_as_a_config_key_and_per_bench_row(monkeypatch):
 
 def process_env(pid: int) -> dict[str, str]:
     """The environment process `pid` was started with."""
-    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
+    from processes import start_environ
+
+    return {k.decode(): v.decode() for k, v in start_environ(pid).items()}
 
 
 def test_torch_threads_never_outnumber_the_cpus_a_process_may_use():

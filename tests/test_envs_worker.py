@@ -51,7 +51,9 @@ def test_worker_matches_in_process_sync_and_async():
         _same(workers[0].reset_sync(1, 3), o_ref)
         assert workers[0].loaded_task == 1
         # the env processes run single-threaded numeric libraries; this process's environment is left as it was
-        child_env = open(f"/proc/{workers[0].pid}/environ", "rb").read().split(b"\0")
+        from processes import start_environ
+
+        child_env = [k + b"=" + v for k, v in start_environ(workers[0].pid).items()]
         from wamkit.envs.process_setup import SINGLE_THREAD_VARS
 
         for v in SINGLE_THREAD_VARS:

@@ -15,7 +15,7 @@ import pytest
 from wamkit.core.config import load_config
 from wamkit.eval.config import EvalConfig
 from wamkit.eval.metrics import outcome_view
-from processes import descendants, running
+from processes import descendants, running, start_environ
 
 ROOT = Path(__file__).resolve().parents[1]
 MW_TASKS = "env_args.tasks=reach-v3,drawer-open-v3"
@@ -341,7 +341,7 @@ def test_bench_eval_shares_one_server_across_rows(mw_serial, tmp_path, monkeypat
         starts.append(self.port)
         caps.append(self.max_batch_size)
         out = orig(self)
-        env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{self.pid}/environ", "rb").read().split(b"\0") if kv)
+        env = start_environ(self.pid)
         omp.append(env.get(b"OMP_WAIT_POLICY"))
         return out
 
