@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
-from wamkit.core.errors import UserError
+from wamkit.core.errors import UserError, unknown_choice
+from wamkit.core.files import write_atomic
 
 USAGE = """usage:
   wamkit data inspect DIR                  episodes, frames, fps, features, tasks
@@ -94,7 +95,7 @@ def stats_cmd(root: str, overrides: list[str]) -> int:
     horizon, num_chunks, seed = nums["horizon"], nums["num_chunks"], nums["seed"]
     rep = opts.get("representation", "rot6d10")
     if rep not in ("rot6d10", "raw"):
-        raise UserError(f"unknown representation {rep!r}; valid choices: rot6d10, raw")
+        raise unknown_choice("representation", rep, ("rot6d10", "raw"))
     if "out" in opts:
         _check_out(str(opts["out"]))
     ds = LeRobotDataset(root, cameras=[])
@@ -119,8 +120,7 @@ def stats_cmd(root: str, overrides: list[str]) -> int:
         con.print(ct)
         if "out" in opts:
             try:
-                with open(opts["out"], "w") as f:
-                    json.dump({"representation": rep, **st}, f, indent=2)
+                write_atomic(opts["out"], json.dumps({"representation": rep, **st}, indent=2))
             except OSError as e:
                 raise UserError(f"out={opts['out']}: cannot write it ({e.strerror or e})") from None
             con.print(f"wrote {opts['out']}")

@@ -13,6 +13,7 @@ Rules
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 import warnings
@@ -262,16 +263,20 @@ def parse_bool(value: Any, key: str = "value") -> bool:
     raise ConfigError(f"{key}: expected true/false, got {value!r}")
 
 
+def is_number(v: Any) -> bool:
+    """A finite int or float, not a bool: the one test of "a number" for configs, metadata files and summaries."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return isinstance(v, int) or math.isfinite(v)   # (an int too large for a float is still a number)
+
+
 def check_number(key: str, value: Any, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
                  none_ok: bool = False) -> None:
     """ConfigError naming `key` unless `value` is a finite number within [lo, hi] ((lo, hi] with lo_open); None is
     accepted when none_ok. The one range check of the config dataclasses' validate()."""
-    import math
-
     if value is None and none_ok:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            (isinstance(value, float) and not math.isfinite(value)):
+    if not is_number(value):
         raise ConfigError(f"{key} must be a finite number, got {value!r}")
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise ConfigError(f"{key} must be {'>' if lo_open else '>='} {lo:g}, got {value!r}")

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from wamkit.data.errors import DatasetError, FeatureMissingError
-from wamkit.data.layout import is_number
+from wamkit.core.config import is_number
 from wamkit.data.metadata import NUMERIC_DTYPES, read_parquet
 
 

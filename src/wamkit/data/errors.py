@@ -12,10 +12,11 @@ class DatasetError(UserError):
 class DatasetFileError(DatasetError):
     """A dataset file is missing or cannot be read; `path` names it."""
 
-    def __init__(self, path, problem: str):
+    def __init__(self, path, problem: str | None = None):
+        # one argument: an already formatted message (a DataLoader worker's error is rebuilt from its message alone)
         self.path = str(path)
         self.problem = problem
-        super().__init__(f"{problem}: {self.path}")
+        super().__init__(self.path if problem is None else f"{problem}: {self.path}")
 
 
 class MissingFileError(DatasetFileError):

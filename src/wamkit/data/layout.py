@@ -9,12 +9,12 @@ Files are numbered (chunk_index, file_index); a chunk holds `chunks_size` files 
 
 from __future__ import annotations
 
-import math
 import os
 import string
 from pathlib import Path
 from typing import Any
 
+from wamkit.core.config import is_number
 from wamkit.data.errors import DatasetError, MissingFileError
 
 DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
@@ -70,10 +70,6 @@ def inside(root: Path, rel: str, what: str) -> Path:
     if os.path.isabs(rel) or norm == ".." or norm.startswith(".." + os.sep) or os.path.isabs(norm):
         raise DatasetError(f"{root}: {what} {rel!r} points outside the dataset directory; refused")
     return root / norm
-
-
-def is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class DatasetFiles:

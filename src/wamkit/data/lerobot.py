@@ -22,12 +22,13 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from wamkit.core.config import is_number
 from wamkit.core.lifecycle import ClosingContext
 from wamkit.data.columns import DataColumns, column_to_numpy  # noqa: F401 - public here too
 from wamkit.data.errors import DatasetError, FeatureMissingError, FpsMismatchError, MissingFileError
 from wamkit.data.frames import VideoDecoder, VideoFrames, decode_image_cell, probe_stream, probe_video  # noqa: F401
 from wamkit.data.layout import (  # noqa: F401 - the v3 layout's names, public here too
-    CAMERA_PREFIX, DEFAULT_FEATURES, TEMPLATE_FIELDS, DatasetFiles, format_path, inside, is_number, template_problem)
+    CAMERA_PREFIX, DEFAULT_FEATURES, TEMPLATE_FIELDS, DatasetFiles, format_path, inside, template_problem)
 from wamkit.data.metadata import (  # noqa: F401
     check_info, read_episode_stats, read_episodes, read_json, read_parquet, read_tasks)
 

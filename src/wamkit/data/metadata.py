@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from wamkit.data.errors import CorruptFileError, DatasetError, MissingFileError
-from wamkit.data.layout import is_number as _is_number
+from wamkit.core.config import is_number as _is_number
 from wamkit.data.layout import template_problem
 
 # the feature dtypes of LeRobot v3 (HF `datasets` Value dtypes + video/image); a typo here used to read silently

@@ -365,7 +365,7 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
     their model builds and warm-ups overlap. If one fails, those already started are stopped and the error raised.
     pinnable: the caller may pin them later (bench eval's rows with server.reserve_cpus): they start with
     PINNABLE_ENV (core/cpu_pinning.py), as servers pinned from the start do. log_dir: server i's output goes to
-    LOG_DIR/server-<i>.log (appended to on a resume or a restart); None, or a worker_factory: its own place."""
+    LOG_DIR/server-<i>.log (appended to on a resume or a restart); None: the worker's own place."""
     from wamkit.serve.workers import SGLangServerWorker, WamkitServerWorker
 
     launch = getattr(options, "launch", "wamkit")
@@ -375,8 +375,8 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
         for i in range(max(1, int(getattr(options, "replicas", 1) or 1))):
             gpus = getattr(options, "gpus", None)
             env = {"CUDA_VISIBLE_DEVICES": str(gpus[i % len(gpus)])} if gpus else None
-            # a worker_factory's servers (Ray's: on other nodes) keep their own logs
-            log_path = Path(log_dir) / f"server-{i}.log" if log_dir is not None and not worker_factory else None
+            # (a worker_factory's servers get it too: Ray's copy their log tail back from their node at stop)
+            log_path = Path(log_dir) / f"server-{i}.log" if log_dir is not None else None
             if launch == "sglang":
                 kw = dict(getattr(options, "sglang", None) or {})
                 if not kw.get("model_path"):

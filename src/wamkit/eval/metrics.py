@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from wamkit.core.config import is_number
+
 
 def summarize(records: list[dict[str, Any]], *, wall_s: float, config: dict[str, Any], versions: dict[str, Any],
               inference_obs: int = 0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -100,16 +102,12 @@ SUMMARY_COUNTS = ("episodes", "successes", "success_rate")
 THROUGHPUT_KEYS = ("episodes_this_run", "wall_s", "episodes_per_hour", "env_steps_per_s", "inference_obs_per_s")
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def summary_problem(s: dict) -> str | None:
     """The first field the reports need that is missing or of the wrong type ("field per_task.3.episodes: ..."),
     else None."""
     def bad(d, keys, where):
         for k in keys:
-            if not _is_number(d.get(k)):
+            if not is_number(d.get(k)):
                 return f"field {where}{k}: expected a number, got {d.get(k)!r}"
         return None
 

@@ -228,7 +228,7 @@ class ActionClient(RetryingClient):
                 if r.is_success:
                     return r, attempt + 1
                 status = r.status_code
-                if r.is_redirect or status < 400:
+                if status < 400:   # 3xx: the url given redirects
                     raise ActionClientError(f"{self.url}: {method} {path} answered {status} (redirect to "
                                             f"{r.headers.get('location', '?')}): give the server's own address, "
                                             f"not one that redirects", status, r.content)

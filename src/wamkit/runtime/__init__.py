@@ -33,10 +33,8 @@ def eval_runtime(cfg: Any) -> dict[str, Any]:
 
         opts = RayOptions.from_any(cfg.ray)
         n_envs = cfg.env_count()
-        # the servers' log tails go where local servers log (OUT/server-<i>.log), copied back from their nodes
-        log_dir = getattr(cfg, "out", None)
         return {"env_workers": lambda env, kwargs, n: make_ray_env_workers(env, kwargs, n, opts),
-                "server_worker_factory": ray_server_worker_factory(opts, log_dir=log_dir),
+                "server_worker_factory": ray_server_worker_factory(opts),
                 "cores": max(1, int(round(n_envs * opts.num_cpus_per_env)))}
     from wamkit.core.errors import unknown_choice
 

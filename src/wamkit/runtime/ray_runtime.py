@@ -743,18 +743,14 @@ def make_ray_server_workers(n: int, ray_opts: dict[str, Any] | RayOptions | None
     return [RayServerWorker(worker_kwargs, ray_opts, i) for i in range(n)]
 
 
-def ray_server_worker_factory(ray_opts: dict[str, Any] | RayOptions | None = None,
-                              log_dir: str | Path | None = None):
+def ray_server_worker_factory(ray_opts: dict[str, Any] | RayOptions | None = None):
     """A drop-in for the WamkitServerWorker class where the eval builds its server: factory(**kwargs) ->
-    RayServerWorker (same kwargs: policy, policy_args, port, max_batch_size, max_wait_ms, token, log_path).
-    log_dir: the n-th server made (from 0) keeps its log tail in LOG_DIR/server-<n>.log unless given a log_path."""
+    RayServerWorker (same kwargs: policy, policy_args, port, max_batch_size, max_wait_ms, token, log_path: the
+    driver-side file its log tail is appended to at stop)."""
     opts = RayOptions.from_any(ray_opts)
     made = itertools.count()
 
     def factory(**worker_kwargs) -> RayServerWorker:
-        i = next(made)
-        if log_dir is not None and not worker_kwargs.get("log_path"):
-            worker_kwargs["log_path"] = Path(log_dir) / f"server-{i}.log"
-        return RayServerWorker(worker_kwargs, opts, i)
+        return RayServerWorker(worker_kwargs, opts, next(made))
 
     return factory

@@ -184,32 +184,19 @@ class BatchStream:
 
 
 def one_line_worker_error(e: Exception) -> Exception | None:
-    """A UserError/RunError raised in a DataLoader worker comes back as the same type with torch's message "Caught X
-    in DataLoader worker process N. Original Traceback ...", the worker's whole traceback (or as a RuntimeError when
-    the type cannot be built from one string, e.g. DatasetFileError): the one line the CLI prints was 25 lines.
-    Returns the error again with the original message (the traceback's last line), or None for anything else."""
+    """A UserError/RunError raised in a DataLoader worker comes back as the same type (every wamkit error can be
+    built from one message) with torch's message "Caught X in DataLoader worker process N. Original Traceback ...",
+    the worker's whole traceback: the one line the CLI prints was 25 lines. Returns the error again with the original
+    message (the traceback's last line), or None for anything else."""
     from wamkit.core.errors import RunError
 
     msg = str(e)
-    if " in DataLoader worker process " not in msg or "Original Traceback" not in msg:
+    if not isinstance(e, (UserError, RunError)) or " in DataLoader worker process " not in msg or \
+            "Original Traceback" not in msg:
         return None
-    qualname, _, text = msg.strip().splitlines()[-1].partition(": ")
-    cls = type(e) if issubclass(type(e), (UserError, RunError)) else _wamkit_class(qualname)
-    if not (isinstance(cls, type) and issubclass(cls, (UserError, RunError))):
-        return None
-    err = cls.__new__(cls)
-    Exception.__init__(err, text)    # the subclass's __init__ would re-format the message (DatasetFileError)
-    return err
-
-
-def _wamkit_class(qualname: str):
-    module, _, name = qualname.rpartition(".")
-    if not module.startswith("wamkit."):
-        return None
-    try:
-        return getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
+    err = type(e).__new__(type(e))
+    Exception.__init__(err, msg.strip().splitlines()[-1].partition(": ")[2])   # not the subclass's __init__,
+    return err                                                                   # which would format it again
 
 
 def to_device(x, device: torch.device, host_keys: tuple[str, ...] = ()):
