@@ -172,13 +172,14 @@ def test_ray_init_keeps_our_sigterm_handler(monkeypatch):
 
 
 def test_stale_temp_dirs_of_dead_drivers_are_removed(tmp_path):
-    from wamkit.runtime.ray_session import OWNER_FILE, _proc_start, remove_stale_temp_dirs
+    from wamkit.core.shm_names import process_start
+    from wamkit.runtime.ray_session import OWNER_FILE, remove_stale_temp_dirs
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     parent = os.getppid()
     dirs = {"wkray-dead": f"{dead.pid} 1", "wkray-reused": f"{parent} 1",            # start time does not match
-            "wkray-alive": f"{parent} {_proc_start(parent)}", "wkray-mine": f"{os.getpid()} -",
+            "wkray-alive": f"{parent} {process_start(parent)}", "wkray-mine": f"{os.getpid()} -",
             "wkray-nofile": None, "other-dead": f"{dead.pid} 1"}
     for name, owner in dirs.items():
         (tmp_path / name / "ray").mkdir(parents=True)

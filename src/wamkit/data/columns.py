@@ -3,6 +3,7 @@ against info.json's feature shapes, ordered by `index`, with each row's episode 
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -108,11 +109,12 @@ class DataColumns:
             self.row_file, self.row_in_file = self.row_file[order], self.row_in_file[order]
         ep = np.asarray(self.columns["episode_index"])
         n = len(ep)
-        # last row of each row's episode (episodes are contiguous runs of rows)
-        change = np.flatnonzero(np.diff(ep) != 0)
-        ends = np.append(change, n - 1)
-        run_id = np.concatenate([[0], np.cumsum(np.diff(ep) != 0)]) if n else np.zeros(0, int)
-        self.ep_last_row = ends[run_id] if n else np.zeros(0, int)
+        # the runs of rows of one episode_index, [run_starts[k], run_stops[k]); a valid dataset has one per episode
+        change = np.flatnonzero(np.diff(ep) != 0) + 1
+        self.run_starts = np.concatenate([[0], change]).astype(np.int64) if n else np.zeros(0, np.int64)
+        self.run_stops = np.append(change, n).astype(np.int64) if n else np.zeros(0, np.int64)
+        # last row of each row's episode (for action chunks)
+        self.ep_last_row = np.repeat(self.run_stops - 1, self.run_stops - self.run_starts)
         self.num_rows = n
         expected = info.get("total_frames")
         if expected is not None and int(expected) != n:
@@ -159,18 +161,8 @@ class DataColumns:
             raise DatasetError(f"{self.files[int(self.row_file[i])]}: episode_index {int(ep[i])} (row "
                                f"{int(self.row_in_file[i])}) is not in meta/episodes"
                                + (f" (nor are {n - 1} other episode(s) of the data)" if n > 1 else ""))
-        n_rows = len(ep)
-        starts = np.concatenate([[0], np.flatnonzero(np.diff(ep) != 0) + 1]) if n_rows else np.zeros(0, np.int64)
-        stops = np.append(starts[1:], n_rows)
-        runs: dict[int, tuple[int, int]] = {}
+        runs = self.episode_runs
         index = np.asarray(self.columns["index"])
-        for a, b in zip(starts.tolist(), stops.tolist()):
-            e = int(ep[a])
-            if e in runs:
-                raise DatasetError(f"{self.files[int(self.row_file[a])]}: the rows of episode {e} are not one "
-                                   f"contiguous run (they resume at {self.where(a)} after another episode's)")
-            runs[e] = (a, b)
-        self.episode_runs = runs
         meta = f"{self.root}/meta/episodes"
         for e, row in episodes.items():
             if e not in runs:
@@ -185,6 +177,21 @@ class DataColumns:
             if lo is not None and hi is not None and (int(lo), int(hi)) != (int(index[a]), int(index[b - 1]) + 1):
                 raise DatasetError(f"{meta}: episode {e} has dataset_from_index..dataset_to_index {int(lo)}..{int(hi)}"
                                    f" but its rows have index {int(index[a])}..{int(index[b - 1]) + 1}")
+
+    @cached_property
+    def episode_runs(self) -> dict[int, tuple[int, int]]:
+        """episode_index -> its [start, stop) rows (the runs computed at load); DatasetError naming the file and row
+        when an episode's rows are not one contiguous run (its frames would be decoded at another episode's
+        timestamps, its action chunks cut at the run's ends)."""
+        ep = self.columns["episode_index"]
+        runs: dict[int, tuple[int, int]] = {}
+        for a, b in zip(self.run_starts.tolist(), self.run_stops.tolist()):
+            e = int(ep[a])
+            if e in runs:
+                raise DatasetError(f"{self.files[int(self.row_file[a])]}: the rows of episode {e} are not one "
+                                   f"contiguous run (they resume at {self.where(a)} after another episode's)")
+            runs[e] = (a, b)
+        return runs
 
     def _first_bad(self, bad: np.ndarray, what) -> DatasetError:
         """The error for the rows flagged in `bad`: `FILE: row R (index I, episode E): <what(first row)>`."""
@@ -283,8 +290,7 @@ class DataColumns:
 
     def episode_rows(self, episode_index: int) -> tuple[int, int]:
         """[start, end) rows of an episode."""
-        ep = np.asarray(self.columns["episode_index"])
-        rows = np.flatnonzero(ep == int(episode_index))
-        if rows.size == 0:
+        run = self.episode_runs.get(int(episode_index))
+        if run is None:
             raise DatasetError(f"{self.root}: no episode {episode_index}")
-        return int(rows[0]), int(rows[-1]) + 1
+        return run

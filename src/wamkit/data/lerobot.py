@@ -30,7 +30,7 @@ from wamkit.data.frames import VideoDecoder, VideoFrames, decode_image_cell, pro
 from wamkit.data.layout import (  # noqa: F401 - the v3 layout's names, public here too
     CAMERA_PREFIX, DEFAULT_FEATURES, TEMPLATE_FIELDS, DatasetFiles, format_path, inside, template_problem)
 from wamkit.data.metadata import (  # noqa: F401
-    check_info, read_episode_stats, read_episodes, read_json, read_parquet, read_tasks)
+    check_info, read_episode_stats, read_episodes, read_json, read_parquet, read_stats, read_tasks)
 
 
 class LeRobotDataset(ClosingContext):
@@ -98,9 +98,9 @@ class LeRobotDataset(ClosingContext):
     # ------------------------------------------------------------------------------------------- metadata
     @property
     def stats(self) -> dict:
-        """meta/stats.json ({} when absent)."""
-        p = self.root / "meta" / "stats.json"
-        return read_json(p) if p.exists() else {}
+        """meta/stats.json, checked ({} when absent; a malformed one is a DatasetError naming the file and the
+        feature)."""
+        return read_stats(self.root / "meta" / "stats.json")
 
     def episode_stats(self) -> list[dict]:
         """Per-episode `stats/<feature>/<stat>` columns of the episodes parquet, one dict per episode."""

@@ -1,11 +1,14 @@
-"""Reading a LeRobot v3.0 dataset's metadata and tables: meta/info.json (checked field by field), tasks.parquet,
-the episodes parquet files; every missing or unreadable file is one error naming it."""
+"""Reading a LeRobot v3.0 dataset's metadata and tables: meta/info.json (checked field by field), meta/stats.json
+(checked feature by feature), tasks.parquet, the episodes parquet files; every missing or unreadable file is one error
+naming it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from wamkit.data.errors import CorruptFileError, DatasetError, MissingFileError
 from wamkit.core.config import is_number as _is_number
@@ -60,6 +63,31 @@ def check_info(info: Any, path: Path) -> None:
     if total is not None and (not isinstance(total, int) or isinstance(total, bool) or total < 0):
         raise bad("total_frames", f"expected an integer >= 0, got {total!r}")
 
+
+def check_stats(stats: Any, path: Path) -> None:
+    """meta/stats.json is a mapping of feature -> {stat: number or (nested, rectangular) list of numbers}; anything
+    else is one DatasetError naming the file and the feature (was an AttributeError/ValueError traceback)."""
+    if not isinstance(stats, dict):
+        raise DatasetError(f"{path}: expected a JSON object of feature -> stats, got {type(stats).__name__}")
+    for feat, st in stats.items():
+        if not isinstance(st, dict):
+            raise DatasetError(f"{path}: feature {feat!r}: expected a mapping of stat -> numbers, got "
+                               f"{type(st).__name__}")
+        for key, v in st.items():
+            try:
+                np.asarray(v, dtype=float)
+            except (TypeError, ValueError):
+                raise DatasetError(f"{path}: feature {feat!r}: stat {key!r} is not a number or a rectangular list "
+                                   f"of numbers: {str(v)[:80]}") from None
+
+
+def read_stats(path: Path) -> dict:
+    """meta/stats.json, checked (check_stats); {} when the file is absent (lerobot's readers do not need it)."""
+    if not path.exists():
+        return {}
+    stats = read_json(path)
+    check_stats(stats, path)
+    return stats
 
 
 def read_json(path: Path) -> Any:

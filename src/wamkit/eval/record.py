@@ -95,21 +95,18 @@ def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:
         if spec.state_dim:
             features["observation.state"] = {"dtype": "float32", "shape": [spec.state_dim], "names": None}
         features["action"] = {"dtype": "float32", "shape": [spec.action_dim], "names": None}
-        writer = LeRobotWriter(out, fps=int(round(spec.control_hz)), features=features, robot_type=cfg.env,
-                               video_codec=cfg.video_codec)
-        try:
-            kept, succ, t0 = _record_episodes(cfg, worker, policy, spec, plan, writer, console)
-            if kept:
-                writer.finalize()
+        try:   # the writer finalizes on leaving the block, or aborts (its temporary files go) on an error
+            with LeRobotWriter(out, fps=int(round(spec.control_hz)), features=features, robot_type=cfg.env,
+                               video_codec=cfg.video_codec) as writer:
+                kept, succ, t0 = _record_episodes(cfg, worker, policy, spec, plan, writer, console)
+                if not kept:   # a finalized dataset without episodes reads as broken ("missing episodes metadata")
+                    raise RunError(f"no episode kept: {succ}/{len(plan)} successful with only_success=true; nothing "
+                                   f"written to {out}")
         except BaseException:
-            if _abandon(writer, out, created):
+            if _files_left(out, created):
                 console.print(f"incomplete dataset left in {out} (no meta/); delete it", markup=False,
                               highlight=False, soft_wrap=True)
             raise
-        if not kept:   # a finalized dataset without episodes reads as broken ("missing episodes metadata")
-            _abandon(writer, out, created)
-            raise RunError(f"no episode kept: {succ}/{len(plan)} successful with only_success=true; nothing written "
-                           f"to {out}")
         info = {"episodes_run": len(plan), "successes": succ, "episodes_kept": kept, "out": str(out),
                 "wall_s": time.time() - t0}
         console.print(f"recorded {kept} episodes ({succ}/{len(plan)} successful) to {out}")
@@ -157,10 +154,9 @@ def _record_episodes(cfg: RecordConfig, worker, policy, spec, plan, writer, cons
     return kept, succ, t0
 
 
-def _abandon(writer, out: Path, created: bool) -> bool:
-    """Abort the writer (its temporary episode files go) and remove OUT when this run created it and nothing is left
-    in it. True when OUT still holds files of this run (an incomplete dataset: no meta/, never reads as valid)."""
-    writer.abort()
+def _files_left(out: Path, created: bool) -> bool:
+    """After an aborted writer: remove OUT when this run created it and nothing is left in it. True when OUT still
+    holds files of this run (an incomplete dataset: no meta/, never reads as valid)."""
     if created:
         try:
             out.rmdir()   # only when empty

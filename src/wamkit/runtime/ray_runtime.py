@@ -115,9 +115,6 @@ class _EnvActorImpl:
         self.env.close()
 
 
-LOG_TAIL_BYTES = 4 * 2**20    # the end of a Ray server's log copied to the driver at stop()
-
-
 class _ServerActorImpl:
     """Runs one `wamkit serve` process (through WamkitServerWorker) on this actor's node."""
 
@@ -154,24 +151,11 @@ class _ServerActorImpl:
     def restart(self) -> None:
         self.worker.restart()
 
-    def log_tail(self, max_bytes: int = LOG_TAIL_BYTES) -> str:
-        """The end of the server's output (the driver writes it to OUT/server-<i>.log)."""
-        try:
-            with open(self.worker.log_path, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                f.seek(max(0, size - max_bytes))
-                data = f.read()
-        except OSError:
-            return ""
-        text = data.decode(errors="replace")
-        if size > max_bytes:
-            text = f"[... {size - max_bytes} bytes cut; {self.node_ip}:{self.worker.log_path}]\n" + text
-        return text
-
     def stop(self) -> str:
-        """Stop the server; its log tail, the log file removed if this actor chose it."""
+        """Stop the server; its log tail (the driver writes it to OUT/server-<i>.log, under a line naming this node),
+        the log file removed if this actor chose it."""
         self.worker.stop()
-        tail = self.log_tail()
+        tail = self.worker.log_tail(None)
         if self.own_log:
             try:
                 os.unlink(self.own_log)
@@ -200,6 +184,18 @@ def _node_log_path() -> str:
     fd, path = tempfile.mkstemp(prefix="wamkit-server-", suffix=".log", dir=d)
     os.close(fd)
     return path
+
+
+def _cannot_place(what: str, why: str, fix: str) -> str:
+    """The one wording of "Ray cannot place these actors": what (and since when), why (the resources), what to
+    change."""
+    return f"Ray could not place {what}: {why}; {fix}"
+
+
+def _amounts(resources: dict[str, float], keys) -> str:
+    """'CPU=2, GPU=0, memory=3.1 GiB': Ray resource amounts (memory in bytes) as messages show them."""
+    return ", ".join(f"memory={resources.get(k, 0) / 2**30:.1f} GiB" if k == "memory"
+                     else f"{k}={resources.get(k, 0):g}" for k in keys)
 
 
 def _actor_error(e: BaseException) -> BaseException:
@@ -274,10 +270,9 @@ class RayEnvPool:
     def _no_room(self, n: int, bundle: dict[str, float], when: str) -> str:
         import ray
 
-        avail = ray.cluster_resources()
-        return (f"Ray could not place {n} env workers of {bundle} ({self.opts.placement}) {when}; the cluster has "
-                f"CPU={avail.get('CPU', 0)}, memory={avail.get('memory', 0) / 2**30:.1f} GiB. Lower num_envs, "
-                f"ray.num_cpus_per_env or ray.memory_gb_per_env, or add nodes")
+        return _cannot_place(f"{n} env workers of {bundle} ({self.opts.placement}) {when}",
+                             f"the cluster has {_amounts(ray.cluster_resources(), ('CPU', 'memory'))}",
+                             "lower num_envs, ray.num_cpus_per_env or ray.memory_gb_per_env, or add nodes")
 
     def pg_remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -606,9 +601,9 @@ class RayServerWorker(StartStopContext):
         need = self.opts.num_gpus_per_server
         if need > gpus:
             within = f" within {waited:.0f} s" if waited else ""
-            raise UserError(f"Ray could not place action server {self.index}{within}: ray.num_gpus_per_server="
-                            f"{need:g} but the cluster has GPU={gpus:g}; set ray.num_gpus_per_server=0 on a "
-                            f"CPU-only cluster") from None
+            raise UserError(_cannot_place(f"action server {self.index}{within}",
+                                          f"ray.num_gpus_per_server={need:g} but the cluster has GPU={gpus:g}",
+                                          "set ray.num_gpus_per_server=0 on a CPU-only cluster")) from None
 
     def _check_free(self) -> None:
         """On a private Ray (no node will join, and what this run holds stays held while it runs): refuse at once a
@@ -622,19 +617,19 @@ class RayServerWorker(StartStopContext):
         if short:
             keys = {"CPU": "ray.num_cpus_per_server", "GPU": "ray.num_gpus_per_server",
                     "memory": "ray.memory_gb_per_server"}
-            have = ", ".join(f"{k}={free.get(k, 0) / (2**30 if k == 'memory' else 1):g}" for k in short)
-            raise UserError(f"Ray could not place action server {self.index}: the local Ray has {have} free (the "
-                            f"env workers hold the rest); lower {' and '.join(keys[k] for k in short)} (0 is "
-                            f"allowed), or num_envs") from None
+            have, lower = _amounts(free, short), " and ".join(keys[k] for k in short)
+            raise UserError(_cannot_place(f"action server {self.index}",
+                                          f"the local Ray has {have} free (the env workers hold the rest)",
+                                          f"lower {lower} (0 is allowed), or num_envs")) from None
 
     def _placement_error(self, waited: float) -> str:
         import ray
 
-        avail = ray.cluster_resources()
-        return (f"Ray could not place action server {self.index} ({self._actor_options().get('num_cpus')} CPU, "
-                f"{self.opts.num_gpus_per_server:g} GPU) within {waited:.0f} s; the cluster has "
-                f"CPU={avail.get('CPU', 0):g}, GPU={avail.get('GPU', 0):g}. Lower ray.num_cpus_per_server, "
-                f"ray.num_gpus_per_server or ray.memory_gb_per_server, or add nodes")
+        return _cannot_place(f"action server {self.index} ({self.opts.num_cpus_per_server:g} CPU, "
+                             f"{self.opts.num_gpus_per_server:g} GPU) within {waited:.0f} s",
+                             f"the cluster has {_amounts(ray.cluster_resources(), ('CPU', 'GPU'))}",
+                             "lower ray.num_cpus_per_server, ray.num_gpus_per_server or ray.memory_gb_per_server, "
+                             "or add nodes")
 
     def wait_healthy(self, timeout: float | None = None) -> "RayServerWorker":
         import ray

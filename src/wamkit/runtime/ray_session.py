@@ -33,12 +33,13 @@ import signal
 import socket
 import tempfile
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wamkit.core.config import check_number, parse_bool
+from wamkit.core.config import build_options, check_number
 from wamkit.core.errors import ConfigError, UserError
+from wamkit.core.shm_names import owner_gone, process_start
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class RayOptions:
     num_cpus_per_server: float = 1.0
     memory_gb_per_server: float = 0.0   # 0: no memory request
     server_host: str | None = None      # None: 127.0.0.1 on the driver's host, else the node's IP
-    num_cpus: int | None = None         # local Ray only: CPUs it may use (None: all)
+    num_cpus: int | float | None = None  # local Ray only: CPUs it may use (None: all; a whole number, 2.0 is 2)
     namespace: str = "wamkit"
     startup_timeout_s: float = 300.0    # placement group ready + actor built + env constructed
     copy_obs: bool = True               # copy images out of the object store (writable, as the local worker's);
@@ -70,42 +71,32 @@ class RayOptions:
 
     @classmethod
     def from_any(cls, value: Any) -> "RayOptions":
+        """The options from a dict of `ray.*` keys (CLI strings or YAML values), by core.config's rules: an unknown
+        key or a bad value is one ConfigError naming `ray.<key>`, before Ray starts."""
         if isinstance(value, RayOptions):
             return value
-        value = dict(value or {})
-        names = {f.name for f in fields(cls)}
-        bad = sorted(set(value) - names)
-        if bad:
-            raise ConfigError(f"unknown key ray.{bad[0]}; valid keys: " + ", ".join(f"ray.{n}" for n in sorted(names)))
-        o = cls(**value)
-        if o.address in ("", "none", "null", "local"):
-            o.address = None
-        if o.address is not None:
-            o.address = str(o.address).strip()
-        if isinstance(o.forward_env, str):
-            o.forward_env = [s for s in o.forward_env.split(",") if s]
-        o.placement = str(o.placement).lower()
-        if o.placement not in PLACEMENTS:
-            raise ConfigError(f"unknown ray.placement {o.placement!r}; valid choices: {', '.join(PLACEMENTS)}")
-        o._check_numbers()
-        o.copy_obs = parse_bool(o.copy_obs, "ray.copy_obs")
-        o.log_to_driver = parse_bool(o.log_to_driver, "ray.log_to_driver")
-        return o
+        return build_options(cls, dict(value or {}), kind="ray", name="runtime=ray")
 
-    def _check_numbers(self) -> None:
-        """Every number range-checked before Ray starts (one ConfigError naming the key): a bad value would
-        otherwise surface as a traceback, or after Ray started and waited for a placement that can never come."""
+    def validate(self) -> None:
+        """Normalizes and range-checks, through build_options (which puts `ray.` before a message's bare key): a bad
+        value would otherwise surface as a traceback, or after Ray started and waited for a placement that can
+        never come."""
+        if self.address is not None:
+            self.address = self.address.strip()
+            if self.address.lower() in ("", "none", "null", "local"):
+                self.address = None
+        self.placement = self.placement.lower()
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"unknown ray.placement {self.placement!r}; valid choices: {', '.join(PLACEMENTS)}")
         for k in ("num_cpus_per_env", "memory_gb_per_env", "num_gpus_per_server", "num_cpus_per_server",
                   "memory_gb_per_server"):
-            setattr(self, k, _number(f"ray.{k}", getattr(self, k), lo=0))
-        self.startup_timeout_s = _number("ray.startup_timeout_s", self.startup_timeout_s, lo=0, lo_open=True)
-        if self.num_cpus is not None and str(self.num_cpus).strip().lower() not in ("none", "null", ""):
-            n = _number("ray.num_cpus", self.num_cpus, lo=1)
-            if not float(n).is_integer():
-                raise ConfigError(f"ray.num_cpus must be a whole number of CPUs, got {self.num_cpus!r}")
-            self.num_cpus = int(n)
-        else:
-            self.num_cpus = None
+            check_number(k, getattr(self, k), lo=0)
+        check_number("startup_timeout_s", self.startup_timeout_s, lo=0, lo_open=True)
+        check_number("num_cpus", self.num_cpus, lo=1, none_ok=True)
+        if self.num_cpus is not None:
+            if not float(self.num_cpus).is_integer():
+                raise ConfigError(f"num_cpus must be a whole number of CPUs, got {self.num_cpus!r}")
+            self.num_cpus = int(self.num_cpus)
         if self.num_cpus_per_env == 0 and self.memory_gb_per_env == 0:   # Ray refuses an all-zero bundle
             raise ConfigError("ray.num_cpus_per_env and ray.memory_gb_per_env are both 0: an env worker's bundle needs "
                               "at least one non-zero resource")
@@ -113,18 +104,6 @@ class RayOptions:
     def runtime_env(self) -> dict[str, Any]:
         env = {k: os.environ[k] for k in self.forward_env if k in os.environ}
         return {"env_vars": env} if env else {}
-
-
-def _number(key: str, value: Any, lo: float, lo_open: bool = False) -> float:
-    """A CLI/YAML value ('2', 2, 'nan', 'abc') as a finite float within range, else a ConfigError naming `key`."""
-    v = value
-    if isinstance(v, str):
-        try:
-            v = float(v.strip())
-        except ValueError:
-            raise ConfigError(f"{key} must be a finite number, got {value!r}") from None
-    check_number(key, v, lo, lo_open=lo_open)
-    return float(v)
 
 
 @dataclass
@@ -319,30 +298,18 @@ TEMP_PREFIX = "wkray-"
 OWNER_FILE = "wamkit-owner"    # in each temp dir we create: '<pid> <process start time>' of the driver
 
 
-def _proc_start(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot) from /proc: tells a live pid from a reused one."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def _write_owner(tmp: str) -> None:
-    Path(tmp, OWNER_FILE).write_text(f"{os.getpid()} {_proc_start(os.getpid()) or '-'}\n")
+    Path(tmp, OWNER_FILE).write_text(f"{os.getpid()} {process_start(os.getpid()) or '-'}\n")
 
 
 def _creator_dead(d: Path) -> bool:
-    """True only when we are sure: our owner file names a pid that is gone (or reused)."""
+    """True only when we are sure: our owner file names a process that is gone (core.shm_names.owner_gone)."""
     try:
         pid_s, start = Path(d, OWNER_FILE).read_text().split()[:2]
         pid = int(pid_s)
     except (OSError, ValueError):
         return False
-    if pid == os.getpid():
-        return False
-    now = _proc_start(pid)
-    return now is None or (start != "-" and now != start)
+    return owner_gone(pid, None if start == "-" else start)
 
 
 def remove_stale_temp_dirs(root: str | None = None) -> list[str]:

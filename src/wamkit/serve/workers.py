@@ -45,6 +45,8 @@ from wamkit.serve.config import INSTANCE_ENV
 
 logger = logging.getLogger(__name__)
 
+LOG_TAIL_BYTES = 4 * 2**20    # the most of a log's end log_tail reads (a Ray server actor's stop() returns that much)
+
 
 class ServerStartError(RuntimeError):
     """The server process exited or did not become healthy in time."""
@@ -246,11 +248,21 @@ class ServerWorker(StartStopContext, abc.ABC):
         self.restart(timeout)
         return True
 
-    def log_tail(self, n: int = 40) -> str:
+    def log_tail(self, n: int | None = 40, max_bytes: int = LOG_TAIL_BYTES) -> str:
+        """The end of the server's log: its last `n` lines (None: all) of its last `max_bytes`; with n=None, a log
+        longer than that starts with a line saying how much was cut, and where the whole log is."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            with open(self.log_path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - max_bytes))
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
+        if n is not None:
+            return "\n".join(text.splitlines()[-n:])
+        if size > max_bytes:
+            text = f"[... {size - max_bytes} bytes cut; {self.log_path}]\n" + text
+        return text
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(url={self.url!r}, pid={self.pid}, running={self.running()})"
