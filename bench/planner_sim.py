@@ -414,6 +414,13 @@ REGIMES = {
                                chunks=10, server_wait_s=0.00125),
     "gpu-libero-32-s7": Regime("gpu-libero-32-s7", 32, 16, 0.12, 0.007, 0.00005, net_s=0.002, reset_s=0.075,
                                chunks=10, server_wait_s=0.00125),
+    # session 31's H100 LIBERO rows at 16 envs (libero_10 tasks 0-3, 160 steps, wam-ref small behind wamkit serve):
+    # a chunk 367-420 ms with every env busy (the tasks at 1.0 / 0.97 / 0.71 / 0.75 of the dearest), server compute
+    # ~21 ms flat at batches 1-2, ~4.5 ms of transport each way, soft resets ~0.3 s; 96 episodes (rows of 31-36 s,
+    # too short for a probe round). Real time scale
+    "gpu-libero-16-s31": Regime("gpu-libero-16-s31", 16, 16, 0.45, 0.021, 0.0002, net_s=0.0045, jitter=0.1,
+                                reset_s=0.3, chunks=10, episodes=96, server_wait_s=0.002,
+                                task_cost=(1.0, 0.97, 0.71, 0.75)),
     # the H200 MetaWorld table of session 8 (16 envs on 16 cores, wam-ref small behind `wamkit serve`, max_wait 2 ms):
     # a chunk 16 steps ~39 ms (simulation alone 6589 env steps/s), server compute ~21-23 ms nearly flat in batch size,
     # the client seeing ~11 ms more per request than compute + wait (transport, encode/decode); 192 episodes of 100

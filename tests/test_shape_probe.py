@@ -255,6 +255,37 @@ def test_a_poor_plan_is_replaced_by_sending_at_once_where_the_server_merges(monk
     assert auto >= 0.97 * greedy_row, (auto, greedy_row)
 
 
+def test_auto_starts_greedy_where_a_chunk_lasts_many_calls_and_the_run_is_too_short_to_probe(monkeypatch, planners):
+    """Session 31's LIBERO rows (bench/planner_sim.py gpu-libero-16-s31: a chunk ~0.3-0.45 s, a call ~35 ms, a
+    merging server, 96 episodes: too few for a probe round): auto reads a chunk of over 5 calls and sends every
+    observation at once, as the B=1, P=16 row does, and matches that row; held to the plan it batches (mean request
+    over 1.3) and runs slower. Every episode runs once either way."""
+    r = ps.REGIMES["gpu-libero-16-s31"]
+    greedy_row = ps.run(r, "pipelines", 1, r.envs)
+    auto = ps.run(r, "auto")
+    pl = planners[-1]
+    began = auto["auto_shape"]["began_with"]
+    assert not auto["auto_shape"]["probed"] and auto["auto_shape"]["shape"] == GREEDY
+    assert began["shape"] == GREEDY and began["chunk_ms"] > 5 * began["call_ms"], began
+    assert {n for n, _ in pl.decisions[r.envs:]} == {1}   # after the first requests, one observation each
+    monkeypatch.setattr(scheduler_mod.RequestPlanner, "GREEDY_CHUNK_CALLS", 1e9)   # the rule off: the plan
+    plan = ps.run(r, "auto")
+    assert plan["auto_shape"]["began_with"]["shape"] == PLAN and plan["mean_batch"] > 1.3
+    assert auto["env_steps_per_s"] >= 0.995 * greedy_row["env_steps_per_s"]
+    assert auto["env_steps_per_s"] > plan["env_steps_per_s"]
+    assert auto["episodes"] == plan["episodes"] == greedy_row["episodes"] == r.episodes
+
+
+def test_auto_starts_with_the_plan_where_a_chunk_lasts_about_a_call(planners):
+    """Session 10's MetaWorld costs (a chunk ~18 ms, a call ~33 ms): auto starts with the plan, and its probe, not
+    the start rule, decides the shape (halves there)."""
+    r = ps.REGIMES["gpu-metaworld-16-s10"]
+    auto = ps.run(r, "auto")
+    began = auto["auto_shape"]["began_with"]
+    assert began["shape"] == PLAN and began["chunk_ms"] < 5 * began["call_ms"], began
+    assert auto["auto_shape"]["probed"] and auto["auto_shape"]["rounds"][0]["rates_obs_per_s"]
+
+
 def test_halves_is_kept_where_two_cohorts_overlap_and_never_has_more_than_two_requests_out(planners):
     """Session 10's H200 MetaWorld costs (a chunk ~22 ms, server compute ~22.5 ms flat in batch size, transport
     beside it; bench/planner_sim.py gpu-metaworld-16-s10): two half-size requests overlap one half's simulation with

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # LIBERO on the GPU machine (issue 19 item 4): the scheduler table with wam-ref small behind `wamkit serve` on the
 # GPU, the envs rendering through EGL. Needs the slim LIBERO bundle unpacked (bench/device/setup_libero_slim.sh: two
-# calls on one warm machine, see there) and .gl + .whl-lite carried.
+# calls on one warm machine, see there) and .gl + .whl-libero (or .whl-lite) carried.
 #
 #   bash bench/device/run_libero.sh [envs=16[,32]] [rows="single-batch;B=16, P=1;..."] [rounds=1] [row_s=35] [max_steps=160]
 #        [bound=true] [probe=true] [tag=...]
@@ -26,8 +26,9 @@ export PYTHONUNBUFFERED=1 MUJOCO_GL=egl PYOPENGL_PLATFORM=egl
 T0=$(date +%s)
 echo "=== run_libero $* ($(date -u +%FT%TZ))"
 if [ -d .gl ]; then for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig; fi
-if [ -d .whl-lite ] && [ ! -f /tmp/site/.wamkit-lite ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-lite/*.whl \
+WHL=.whl-lite; [ -d .whl-libero ] && WHL=.whl-libero   # .whl-libero: .whl-lite without metaworld (fetch_libero_slim.sh)
+if [ -d $WHL ] && [ ! -f /tmp/site/.wamkit-lite ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHL/*.whl \
     && touch /tmp/site/.wamkit-lite
 fi
 export PYTHONPATH=/tmp/site:$PWD/src
