@@ -142,6 +142,14 @@ def test_the_report_says_what_auto_measured_and_kept():
     assert probe_lines([checked]) == [
         "auto kept halves (probe rounds of the median run: at 3.1 s with 32 envs: plan 476.9, halves 326.9 obs/s "
         "-> plan, checked at 401.2; recheck at 4.9 s with 32 envs: plan 401.2, halves 480.0 obs/s -> halves)."]
+    # the start rule's choice (RequestPlanner.default_shape): said whether or not a round followed
+    began = {"shape": "greedy", "chunk_ms": 299.06, "call_ms": 35.2}
+    short = {"row": "auto", "auto_shape": {"shape": "greedy", "probed": False, "rounds": [], "began_with": began}}
+    assert probe_lines([short]) == ["auto began with greedy (a chunk 299.1 ms, a call 35.2 ms) and ran it unprobed "
+                                    "(no probe round paid back in the median run)."]
+    long = {"row": "auto", "auto_shape": dict(checked["auto_shape"], began_with=dict(began, shape="plan"))}
+    assert probe_lines([long])[0].startswith("auto began with plan (a chunk 299.1 ms, a call 35.2 ms), kept halves "
+                                             "(probe rounds of the median run: at 3.1 s")
     row = dict(auto, episodes=4, episodes_per_hour=1.0, env_steps_per_s=1.0, inference_obs_per_s=1.0,
                mean_batch=1.0, ratio_steps=None, ratio_episodes=None)
     report = {"rows": [row], "rounds": 1, "bound": {"bound_env_steps_per_s": None}}

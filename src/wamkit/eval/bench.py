@@ -684,13 +684,19 @@ def auto_lines(report: dict[str, Any]) -> list[str]:
 
 
 def probe_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """What auto measured and kept (summary.scheduler.auto_shape), one line per auto row: each probe round's rates,
-    after a close call its duel, the kept shape's check window, and whether a failed check started the round; the
-    shape kept in every round of the bench. [] where no row probed."""
+    """What auto measured and kept (summary.scheduler.auto_shape), one line per auto row: the shape it began with
+    and the figures that chose it, each probe round's rates, after a close call its duel, the kept shape's check
+    window, and whether a failed check started the round; the shape kept in every round of the bench. [] where no
+    row probed or recorded its start."""
     out = []
     for x in rows:
         a = x.get("auto_shape") or {}
+        b = a.get("began_with")
+        began = (f"began with {b['shape']} (a chunk {b['chunk_ms']:.1f} ms, a call {b['call_ms']:.1f} ms)"
+                 if b else "")
         if not a.get("rounds"):
+            if began:   # no round paid back in the row: the start rule (RequestPlanner.default_shape) decided it
+                out.append(f"{x['row']} {began} and ran it unprobed (no probe round paid back in the median run).")
             continue
         parts = []
         for r in a["rounds"]:
@@ -703,8 +709,8 @@ def probe_lines(rows: list[dict[str, Any]]) -> list[str]:
             parts.append(f"{again}at {r['at_s']:.1f} s with {r['active']} envs: {rates} obs/s{duel_txt} -> "
                          f"{r['chosen']}{check_txt}")
         kept = x.get("auto_shapes") or [a.get("shape")]
-        out.append(f"{x['row']} kept {', '.join(str(k) for k in kept)} (probe rounds of the median run: "
-                   + "; ".join(parts) + ").")
+        out.append(f"{x['row']} {began + ', ' if began else ''}kept {', '.join(str(k) for k in kept)} (probe rounds "
+                   "of the median run: " + "; ".join(parts) + ").")
     return out
 
 
