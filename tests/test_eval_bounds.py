@@ -142,7 +142,7 @@ def test_the_report_says_what_auto_measured_and_kept():
     assert probe_lines([checked]) == [
         "auto kept halves (probe rounds of the median run: at 3.1 s with 32 envs: plan 476.9, halves 326.9 obs/s "
         "-> plan, checked at 401.2; recheck at 4.9 s with 32 envs: plan 401.2, halves 480.0 obs/s -> halves)."]
-    # the start rule's choice (RequestPlanner.default_shape): said whether or not a round followed
+    # the start rule's choice (scheduler.start_shape): said whether or not a round followed
     began = {"shape": "greedy", "chunk_ms": 299.06, "call_ms": 35.2}
     short = {"row": "auto", "auto_shape": {"shape": "greedy", "probed": False, "rounds": [], "began_with": began}}
     assert probe_lines([short]) == ["auto began with greedy (a chunk 299.1 ms, a call 35.2 ms) and ran it unprobed "

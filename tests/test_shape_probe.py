@@ -268,7 +268,7 @@ def test_auto_starts_greedy_where_a_chunk_lasts_many_calls_and_the_run_is_too_sh
     assert not auto["auto_shape"]["probed"] and auto["auto_shape"]["shape"] == GREEDY
     assert began["shape"] == GREEDY and began["chunk_ms"] > 5 * began["call_ms"], began
     assert {n for n, _ in pl.decisions[r.envs:]} == {1}   # after the first requests, one observation each
-    monkeypatch.setattr(scheduler_mod.RequestPlanner, "GREEDY_CHUNK_CALLS", 1e9)   # the rule off: the plan
+    monkeypatch.setattr(scheduler_mod, "GREEDY_CHUNK_CALLS", 1e9)   # the rule off: the plan
     plan = ps.run(r, "auto")
     assert plan["auto_shape"]["began_with"]["shape"] == PLAN and plan["mean_batch"] > 1.3
     assert auto["env_steps_per_s"] >= 0.995 * greedy_row["env_steps_per_s"]

@@ -695,7 +695,7 @@ def probe_lines(rows: list[dict[str, Any]]) -> list[str]:
         began = (f"began with {b['shape']} (a chunk {b['chunk_ms']:.1f} ms, a call {b['call_ms']:.1f} ms)"
                  if b else "")
         if not a.get("rounds"):
-            if began:   # no round paid back in the row: the start rule (RequestPlanner.default_shape) decided it
+            if began:   # no round paid back in the row: the start rule (scheduler.start_shape) decided it
                 out.append(f"{x['row']} {began} and ran it unprobed (no probe round paid back in the median run).")
             continue
         parts = []

@@ -409,6 +409,30 @@ def send_by_shape(p: "RequestPlanner") -> None:
             p._dispatch(half)
 
 
+# Where the server merges requests and an env's chunk lasts over GREEDY_CHUNK_CALLS x a call, auto sends every
+# observation at once (greedy) until its probe measures the shapes (start_shape). There the cost model's plan, which
+# counts in-flight requests as calls one after another, holds observations to batch them and keeps fewer requests
+# out: on the H100 in session 31 (LIBERO, chunks 12-13x a call at 16 envs, 6-8x at 32) the plan ran at 0.950 and
+# 0.938 of the greedy row (its envs waited 10 and 36 ms a cycle outside the request), and rows of 24-36 s were too
+# short for a probe round (4 shapes x 10 cycles of 0.4-0.7 s) to pay back. MetaWorld's chunks are 1-3x a call.
+GREEDY_CHUNK_CALLS = 5.0
+
+
+def start_shape(p: "RequestPlanner") -> None:
+    """Before the probe's first round, once a chunk and a call have been measured (once): greedy instead of the plan
+    where an env's chunk lasts over GREEDY_CHUNK_CALLS calls. The probe, when a round can pay back, then measures
+    greedy first and every other shape after it, as it would have the plan."""
+    probe = p.probe
+    if (probe is None or p.began_with is not None or probe.rounds or probe.probing or probe.current != PLAN
+            or GREEDY not in probe.shapes or not p.s.sim_samples or not p.inf.latencies):
+        return
+    chunk = p._sim_cost() * max(1.0, p.s.active_envs / max(1, p.s.opts.cores))
+    call = p._median_call(50, default=0.0)
+    if chunk > GREEDY_CHUNK_CALLS * call:
+        probe.current = GREEDY
+    p.began_with = {"shape": probe.current, "chunk_ms": round(chunk * 1e3, 2), "call_ms": round(call * 1e3, 2)}
+
+
 class RequestPlanner:
     """Collects observations from envs as they finish their chunks and sends them in batches.
 
@@ -436,14 +460,6 @@ class RequestPlanner:
     # (a flat 0.35 / 0.5 / 0.65 / 1.0 x a: 0.74 / 0.92 / 0.89 / 0.75), and the CPU Cosmos3 case (a chunk ~0.51 x a
     # after soft resets: auto alternated single requests under the flat 0.5) batches its two envs.
     STRAGGLER_MAX, STRAGGLER_SHARE = 0.6, 2.0
-    # Where the server merges requests and an env's chunk lasts over GREEDY_CHUNK_CALLS x a call, auto sends every
-    # observation at once (greedy) until its probe measures the shapes (default_shape). There the cost model's
-    # plan, which counts in-flight requests as calls one after another, holds observations to batch them and keeps
-    # fewer requests out: on the H100 in session 31 (LIBERO, chunks 12-13x a call at 16 envs, 6-8x at 32) the plan
-    # ran at 0.950 and 0.938 of the greedy row (its envs waited 10 and 36 ms a cycle outside the request), and rows
-    # of 24-36 s were too short for a probe round (4 shapes x 10 cycles of 0.4-0.7 s) to pay back. MetaWorld's
-    # chunks are 1-3x a call.
-    GREEDY_CHUNK_CALLS = 5.0
     ARRIVAL_MARGIN = 0.2   # x the chunk time: how late past its prediction an awaited env may come
 
     @classmethod
@@ -467,7 +483,7 @@ class RequestPlanner:
         merges = bool(getattr(self.inf, "merges_requests", False))
         self.probe = (ShapeProbe(tuple(sched.opts.shapes)) if merges and self.fixed_depth == 0 and sched.opts.probe
                       else None)
-        self.began_with: dict | None = None   # default_shape's decision and what it was made on (None: not yet)
+        self.began_with: dict | None = None   # start_shape's decision and the figures it read (None: not yet)
 
     @property
     def shape(self) -> str:
@@ -546,13 +562,10 @@ class RequestPlanner:
             why = "depth fixed" if self.fixed_depth else ("probe off" if not self.s.opts.probe
                                                           else "requests are not merged (one model call each)")
             return {"shape": PLAN, "probed": False, "why": why, "rounds": []}
-        out = {"shape": self.probe.current, "probed": bool(self.probe.rounds), "rounds": self.probe.summary()}
-        if self.began_with is not None:   # default_shape's choice before any round, and the figures it read
-            out["began_with"] = self.began_with
-        return out
+        return {"shape": self.probe.current, "probed": bool(self.probe.rounds), "rounds": self.probe.summary(),
+                **({"began_with": self.began_with} if self.began_with else {})}   # start_shape's choice
 
-    def _median_call(self, last: int, default: float) -> float:
-        """The median seconds of the last `last` calls (default before any)."""
+    def _median_call(self, last: int, default: float) -> float:   # the last `last` calls' (default before any)
         lat = self.inf.latencies[-last:]
         return statistics.median(t for _, t in lat) if lat else default
 
@@ -572,23 +585,8 @@ class RequestPlanner:
             return len(self.s.queue) / active * (time.monotonic() - self.s.started)
         return (len(self.s.queue) + active) * statistics.fmean(walls) / active
 
-    def default_shape(self) -> None:
-        """Before the probe's first round, once a chunk and a call have been measured (once): greedy instead of the
-        plan where an env's chunk lasts over GREEDY_CHUNK_CALLS calls (see there). The probe, when a round can pay
-        back, measures greedy first and every other shape after it, as it would have the plan."""
-        p = self.probe
-        if (p is None or self.began_with is not None or p.rounds or p.probing or p.current != PLAN
-                or GREEDY not in p.shapes or not self.s.sim_samples or not self.inf.latencies):
-            return
-        c = max(1, self.s.opts.cores)
-        chunk = self._sim_cost() * max(1.0, self.s.active_envs / c)
-        call = self._median_call(50, default=0.0)
-        if chunk > self.GREEDY_CHUNK_CALLS * call:
-            p.current = GREEDY
-        self.began_with = {"shape": p.current, "chunk_ms": round(chunk * 1e3, 2), "call_ms": round(call * 1e3, 2)}
-
     def poke(self) -> None:
-        self.default_shape()
+        start_shape(self)
         if self.shape != PLAN:
             send_by_shape(self)
             return
