@@ -124,6 +124,10 @@ BAD_CASES = [
      "msgpack", 400, "input.image[1].shape"),
     ("too long horizon", {"input": {"image": [[[1, 2, 3]]]}, "parameters": {"action_horizon": 64}}, "json", 422,
      "parameters.action_horizon"),
+    ("model not a string", {"model": {"a": [1]}, "input": {"image": [[[1, 2, 3]]]}}, "json", 400,
+     "model: expected a string"),
+    ("model too long", {"model": "m" * 20000, "input": {"image": [[[1, 2, 3]]]}}, "json", 400,
+     "model: longer than"),
 ]
 
 
@@ -134,6 +138,29 @@ def test_malformed_requests_get_4xx_and_server_stays_healthy(server, name, body,
     assert r.status_code == status, r.text
     assert words in r.json()["error"]["message"], r.json()
     assert server.healthy()
+
+
+def test_unknown_routes_and_wrong_methods_answer_the_json_error_layout(server):
+    """Starlette's own 404/405 were text/plain; every refusal uses the one layout (serve.errors.error_response)."""
+    for method, path, status, words in [("GET", "/v1/nope", 404, "no such route: /v1/nope"),
+                                         ("GET", GEN, 405, f"method GET not allowed on {GEN} (allowed: POST)"),
+                                         ("POST", "/health", 405, "not allowed on /health")]:
+        r = httpx.request(method, server.url + path, headers=auth())
+        assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+        err = r.json()["error"]
+        assert err["code"] == status and words in err["message"] and r.json()["detail"] == err["message"]
+        assert status == 404 or r.headers["allow"]
+
+
+def test_json_response_has_lists_also_when_numpy_output_is_asked(server):
+    """runtime.output_format=numpy means SGLang's binary array marker, which only msgpack carries: a JSON response
+    holds lists whatever was asked, as SGLang answers (docs/serving.md, Request)."""
+    body = build_request(make_obs(1, cams=("image",), state=False), [11], binary=False)
+    body["runtime"]["output_format"] = "numpy"
+    r = post(server, json.dumps(body).encode(), "application/json")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    values = r.json()["data"][0]["action"]["values"]
+    assert np.array_equal(np.array(values, np.float32), reference([11])[0])
 
 
 def test_non_msgpack_bytes_bad_token_and_body_cap(server):

@@ -13,7 +13,7 @@ import sys
 import threading
 
 from wamkit.core.config import config_help, load_config, split_args
-from wamkit.serve.config import ServeConfig
+from wamkit.serve.config import ServeConfig, http_url
 
 
 def help_text(argv: list[str]) -> str:
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
         threading.Thread(target=_watch_parent, args=(cfg.parent_pid, server), daemon=True).start()
     auth = "token required" if srv.token else "no auth"
     print(f"wamkit serve: policy={cfg.policy} max_batch_size={srv.max_batch_size} max_wait_ms={cfg.max_wait_ms} "
-          f"max_wait_fraction={cfg.max_wait_fraction} on http://{cfg.host}:{port} ({auth})", file=sys.stderr,
+          f"max_wait_fraction={cfg.max_wait_fraction} on {http_url(cfg.host, port)} ({auth})", file=sys.stderr,
           flush=True)
     server.run(sockets=[sock])
     return 0

@@ -22,7 +22,10 @@ import base64
 import binascii
 import io
 import math
+import struct
 import warnings
+import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -103,6 +106,67 @@ def _from_lists(values: Any, path: str, allow_batch: bool, budget: ImageBudget) 
     return arr.astype(np.uint8)
 
 
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}     # color type -> samples per pixel
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+_MAX_DEFLATE_RATIO = 1032 + 64   # deflate never expands by more than ~1032x (258-byte matches in 2 bits), + slack
+_TRUNCATED = "truncated image data (the PNG's compressed data ends before its last row)"
+
+
+@dataclass
+class _PngLayout:
+    scanline_bytes: int          # what the IDAT stream must inflate to: every row (of every Adam7 pass) + filter byte
+    interlaced: bool
+    idat: list[memoryview]       # the IDAT chunks' data, in order
+    idat_bytes: int
+
+
+def _png_layout(raw: bytes) -> _PngLayout | None:
+    """The IHDR's scanline size and the IDAT chunks of a PNG, from its chunk headers (no decompression); None when
+    they cannot be read (PIL then refuses the file itself)."""
+    if len(raw) < 33 or raw[12:16] != b"IHDR":
+        return None
+    w, h, depth, ctype, _, _, interlace = struct.unpack(">IIBBBBB", raw[16:29])
+    bits = _PNG_CHANNELS.get(ctype, 4) * depth
+    passes = _ADAM7 if interlace == 1 else ((0, 0, 1, 1),)
+    total = 0
+    for x0, y0, dx, dy in passes:
+        cols, rows = -(-(w - x0) // dx) if w > x0 else 0, -(-(h - y0) // dy) if h > y0 else 0
+        if cols and rows:
+            total += rows * (1 + -(-cols * bits // 8))
+    view, idat, pos = memoryview(raw), [], 8
+    while pos + 8 <= len(raw):
+        n, kind = struct.unpack(">I4s", raw[pos:pos + 8])
+        if kind == b"IDAT":
+            idat.append(view[pos + 8:pos + 8 + n])
+        elif kind == b"IEND":
+            break
+        pos += 12 + n
+    return _PngLayout(total, interlace == 1, idat, sum(len(c) for c in idat))
+
+
+def _png_rows_complete(im: Any, png: _PngLayout) -> bool:
+    """Did PIL's decoder reach the last row? PIL (13) accepts a zlib stream that ends cleanly before the last row and
+    leaves the missing rows zero. Fast path: a non-interlaced image whose last row holds a non-zero byte was decoded
+    to its end (rows come in order into a zeroed image). Otherwise (an interlaced image, a last row of zeros) the IDAT
+    stream is inflated once more, in bounded pieces, and must yield every scanline."""
+    h = im.size[1]
+    if not png.interlaced and im.crop((0, h - 1, im.size[0], h)).tobytes().strip(b"\0"):
+        return True
+    z, got = zlib.decompressobj(), 0
+    try:
+        for chunk in png.idat:
+            for i in range(0, len(chunk), 1 << 16):
+                data = chunk[i:i + (1 << 16)]
+                while data and got < png.scanline_bytes:
+                    got += len(z.decompress(data, 1 << 20))
+                    data = z.unconsumed_tail
+                if got >= png.scanline_bytes or z.eof:
+                    return got >= png.scanline_bytes
+    except zlib.error:
+        return False
+    return got >= png.scanline_bytes
+
+
 def _from_encoded(data: Any, path: str, budget: ImageBudget) -> np.ndarray:
     """base64/bytes PNG or JPEG -> (H, W, 3). The header is read first (PIL opens lazily): format, mode and declared
     size are checked, and the decoded bytes taken from the budget, before a single pixel is decoded."""
@@ -136,8 +200,13 @@ def _from_encoded(data: Any, path: str, budget: ImageBudget) -> np.ndarray:
                 budget.check_pixels(h, w, path)
                 if im.format == "PNG" and im.mode not in _PNG_MODES:
                     raise ProtocolError(path, f"PNG mode {im.mode} is not accepted; send 8-bit gray/RGB/RGBA")
+                png = _png_layout(raw) if im.format == "PNG" else None
+                if png is not None and png.idat_bytes * _MAX_DEFLATE_RATIO < png.scanline_bytes:
+                    raise ProtocolError(path, _TRUNCATED)    # too few bytes to hold the rows: refused before decoding
                 budget.take(h * w * 3, path)
                 im.load()
+                if png is not None and not _png_rows_complete(im, png):
+                    raise ProtocolError(path, _TRUNCATED)
                 arr = np.asarray(im.convert("RGB"))
     except ProtocolError:
         raise

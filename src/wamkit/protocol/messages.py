@@ -324,6 +324,11 @@ def parse_request(body: dict[str, Any], limits: DecodeLimits | None = None) -> A
     if isinstance(rid, str) and len(rid) > limits.max_text_chars:
         raise ProtocolError(rid_key, f"longer than {limits.max_text_chars} characters")
     rid = str(rid) if rid is not None else f"act_{uuid.uuid4().hex}"
+    model = body.get("model")   # accepted as SGLang does, and not interpreted: the server answers with its own
+    if model is not None and not isinstance(model, str):
+        raise ProtocolError("model", f"expected a string, got {type(model).__name__}")
+    if model is not None and len(model) > limits.max_text_chars:
+        raise ProtocolError("model", f"longer than {limits.max_text_chars} characters")
     if "input" not in body:
         raise ProtocolError("input", "missing required field")
     inp = _expect_mapping(body["input"], "input")

@@ -1,7 +1,8 @@
 """The action server: Starlette app over a policy and a dynamic batcher (run on uvicorn by `wamkit serve`).
 
 Routes
-- ``GET  /health``                    200 {"status": "ok", "instance_id": ...} (503 while shutting down); never needs
+- ``GET  /health``                    200 {"status": "ok", "instance_id": ...} (503 while shutting down or once the
+                                      policy child died: ActionServer.health_state, /healthz's fact too); never needs
                                       the token. instance_id: env WAMKIT_INSTANCE_ID of this process (null if unset):
                                       a server worker checks it to prove the answer comes from the server it started.
 - ``GET  /v1/actions/metadata``       policy spec, max batch size, action dim/horizon (SGLang's metadata layout).
@@ -14,9 +15,11 @@ Routes
 Errors answer ``{"error": {"message", "type", "path", "code"}, "detail": message}``: 400 malformed (the message names
 the field path), 401 bad/missing token, 408 body not received within body_timeout_s, 413 body or decoded images too
 large, 415 content type, 422 valid but unsupported here (also: the policy's own input check refused it, a UserError
-from predict), 500 the policy failed, 503 queue full or shutting down (with
-Retry-After). Decoding a request never answers 5xx: an unexpected error while decoding is a 400 (and counted in
-/metrics as decode_unexpected). Requests are never unpickled: JSON or msgpack without extension types only.
+from predict), 500 the policy failed, 503 queue full or shutting down (with Retry-After; also a request still in
+flight when graceful_timeout_s runs out), 404 unknown route, 405 wrong method (Starlette's own refusals, through
+create_app's exception handler). Decoding a request never answers 5xx: an unexpected error while decoding is a 400
+(and counted in /metrics as decode_unexpected). Requests are never unpickled: JSON or msgpack without extension types
+only.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -210,16 +214,42 @@ class ActionServer:
             raise ProtocolError("", f"malformed request ({type(e).__name__})") from None
 
     # ------------------------------------------------------------------ routes
-    async def health(self, request: Request) -> Response:
+    def health_state(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of the server's health: the one fact /health (JSON) and openpi's /healthz (text) both
+        answer. 503 while shutting down, and with policy_process=true once the policy child has died: it fails every
+        request from then on, so the server is not healthy (a server worker, the eval's, restarts it on this 503)."""
         if self.batcher.closing:
-            return JSONResponse({"status": "shutting_down", "instance_id": self.instance_id}, status_code=503)
-        # policy_process=true: a policy child that died (OOM killer, a CUDA fault) fails every request from then on,
-        # so the server is not healthy: a server worker (the eval's) restarts it on this 503
+            return 503, {"status": "shutting_down", "instance_id": self.instance_id}
+        code = self.policy_exit_code()
+        if code is not None:
+            return 503, {"status": "policy_process_exited", "exit_code": code, "instance_id": self.instance_id}
+        return 200, {"status": "ok", "instance_id": self.instance_id}
+
+    def policy_exit_code(self) -> int | None:
+        """The exit code of a policy child process that died (policy_process=true); None while every one runs."""
         dead = [code for code in (getattr(p, "exitcode", None) for p in self.replicas) if code is not None]
-        if dead:
-            return JSONResponse({"status": "policy_process_exited", "exit_code": dead[0],
-                                 "instance_id": self.instance_id}, status_code=503)
-        return JSONResponse({"status": "ok", "instance_id": self.instance_id})
+        return dead[0] if dead else None
+
+    def log_failure(self, e: Exception, what: str) -> None:
+        """A request the policy failed (answered 500): its traceback, or one line when the policy child has died
+        (every request fails the same way from then on; /health says so)."""
+        code = self.policy_exit_code()
+        if code is None:
+            log.exception("%s failed", what)
+        else:
+            log.error("%s failed: policy process exited (exit code %s): %s: %s", what, code, type(e).__name__, e)
+
+    def cancelled_at_shutdown(self) -> Response:
+        """The answer of a request still in flight when graceful_timeout_s ran out after SIGTERM, which uvicorn cancels
+        (logging one line for all of them): 503 + Retry-After, as for any request refused while shutting down, instead
+        of a plain-text 500 and a traceback each. The request's task then ends normally (Task.uncancel)."""
+        asyncio.current_task().uncancel()
+        return error_response(503, "server is shutting down (graceful_timeout_s ran out before the answer)",
+                              headers={"Retry-After": "1"})
+
+    async def health(self, request: Request) -> Response:
+        status, body = self.health_state()
+        return JSONResponse(body, status_code=status)
 
     def metadata_dict(self) -> dict[str, Any]:
         s = self.spec
@@ -328,11 +358,25 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
             except UserError as e:  # the policy refused this request's input (its own check): not the server's fault
                 resp = error_response(422, str(e), "input")
             except Exception as e:  # the policy failed: answer 500, keep serving
-                log.exception("request failed")
+                srv.log_failure(e, "request")
                 resp = error_response(500, f"{type(e).__name__}: {e}")
+            except asyncio.CancelledError:
+                if not srv.batcher.closing:   # not uvicorn's end of the graceful shutdown: not ours to answer
+                    raise
+                resp = srv.cancelled_at_shutdown()
             srv.metrics.response(resp.status_code)
             return resp
         return handler
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        """Starlette's own refusals (404 unknown route, 405 wrong method) in the error layout of every route."""
+        path, message = request.url.path, exc.detail
+        if exc.status_code == 404:
+            message = f"no such route: {path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} not allowed on {path} (allowed: {(exc.headers or {}).get('Allow')})"
+        srv.metrics.response(exc.status_code)
+        return error_response(exc.status_code, message, headers=exc.headers)
 
     routes = [Route("/health", srv.health, methods=["GET"]),
               Route("/v1/actions/metadata", guarded(srv.metadata), methods=["GET"]),
@@ -340,6 +384,6 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
               Route("/metrics", guarded(srv.metrics_route), methods=["GET"]),
               Route("/metrics/prometheus", guarded(srv.metrics_route), methods=["GET"])]
     routes += websocket_routes(srv)  # openpi's policy websocket, SGLang's /v1/actions/realtime (wamkit.serve.ws)
-    app = Starlette(routes=routes, lifespan=srv.lifespan)
+    app = Starlette(routes=routes, lifespan=srv.lifespan, exception_handlers={HTTPException: http_error})
     app.state.server = srv
     return app

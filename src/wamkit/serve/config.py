@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from wamkit.core.errors import ConfigError
+from wamkit.core.config import check_number
+from wamkit.core.errors import ConfigError, unknown_choice
 from wamkit.protocol.limits import DecodeLimits
 
 _D = DecodeLimits()
@@ -22,6 +23,25 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def http_url(host: str, port: int) -> str:
+    """http://host:port, an IPv6 address in brackets (http://[::1]:8000)."""
+    h = host.strip()
+    return f"http://[{h}]:{port}" if ":" in h and not h.startswith("[") else f"http://{h}:{port}"
+
+
+_MAX_MB = float(2 ** 20)   # sizes in MB stay below 1 TiB: int(mb * 2**20) must be a sane byte count
+# (key, lowest, highest, lowest excluded) of every number of ServeConfig, checked by validate()
+_NUMBER_RANGES = (
+    ("port", 0, 65535, False), ("max_batch_size", 0, None, False), ("max_wait_ms", 0, None, False),
+    ("max_wait_fraction", 0, 1, False), ("concurrent_batches", 1, None, False), ("decode_threads", 1, None, False),
+    ("max_queue", 1, None, False), ("max_body_mb", 0, _MAX_MB, True), ("log_every_s", 0, None, False),
+    ("graceful_timeout_s", 0, None, False), ("parent_pid", 0, 2 ** 31 - 1, False), ("torch_threads", 0, None, False),
+    ("max_image_pixels", 1, None, False), ("max_decoded_mb", 0, _MAX_MB, True), ("max_depth", 1, None, False),
+    ("max_text_chars", 1, None, False), ("header_timeout_s", 0, None, True), ("body_timeout_s", 0, None, True),
+    ("keep_alive_timeout_s", 0, None, True), ("max_connections", 1, None, False), ("max_header_kb", 1, None, False),
+)
 
 
 @dataclass
@@ -77,33 +97,17 @@ class ServeConfig:
     max_header_kb: int = 16                 # request line + headers still incomplete in h11's buffer (400 beyond)
 
     def validate(self) -> None:
-        if not (0 <= self.port < 65536):
-            raise ConfigError(f"port: must be in 0..65535, got {self.port}")
-        if self.max_batch_size < 0:
-            raise ConfigError(f"max_batch_size: must be >= 0, got {self.max_batch_size}")
-        if not self.max_wait_ms >= 0:
-            raise ConfigError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms}")
-        if not 0 <= self.max_wait_fraction <= 1:
-            raise ConfigError(f"max_wait_fraction: must be in 0..1, got {self.max_wait_fraction}")
-        if self.max_queue < 1:
-            raise ConfigError(f"max_queue: must be >= 1, got {self.max_queue}")
-        if self.concurrent_batches < 1:
-            raise ConfigError(f"concurrent_batches: must be >= 1, got {self.concurrent_batches}")
+        """Every number finite and in range (inf or NaN passed `x > 0` checks and hung requests or overflowed
+        int(); core.config.check_number), log_level one of uvicorn's, the bind/token rule."""
+        for key, lo, hi, lo_open in _NUMBER_RANGES:
+            check_number(key, getattr(self, key), lo, hi, lo_open=lo_open)
         if self.concurrent_batches > 1 and self.policy_process:
             raise ConfigError("concurrent_batches > 1 runs the policy's replicas in threads of this process: it "
                               "cannot be combined with policy_process=true")
-        if self.decode_threads < 1:
-            raise ConfigError(f"decode_threads: must be >= 1, got {self.decode_threads}")
-        if self.torch_threads < 0:
-            raise ConfigError(f"torch_threads: must be >= 0, got {self.torch_threads}")
-        if self.max_body_mb <= 0:
-            raise ConfigError(f"max_body_mb: must be > 0, got {self.max_body_mb}")
-        for k in ("max_image_pixels", "max_depth", "max_text_chars", "max_connections", "max_header_kb"):
-            if getattr(self, k) < 1:
-                raise ConfigError(f"{k}: must be >= 1, got {getattr(self, k)}")
-        for k in ("max_decoded_mb", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
-            if not getattr(self, k) > 0:
-                raise ConfigError(f"{k}: must be > 0, got {getattr(self, k)}")
+        from uvicorn.config import LOG_LEVELS   # uvicorn's levels (it raises KeyError on any other)
+
+        if self.log_level not in LOG_LEVELS:
+            raise unknown_choice("log_level", self.log_level, LOG_LEVELS)
         if not is_loopback(self.host) and not self.resolved_token() and not self.allow_insecure:
             raise ConfigError(f"host={self.host} is not a loopback address and no token is set: anyone who reaches "
                               f"it could use the server; set token= (or env WAMKIT_TOKEN), or allow_insecure=true on "

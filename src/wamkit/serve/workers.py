@@ -40,7 +40,7 @@ import httpx
 from wamkit.core.cpu_pinning import change_pin, pin_process, pinnable_env
 from wamkit.core.errors import UserError
 from wamkit.core.lifecycle import StartStopContext
-from wamkit.serve.config import INSTANCE_ENV
+from wamkit.serve.config import INSTANCE_ENV, http_url
 
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class ServerWorker(StartStopContext, abc.ABC):
     # ------------------------------------------------------------------ lifecycle
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.host, self.port)
 
     @property
     def pid(self) -> int | None:

@@ -5,7 +5,8 @@ Routes (registered by wamkit.serve.app.create_app; frames per wamkit.protocol.op
                                         openpi clients connect to ``/``): replies ``{"actions", "server_timing"}``.
 - ``WS  /v1/actions/realtime``          SGLang's realtime route: replies the envelope of ``POST
                                         /v1/actions/generations`` (values as arrays) plus ``server_timing``.
-- ``GET /healthz``                      openpi's health check: 200 ``OK`` (503 while shutting down).
+- ``GET /healthz``                      openpi's health check: 200 ``OK``; 503 when ``GET /health`` is 503
+                                        (shutting down, or the policy child process died), as text.
 
 Every connection gets the metadata frame first (``GET /v1/actions/metadata``'s document), then one reply per
 request frame, in order. Observations from every connection (and from HTTP requests) go through the one dynamic
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import logging
 import time
 from typing import Any
 
@@ -44,7 +44,6 @@ from wamkit.serve.batcher import QueueFull
 from wamkit.serve.errors import OFFLOAD_BYTES, error_response
 
 
-log = logging.getLogger("wamkit.serve.ws")
 OPENPI_PATHS = ("/openpi/policy", "/")
 REALTIME_PATH = "/v1/actions/realtime"
 
@@ -151,7 +150,7 @@ class _Connection:
         except UserError as e:  # the policy refused this frame's input (its own check)
             status, body = 422, _error_body(422, str(e), "input")
         except Exception as e:  # the policy failed: answer 500, keep serving
-            log.exception("websocket request failed")
+            srv.log_failure(e, "websocket request")
             status, body = 500, _error_body(500, f"{type(e).__name__}: {e}")
         srv.metrics.response(status)
         return packb(body) if self.envelope else json.dumps(body)
@@ -226,9 +225,11 @@ def websocket_routes(srv: Any) -> list:
         await _Connection(srv, ws, envelope=True).run()
 
     async def healthz(request: Request) -> Response:
-        if srv.batcher.closing:
-            return PlainTextResponse("shutting down\n", status_code=503)
-        return PlainTextResponse("OK\n")
+        status, body = srv.health_state()    # the fact /health answers, as openpi's text
+        if status == 200:
+            return PlainTextResponse("OK\n")
+        detail = f" (exit code {body['exit_code']})" if "exit_code" in body else ""
+        return PlainTextResponse(f"{body['status'].replace('_', ' ')}{detail}\n", status_code=status)
 
     return [*(WebSocketRoute(p, openpi) for p in OPENPI_PATHS), WebSocketRoute(REALTIME_PATH, realtime),
             Route("/healthz", healthz, methods=["GET"])]
