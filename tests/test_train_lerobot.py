@@ -30,6 +30,7 @@ def cfg(tmp, *args):
     (["cameras=image,wrist_image,front"], "front"),
     (["policy_args.state_dim=9"], "state"),          # the fixture's observation.state has 8 dims
     (["trainable=gen.*,nonexistent.*"], "match no parameter"),
+    (["policy_args.action_dim=5"], "action feature 'action' has 7 dims, policy 'wam-ref' predicts 5"),
 ])
 def test_dataset_problems_fail_before_training(tmp_path, args, match):
     with pytest.raises(UserError, match=match):

@@ -180,6 +180,19 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess
     return p
 
 
+def cli_fails(capsys, argv: list[str], *must_name: str) -> str:
+    """`wamkit ARGV` in-process: exit 2 and one line naming each of must_name."""
+    from wamkit.cli.main import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for s in must_name:
+        assert s in err, (s, err)
+    return err
+
+
 def losses(out: Path) -> dict[int, float]:
     rows = [json.loads(l) for l in (Path(out) / "train_log.jsonl").read_text().splitlines() if l.strip()]
     return {r["step"]: r["loss"] for r in rows}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_train_support import BASE_ARGS, TinyPolicy, losses
+from test_train_support import BASE_ARGS, TinyPolicy, cli_fails as _cli_fails, losses
 from wamkit.core.config import load_config
 from wamkit.core.errors import ConfigError, UserError
 from wamkit.core.types import Observation
@@ -434,19 +434,6 @@ def test_non_finite_step_between_log_windows_is_never_checkpointed(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ disks, bad files
-
-def _cli_fails(capsys, argv: list[str], *must_name: str) -> str:
-    """`wamkit ARGV` in-process: exit 2 and one line naming each of must_name."""
-    from wamkit.cli.main import main
-
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for s in must_name:
-        assert s in err, (s, err)
-    return err
-
 
 def test_full_disk_during_a_checkpoint_save(tmp_path, capsys, monkeypatch):
     """Disk full in the middle of a save was a 63-line traceback of torch's zip writer, and left the partial

@@ -299,6 +299,7 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, ema, rank:
         dcp.load(optim_box, checkpoint_id=str(path / "optim"), planner=DefaultLoadPlanner(allow_partial_load=True))
     with loading(path, "does not fit this model or optimizer"):
         set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=optim_box["optim"])
+    parts = [(path / "model", msd), (path / "optim", optim_box["optim"])]
     if ema is not None:
         if not (path / "ema").exists():
             raise UserError(f"{path} has no EMA weights but ema={ema.decay} is set")
@@ -306,6 +307,8 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, ema, rank:
         with loading(path / "ema"):
             dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(path / "ema")))
         ema.load_state_dict(sd)
+        parts.append((path / "ema", sd))
+    check_finite(parts, f"resume from an earlier checkpoint (move {path} away)")
     sched["lr_lambdas"] = [None] * len(optimizer.param_groups)
     with loading(path / "trainer_state.json", "has a scheduler state that does not fit"):
         scheduler.load_state_dict(sched)
@@ -392,6 +395,9 @@ def load_weights_into(module: torch.nn.Module, ckpt: str | Path, weights: str = 
             ema_sd = {k: sd[k] for k in ema_keys}
             dcp.load(ema_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "ema")), no_dist=True)
         sd.update(ema_sd)
+    ema_keys = set(ema_sd) if weights == "ema" else set()
+    check_finite([(ckpt / "ema", {k: v for k, v in sd.items() if k in ema_keys}),
+                  (ckpt / "model", {k: v for k, v in sd.items() if k not in ema_keys})], "use an earlier checkpoint")
     with loading(ckpt / "model", "does not fit the policy its policy.json builds"):
         module.load_state_dict(sd, strict=True)
     return weights
@@ -405,11 +411,70 @@ def _trained_with_ema(ckpt: Path) -> bool:
         return False
 
 
-def _safetensors_keys(d: Path) -> set[str]:
+def _keys_by_file(d: Path) -> dict[Path, set[str]]:
     from safetensors import safe_open
 
-    keys: set[str] = set()
+    found: dict[Path, set[str]] = {}
     for f in sorted(d.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
-            keys.update(fh.keys())
-    return keys
+            found[f] = set(fh.keys())
+    return found
+
+
+def _safetensors_keys(d: Path) -> set[str]:
+    return set().union(*_keys_by_file(d).values())
+
+
+# ------------------------------------------------------------------------------------------------ finiteness
+
+def _named_tensors(sd: dict, prefix: str = ""):
+    """(dotted name, tensor) of a nested state dict; a DTensor gives this rank's shard."""
+    for k, v in sd.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            yield from _named_tensors(v, name + ".")
+        elif torch.is_tensor(v):
+            yield name, v.to_local() if hasattr(v, "to_local") else v
+
+
+def first_non_finite(sd: dict) -> str | None:
+    """The name of the first floating tensor of `sd` holding a NaN or inf, or None. One `isfinite().all()` per
+    tensor, read back in one transfer per device: cheap next to reading the weights."""
+    by_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
+    for k, (name, t) in enumerate(_named_tensors(sd)):
+        if t.is_floating_point() and t.numel():
+            by_device.setdefault(t.device, []).append((k, name, torch.isfinite(t).all()))
+    bad = []
+    for flags in by_device.values():
+        ok = torch.stack([f for _, _, f in flags]).cpu()
+        bad += [flags[int(i)][:2] for i in torch.nonzero(~ok).flatten()]
+    return min(bad)[1] if bad else None
+
+
+def non_finite_error(d: Path, name: str, use: str) -> UserError:
+    """One line naming the file(s) of checkpoint part `d` (model/, ema/, optim/) whose tensor `name` holds NaN/inf:
+    bytes damaged on disk load without complaint (safetensors checks sizes, not values), and a NaN weight made the
+    resumed run fail blaming its data or lr, or `wamkit export` write a policy that predicts NaN."""
+    files = []
+    for f, keys in _keys_by_file(d).items() if d.name != "optim" else ():
+        if name in keys:
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt") as fh:
+                if not bool(torch.isfinite(fh.get_tensor(name)).all()):
+                    files.append(str(f))
+    where = ", ".join(files) or str(d)
+    return UserError(f"checkpoint file {where} holds NaN/inf values in tensor {name!r}: it is corrupt (no step "
+                     f"that produced NaN/inf is ever checkpointed); {use}")
+
+
+def check_finite(parts: list[tuple[Path, dict]], use: str) -> None:
+    """UserError (on every rank, when a process group is up: the ranks agree) naming the first (part, tensor) of
+    `parts` ([(checkpoint part dir, state dict loaded from it)]) that holds NaN/inf on any rank."""
+    bad = next(((d, n) for d, sd in parts if (n := first_non_finite(sd)) is not None), None)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        got: list = [None] * dist.get_world_size()
+        dist.all_gather_object(got, (str(bad[0]), bad[1]) if bad else None)
+        bad = next(((Path(d), n) for d, n in (g for g in got if g)), None)
+    if bad is not None:
+        raise non_finite_error(bad[0], bad[1], use)

@@ -103,6 +103,9 @@ class TrainConfig:
                 raise ConfigError(f"betas[{k}] must be in [0, 1), got {b}")
         if len(self.betas) != 2:
             raise ConfigError(f"betas must be two numbers, got {list(self.betas)}")
+        if not self.out.strip() or self.out == "None":   # "None": YAML `out: null` (or `out:`), made a str
+            raise ConfigError("out must name the run directory, got " + ("null" if self.out == "None" else
+                              f"{self.out!r} (an empty out= would train into the current directory)"))
         if self.resume and self.overwrite:
             raise ConfigError("resume=true and overwrite=true contradict each other; pick one")
         self.lr_multipliers = _flat_multipliers(self.lr_multipliers)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -63,6 +64,11 @@ def lerobot_source(cfg, policy, cameras: list[str], horizon: int) -> DataSource:
     ds = LeRobotDataset(cfg.dataset, cameras=cameras, check_fps=cfg.fps,
                         allow_fps_mismatch=cfg.allow_fps_mismatch, required_features=required)
     ds.check_finite(required)     # a NaN/inf action or state trains a NaN model: named here, before the first step
+    dim = math.prod(ds.features["action"].get("shape") or [1])
+    if dim != policy.spec.action.dim:   # was the action pipeline's "QuantileNormalizeStep has 7 channels, input has 5"
+        raise UserError(f"dataset {cfg.dataset}: its action feature 'action' has {dim} dims, policy "
+                        f"{policy.spec.name!r} predicts {policy.spec.action.dim} (set its action dim to {dim}, "
+                        f"e.g. policy_args.action_dim={dim})")
 
     size = policy.spec.input.image_size or None
 
@@ -145,7 +151,7 @@ class BatchStream:
         gen.manual_seed(seed)
         loader = torch.utils.data.DataLoader(
             dataset, batch_sampler=self, collate_fn=collate, num_workers=num_workers, pin_memory=pin_memory,
-            persistent_workers=num_workers > 0, generator=gen)
+            persistent_workers=num_workers > 0, generator=gen, worker_init_fn=leave_signals_to_the_main_process)
         self._it = iter(loader)
 
     def __iter__(self):
@@ -181,6 +187,30 @@ class BatchStream:
         alone, the persistent workers live on until the cyclic GC frees both, and their shutdown (joins of up to 5 s
         a worker) then runs in whichever thread that collection starts. Dropping the only reference runs it here."""
         self._it = None
+
+
+def leave_signals_to_the_main_process(worker_id: int) -> None:
+    """DataLoader worker_init_fn: SIGINT and SIGTERM sent to the whole process group (Ctrl-C, `kill -- -PGID`, a
+    scheduler's job kill) are the main process's to handle: it finishes the step, checkpoints and shuts its loader
+    down, which ends the workers. A worker that died of the group's SIGTERM made the main process fail at once with
+    "DataLoader worker (pid ...) is killed by signal: Terminated" (a 40-line traceback, no checkpoint). SIGINT is
+    ignored; SIGTERM is blocked and taken by a thread that exits the worker only when the main process sent it (the
+    loader's own `terminate()` of a worker that did not stop; torch's C handler did the same, but died of any other
+    sender's SIGTERM). A worker whose main process was killed (SIGKILL) still exits by the loader's watchdog."""
+    import os
+    import signal
+    import threading
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})   # threads started after this inherit the mask
+    parent = os.getppid()
+
+    def wait_for_sigterm() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=wait_for_sigterm, name="wamkit-worker-sigterm", daemon=True).start()
 
 
 def one_line_worker_error(e: Exception) -> Exception | None:

@@ -1,10 +1,14 @@
 """Training logs (rank 0 only): TensorBoard scalars under OUT/tb, OUT/train_log.jsonl (one JSON line per log step),
-a rich progress bar (step, loss, steps/s), and with logger=wandb a Weights & Biases run (files under OUT/wandb;
+on the console a rich progress bar (step, loss, steps/s) when stdout is a terminal and progress=true, otherwise one
+plain line per log window (`progress_line`: nohup, Slurm, CI logs, where the bar drew nothing until the end), and with
+logger=wandb a Weights & Biases run (files under OUT/wandb;
 WANDB_MODE=offline keeps it local, `wandb sync OUT/wandb/offline-run-*` uploads it later)."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -51,6 +55,22 @@ def after_earlier_event_files(tb: Path) -> None:
             time.sleep(wait)
 
 
+def progress_line(step: int, total: int, scalars: dict[str, float]) -> str:
+    """The console line of a log window without the bar, e.g.
+    `train step 40/2000 | loss 0.4121 | 3.52 steps/s | 112.6 samples/s | ETA 0:09:17` (ETA at the window's rate)."""
+    parts = [f"train step {step}/{total}"]
+    if "loss" in scalars:
+        parts.append(f"loss {scalars['loss']:.4f}")
+    sps = scalars.get("steps_per_s")
+    if sps is not None:
+        parts.append(f"{sps:.2f} steps/s")
+    if "samples_per_s" in scalars:
+        parts.append(f"{scalars['samples_per_s']:.1f} samples/s")
+    if sps and sps > 0 and step < total:
+        parts.append(f"ETA {datetime.timedelta(seconds=round((total - step) / sps))}")
+    return " | ".join(parts)
+
+
 class TrainLogger:
     def __init__(self, out: str | Path, enabled: bool, total_steps: int, start_step: int, progress: bool = True,
                  wandb_project: str | None = None, config: dict | None = None):
@@ -60,23 +80,24 @@ class TrainLogger:
             return
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        if wandb_project:
-            from wamkit.core.tracking import start_wandb
-
-            self._wandb = start_wandb(wandb_project, out, config or {}, job_type="train")
         from torch.utils.tensorboard import SummaryWriter
 
         log_path = out / "train_log.jsonl"
         earlier = log_path.exists() or (out / "tb").is_dir()
         if log_path.exists():
             truncate_log(log_path, start_step)
+        self._jsonl = open(log_path, "a", buffering=1)   # first: the file that marks out= as a run dir (is_run_dir)
         # purge_step: TensorBoard drops the earlier run's events from this step on (those after the checkpoint
         # resumed from, or all of them on a restart from step 0), so a resumed run shows each step once
         if earlier:
             after_earlier_event_files(out / "tb")
         self._tb = SummaryWriter(str(out / "tb"), purge_step=start_step + 1 if earlier else None)
-        self._jsonl = open(log_path, "a", buffering=1)
-        if progress:
+        if wandb_project:
+            from wamkit.core.tracking import start_wandb
+
+            self._wandb = start_wandb(wandb_project, out, config or {}, job_type="train")
+        self._total = total_steps
+        if progress and sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
@@ -98,12 +119,14 @@ class TrainLogger:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, loss=f"{scalars.get('loss', float('nan')):.4f}",
                                   sps=f"{scalars.get('steps_per_s', float('nan')):.2f}", refresh=True)
+        else:
+            print(progress_line(step, self._total, scalars), flush=True)
 
     def text(self, msg: str) -> None:
         if not self.enabled:
             return
         if self._progress is not None:
-            self._progress.console.print(msg)
+            self._progress.console.print(msg, soft_wrap=True, markup=False, highlight=False)   # one line, as given
         else:
             print(msg, flush=True)
 

@@ -121,7 +121,27 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-RUN_FILES = ("checkpoints", "train_log.jsonl", "tb", "config.json", "wandb")
+# what a run writes in its out= dir, and inside its subdirectories (overwrite=true removes these and nothing else)
+RUN_FILES = {"train_log.jsonl": (), "config.json": (), "checkpoints": ("step-*",), "tb": ("events.out.tfevents.*",),
+             "wandb": ("run-*", "offline-run-*", "latest-run", "debug*.log")}
+TRAIN_CONFIG_KEYS = ("policy", "policy_args", "dataset", "out", "save_every", "keep_last")   # in each run's config
+
+
+def is_train_config(path: Path) -> bool:
+    """Whether `path` is a config.json that `wamkit train` wrote (an eval run's, or any other, is not)."""
+    import json
+
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and all(k in d for k in TRAIN_CONFIG_KEYS)
+
+
+def is_run_dir(out: Path) -> bool:
+    """A directory `wamkit train` wrote into: its train_log.jsonl, a step-* checkpoint or its config.json."""
+    return ((out / "train_log.jsonl").is_file() or bool(C.list_checkpoints(out / "checkpoints"))
+            or is_train_config(out / "config.json"))
 
 
 def check_writable_dir(out: Path) -> None:
@@ -144,6 +164,12 @@ def check_out_dir(cfg: TrainConfig) -> None:
     mixed with a new run (its log would be appended to, its newest checkpoint exported instead of the new one)."""
     out = Path(cfg.out)
     check_writable_dir(out)
+    # a directory of something else: its config.json was overwritten, its tb/ written into (overwrite=true deleted it)
+    there = sorted(p.name for p in out.iterdir())
+    if there and not is_run_dir(out):
+        shown = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
+        raise UserError(f"out={out} holds files that wamkit train did not write ({shown}): choose a new or empty "
+                        f"directory (resume=true and overwrite=true take only a training run's directory)")
     ckpts = out / "checkpoints"
     held = (ckpts.is_dir() and any(ckpts.iterdir())) or (out / "train_log.jsonl").exists()
     if held and not (cfg.resume or cfg.overwrite):
@@ -168,14 +194,13 @@ def check_resume_config(cfg: TrainConfig, ckpt: Path) -> None:
     ends at or before the checkpoint: a warning (nothing is trained)."""
     import json
 
-    try:
-        saved = json.loads((ckpt / "config.json").read_text())
-    except (OSError, ValueError):
-        return                   # load_checkpoint names a missing or corrupt checkpoint file
+    saved = C.read_json_file(ckpt / "config.json")   # missing or corrupt: one line (the check was skipped)
     now = json.loads(C._json(to_dict(cfg)))
     diff = [k for k in RESUME_FIXED if k in saved and saved[k] != now.get(k)]
+    if C._trained_with_ema(ckpt) != (cfg.ema > 0):   # EMA dropped (export took the raw weights) or none to load
+        diff.append("ema")
     if diff:
-        was = ", ".join(f"{k}={json.dumps(saved[k])}" for k in diff)
+        was = ", ".join(f"{k}={json.dumps(saved.get(k))}" for k in diff)
         asked = ", ".join(f"{k}={json.dumps(now.get(k))}" for k in diff)
         raise UserError(f"resume=true: {ckpt} was trained with {was}, this run asks for {asked}; resume with the "
                         f"checkpoint's values, or start a new run (overwrite=true or another out=)")
@@ -197,15 +222,27 @@ def check_resume_config(cfg: TrainConfig, ckpt: Path) -> None:
 
 
 def clear_out_dir(out: Path) -> None:
-    """overwrite=true: remove what a previous run wrote (only wamkit's own files; anything else stays)."""
+    """overwrite=true: remove what a previous run wrote (RUN_FILES: its log, its config.json, its step-* checkpoints,
+    TensorBoard event files and W&B runs; a subdirectory left empty too) and nothing else: a user's file in tb/ or
+    checkpoints/ stays (all of tb/ was deleted)."""
     import shutil
 
-    for name in RUN_FILES:
+    for name, inside in RUN_FILES.items():
         p = out / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
+        if not inside:
+            if p.is_file() and (name != "config.json" or is_train_config(p)):
+                p.unlink()
+            continue
+        if not p.is_dir() or p.is_symlink():
+            continue
+        for pattern in inside:
+            for q in p.glob(pattern):
+                if q.is_dir() and not q.is_symlink():
+                    shutil.rmtree(q)
+                else:
+                    q.unlink()
+        if not any(p.iterdir()):
+            p.rmdir()
 
 
 def train(cfg: TrainConfig, out_checked: bool = False) -> dict:
