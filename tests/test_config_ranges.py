@@ -65,3 +65,15 @@ def test_defaults_and_edges_still_load():
     load_config(TrainConfig, None, ["fps=10", "decay=0", "grad_clip=0", "betas=0,0.999"])
     with pytest.raises(ConfigError, match="image_size"):
         load_config(RecordConfig, None, ["image_size=0"])
+
+
+@pytest.mark.parametrize("verb", ["train", "serve", "data record"])
+def test_a_config_file_that_is_not_yaml_is_one_line_for_every_verb(tmp_path, capsys, verb):
+    """core.config.load_config words PyYAML's error as one line (file, line, column, what it expected): it was the
+    parser's several-line excerpt with a caret, for every verb that reads a config file."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 2\nout: [unclosed\n")
+    assert main([*verb.split(), str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"{bad}: invalid YAML at line 3, column 1: expected ',' or ']'" in err, err

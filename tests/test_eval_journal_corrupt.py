@@ -98,3 +98,24 @@ def test_resume_over_a_corrupt_journal_reruns_the_bad_episodes(tmp_path):
     assert rerun == {before[i]["key"] for i in (1, 2, 3, 4)}
     summary = json.loads((out / "summary.json").read_text())
     assert summary["episodes"] == 6
+
+
+def test_a_second_record_of_an_episode_with_other_content_is_set_aside_and_named(tmp_path):
+    """A later line with an episode's key and other content (journals merged by hand, a second writer) was dropped
+    without a word, whichever it was: the first record is kept (what every summary of the file counted), the later
+    one moved to results.jsonl.rejected and named, with whether the two disagree on the outcome; an identical copy
+    is just dropped."""
+    p = tmp_path / "results.jsonl"
+    lines = [rec(0, 0, True, 10), rec(1, 0), rec(0, 0, False, 60), dict(rec(1, 0), wall_s=2.5), rec(1, 0)]
+    p.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    j = Journal(p)
+    assert j.records["s/0/0"]["success"] is True and "wall_s" not in j.records["s/1/0"]
+    assert [n for n, _ in j.conflicts] == [3, 4] and not j.bad_lines
+    msg = j.conflicts_message()
+    assert "\n" not in msg and j.warnings() == [msg]
+    assert "line 3: episode s/0/0 again (first at line 1), a different outcome" in msg
+    assert "line 4: episode s/1/0 again (first at line 2), the same outcome, other details" in msg
+    assert "first record of each episode is kept" in msg and str(j.rejected_path) in msg
+    assert [json.loads(x) for x in j.rejected_path.read_text().splitlines()] == lines[2:4]
+    assert len(p.read_text().splitlines()) == 2
+    assert not Journal(p).warnings()          # the file is clean again

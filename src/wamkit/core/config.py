@@ -87,6 +87,16 @@ def _yaml_scalar(v: Any) -> Any:
     return v
 
 
+def _yaml_where(e: yaml.YAMLError) -> str:
+    """Where the parser stopped and what it expected there, with what it was parsing, on one line."""
+    mark = getattr(e, "problem_mark", None)
+    if not isinstance(e, yaml.MarkedYAMLError) or mark is None:
+        return f": {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    ctx = e.context_mark
+    within = f" ({e.context} at line {ctx.line + 1}, column {ctx.column + 1})" if e.context and ctx is not None else ""
+    return f" at line {mark.line + 1}, column {mark.column + 1}: {e.problem}{within}"
+
+
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -212,8 +222,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ConfigError(f"config file not found: {p}")
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: invalid YAML: {e}") from None
+        except yaml.YAMLError as e:   # one line (PyYAML's own message quotes the file's line and a caret)
+            raise ConfigError(f"{p}: invalid YAML{_yaml_where(e)}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping")
         data = _merge(data, loaded)

@@ -36,11 +36,23 @@ from wamkit.envs.process_setup import single_threaded_children
 
 
 class EnvWorkerCrashed(RuntimeError):
-    """The env worker process died (or could not start)."""
+    """The env worker process died (or could not start). exit_code: the dead process's exit status (negative: the
+    signal that ended it), where a death was seen; None where it was not (the env raised while being built, no
+    answer within a deadline, a Ray actor lost)."""
 
-    def __init__(self, index: int, msg: str):
+    def __init__(self, index: int, msg: str, exit_code: int | None = None):
         super().__init__(f"env worker {index} crashed: {msg}")
-        self.index, self.msg = index, msg
+        self.index, self.msg, self.exit_code = index, msg, exit_code
+
+
+def exit_text(code: int | None) -> str:
+    """`exit code -9 (SIGKILL)`: a process's exit status, with the signal's name where a signal ended it."""
+    if code is not None and code < 0:
+        try:
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
 
 
 class EnvWorkerTimeout(EnvWorkerCrashed):
@@ -214,6 +226,10 @@ class EnvWorker(StartClosingContext):
             self._teardown(kill=True)
             raise EnvWorkerTimeout(self.index, f"env {self.env_name!r} not built within {self.start_timeout:.0f} s "
                                                f"(start_timeout)") from None
+        except EnvWorkerCrashed as e:   # the process died before its env was built (killed, OOM, segfault)
+            self._teardown(kill=True)
+            raise EnvWorkerCrashed(self.index, f"process died while building env {self.env_name!r} "
+                                               f"({exit_text(e.exit_code)})", e.exit_code) from None
         except BaseException:
             self._teardown(kill=True)
             raise
@@ -324,7 +340,8 @@ class EnvWorker(StartClosingContext):
         if self._busy:
             raise RuntimeError(f"env worker {self.index} already has a call in flight")
         if not self._proc.is_alive():
-            raise EnvWorkerCrashed(self.index, f"process is dead (exit code {self._proc.exitcode})")
+            code = self._proc.exitcode
+            raise EnvWorkerCrashed(self.index, f"process is dead ({exit_text(code)})", code)
         if self._stale:
             self._stale = False
             self._busy = True
@@ -348,7 +365,7 @@ class EnvWorker(StartClosingContext):
             self._proc.join(1.0)
             code = self._proc.exitcode
         self._busy = False
-        raise EnvWorkerCrashed(self.index, f"process died mid-call (exit code {code})")
+        raise EnvWorkerCrashed(self.index, f"process died mid-call ({exit_text(code)})", code)
 
     def _recv_blocking(self, timeout: float | None):
         ready = mp_wait([self._conn, self._proc.sentinel], timeout)

@@ -107,7 +107,9 @@ class EvalConfig:
     render_every_step: bool = False         # the single-batch baseline: render every step
     resume: bool = False                    # continue the run in out= (skips episodes already in results.jsonl)
     seed: int = 0                           # env and policy noise seed
-    progress: bool = True                   # progress bar with ETA on stderr
+    progress: bool = True                   # progress bar with ETA on stderr; where stderr is not a terminal (a
+                                            # log file, CI, `| tee`): a plain line every progress_every_s seconds
+    progress_every_s: float = 20.0          # ... and one at the end: episodes done, success so far, rates, ETA
     runtime: Literal["local", "ray"] = "local"  # where env workers and servers run (docs/ray.md)
     ray: dict[str, Any] = field(default_factory=dict)  # runtime=ray options, e.g. ray.address=auto (docs/ray.md)
     env_nice: int = 0                       # > 0: the local env workers run at this niceness (1..19, Linux), so that
@@ -147,14 +149,17 @@ class EvalConfig:
 
     def validate(self) -> None:
         for key, lo, hi in (("trials", 1, None), ("trial_start", 0, None), ("image_size", MIN_IMAGE, MAX_IMAGE),
-                            ("num_envs", 1, 4096), ("request_size", 1, None), ("pipelines", 1, None), ("depth", 0, None),
+                            ("num_envs", 1, 4096), ("request_size", 1, None), ("pipelines", 1, None),
+                            ("depth", 0, None),
                             ("max_request_size", 0, None), ("save_videos", 0, None), ("seed", 0, 2**63 - 1),
                             ("max_episode_retries", 0, None), ("env_timeout_factor", 1, None), ("env_nice", 0, 19)):
             check_number(key, getattr(self, key), lo, hi)
         check_number("horizon", self.horizon, 1, none_ok=True)
         check_number("max_steps", self.max_steps, 1, none_ok=True)
-        for key in ("env_timeout_min_s", "env_timeout_first_s"):
+        for key in ("env_timeout_min_s", "env_timeout_first_s", "progress_every_s"):
             check_number(key, getattr(self, key), 0, lo_open=True)
+        if not str(self.out).strip():   # '' wrote into the current directory, '  ' into a directory of spaces
+            raise ConfigError(f"out={self.out!r}: the output directory must be given (e.g. out=runs/my_eval)")
         check_number("server.port", self.server.port, 0, 65535)
         check_number("server.max_batch_size", self.server.max_batch_size, 1)
         check_number("server.max_wait_ms", self.server.max_wait_ms, 0)

@@ -4,7 +4,9 @@ Resume reads it back, keeps the first record per episode key, and the scheduler 
 nothing is lost or counted twice. A line that is not a complete, well-formed record (a torn last line from a killed
 process, bytes that are not UTF-8, JSON that is not an object, a missing or mistyped field, a key that disagrees with
 its suite/task_id/trial) is never counted as done: it is moved to OUT/results.jsonl.rejected, its line number
-reported in `bad_lines` (and logged), and its episode runs again."""
+reported in `bad_lines` (and logged), and its episode runs again. A later record of an episode already recorded
+with other content (journals merged by hand, a second writer) is moved there too and reported in `conflicts`; the
+first one stays the episode's record (see Journal._load for why)."""
 
 from __future__ import annotations
 
@@ -36,11 +38,18 @@ def record_problem(rec: Any) -> str | None:
     return None
 
 
+def _first_of(items: list[str], most: int, sep: str) -> str:
+    """The first `most` items joined by `sep`, and how many more there are."""
+    more = f" and {len(items) - most} more" if len(items) > most else ""
+    return sep.join(items[:most]) + more
+
+
 class Journal:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.records: dict[str, dict[str, Any]] = {}
         self.bad_lines: list[tuple[int, str]] = []    # (1-based line number, why) of lines skipped on load
+        self.conflicts: list[tuple[int, str]] = []    # (line number, what) of later records of a recorded episode
         if self.path.exists():
             self._load()
         self._fh = None
@@ -48,6 +57,7 @@ class Journal:
     def _load(self) -> None:
         good: list[str] = []
         bad: list[bytes] = []
+        first: dict[str, int] = {}    # key -> line number of its record
         with open(self.path, "rb") as f:
             for n, raw in enumerate(f, 1):
                 if not raw.strip():
@@ -65,9 +75,22 @@ class Journal:
                     self.bad_lines.append((n, problem))
                     bad.append(raw if raw.endswith(b"\n") else raw + b"\n")
                     continue
-                if rec["key"] not in self.records:
-                    self.records[rec["key"]] = rec
+                key = rec["key"]
+                if key not in self.records:
+                    self.records[key] = rec
+                    first[key] = n
                     good.append(json.dumps(rec, sort_keys=True))
+                elif rec != self.records[key]:
+                    # The same episode recorded again with other content. The first record is kept, deterministically:
+                    # this journal is append-only and a run never records an episode twice, so the first is the one
+                    # that every summary written from this file has counted; which of two disagreeing outcomes is
+                    # right the file cannot say, so the later one is not silently dropped but set aside (rejected)
+                    # and named, and the warning says whether the two disagree on the outcome.
+                    old = self.records[key]
+                    outcome = ("a different outcome" if (old["success"], old["steps"]) != (rec["success"], rec["steps"])
+                               else "the same outcome, other details")
+                    self.conflicts.append((n, f"episode {key} again (first at line {first[key]}), {outcome}"))
+                    bad.append(raw if raw.endswith(b"\n") else raw + b"\n")
         if bad:
             with open(self.rejected_path, "ab") as f:
                 f.writelines(bad)
@@ -82,10 +105,22 @@ class Journal:
         """One line: which lines of the journal were skipped and why (their episodes run again)."""
         if not self.bad_lines:
             return ""
-        shown = ", ".join(f"{n} ({why})" for n, why in self.bad_lines[:10])
-        more = f" and {len(self.bad_lines) - 10} more" if len(self.bad_lines) > 10 else ""
-        return (f"{self.path}: skipped {len(self.bad_lines)} bad line(s): {shown}{more}; their episodes run again "
+        shown = _first_of([f"{n} ({why})" for n, why in self.bad_lines], 10, ", ")
+        return (f"{self.path}: skipped {len(self.bad_lines)} bad line(s): {shown}; their episodes run again "
                 f"(the lines are kept in {self.rejected_path})")
+
+    def conflicts_message(self) -> str:
+        """One line: which lines recorded an episode a second time with other content (set aside, not counted)."""
+        if not self.conflicts:
+            return ""
+        shown = _first_of([f"line {n}: {what}" for n, what in self.conflicts], 5, "; ")
+        return (f"{self.path}: {len(self.conflicts)} line(s) record an episode already recorded, with other content: "
+                f"{shown}; the first record of each episode is kept and counted, the later lines moved to "
+                f"{self.rejected_path}")
+
+    def warnings(self) -> list[str]:
+        """The one-line warnings of loading the journal (bad lines, conflicting records), for the log."""
+        return [m for m in (self.bad_lines_message(), self.conflicts_message()) if m]
 
     def done(self, key: str) -> bool:
         return key in self.records

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from wamkit.core.files import write_atomic
 from wamkit.eval.metrics import load_summary  # noqa: F401  (the results contract; kept importable from here)
 from wamkit.eval.metrics import chunk_ms_text, task_chunk_ms
 from wamkit.eval.timeline import batch_sizes_summary
@@ -119,7 +120,7 @@ def write_report(out: str | Path) -> dict:
 
     s = load_summary(out)
     draw_timeline(out)
-    (Path(out) / "report.md").write_text(report_markdown(out, s))
+    write_atomic(Path(out) / "report.md", report_markdown(out, s))
     write_html(out)
     return s
 

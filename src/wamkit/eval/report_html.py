@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from wamkit.core.files import write_atomic
 from wamkit.eval.metrics import chunk_ms_text
 
 EMBED_BUDGET_BYTES = 32 * 1024 * 1024   # videos embedded in the page, all together; the rest are linked
@@ -219,5 +220,5 @@ or resetting, as a share of their time; inference busy: time the policy was comp
 
 def write_html(out: str | Path) -> Path:
     p = Path(out) / "report.html"
-    p.write_text(render_html(out), encoding="utf-8")
+    write_atomic(p, render_html(out))
     return p

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
+import logging
 import os
 import statistics
 import time
@@ -18,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from wamkit.core.config import to_dict
 from wamkit.core.cpu_pinning import split_cpus
-from wamkit.core.errors import UserError
+from wamkit.core.errors import RunError, UserError
 from wamkit.core.files import write_atomic
 from wamkit.core.heap import frozen_heap
 from wamkit.core.versions import versions
@@ -30,12 +32,14 @@ from wamkit.eval.journal import Journal
 from wamkit.eval.loop_health import LoopHealth
 from wamkit.eval.metrics import summarize
 from wamkit.eval.plan import plan_for_tasks
-from wamkit.eval.progress import rate_text
+from wamkit.eval.progress import PlainProgress, rate_text
 from wamkit.eval.report import write_report
 from wamkit.eval.scheduler import EpisodeOutcome, Scheduler, SchedulerOptions
 from wamkit.eval.shape_probe import SHAPES
-from wamkit.eval.timeline import Timeline
+from wamkit.eval.timeline import Timeline, drop_unreadable_timeline
 from wamkit.policies.registry import is_export_dir, make_policy, policy_class
+
+log = logging.getLogger(__name__)
 
 # config keys that define *what* is evaluated; a resumed run must agree on them (dotted: nested; server.policy and
 # server.policy_args: what the started servers run, which a probe changed on resume and got results of two policies)
@@ -47,6 +51,19 @@ def _key(d: dict, dotted: str) -> Any:
     for part in dotted.split("."):
         d = d.get(part) if isinstance(d, dict) else None
     return d
+
+
+def plan_diff(old: dict, new: dict, n_tasks: int | None = None) -> list[str]:
+    """The PLAN_KEYS on which two configs (to_dict) disagree. `tasks` is compared as the task ids it resolves to
+    (None: every task of the suite, 0..n_tasks-1), so tasks=0,1 is the default of a 2-task suite; before the env's
+    task count is known (n_tasks None) only where both configs list their tasks."""
+    def ids(cfg: dict) -> list[int] | None:
+        tasks = cfg.get("tasks")
+        return list(range(n_tasks)) if tasks is None and n_tasks is not None else tasks
+
+    a, b = ids(old), ids(new)
+    tasks_differ = a is not None and b is not None and a != b
+    return [k for k in PLAN_KEYS if (tasks_differ if k == "tasks" else _key(old, k) != _key(new, k))]
 
 
 def env_kwargs(cfg: EvalConfig) -> dict[str, Any]:
@@ -121,31 +138,68 @@ def check_names(cfg: EvalConfig) -> None:
 LOCK = ".wamkit-eval.lock"   # in out=: the pid of the evaluation writing there
 
 
+def _has_records(path: Path) -> bool:
+    """True where the journal `path` holds any line (good or bad): episodes of some config were run there."""
+    try:
+        with open(path, "rb") as f:
+            return any(line.strip() for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def _resumed_config(cfg: EvalConfig) -> dict | None:
+    """The config (OUT/config.json) of the run a resume continues; None for a new run, or a journal without records.
+    The journal's records say nothing of the config that ran them: without a config.json to compare with, a resume
+    could add episodes of another policy or env to them and the summary count both, so that is one line (UserError)."""
+    results, cfg_path = Path(cfg.out) / "results.jsonl", Path(cfg.out) / "config.json"
+    if not (cfg.resume and _has_records(results)):
+        return None
+    try:
+        old = json.loads(cfg_path.read_text())
+        if not isinstance(old, dict):
+            raise ValueError(f"a JSON {type(old).__name__}, not an object")
+    except (OSError, ValueError) as e:
+        why = "is missing" if isinstance(e, FileNotFoundError) else f"cannot be read ({e})"
+        raise UserError(f"resume=true but {cfg_path} {why}, so nothing shows that the results in {results} were "
+                        f"evaluated with this config; evaluate into a new out= (or put back that run's "
+                        f"config.json)") from None
+    return old
+
+
 def _prepare_out(cfg: EvalConfig) -> tuple[Path, Journal]:
-    """out= checked, locked and given this run's config, before any worker starts: an out= that is a file or cannot
-    be written, or another run's results without resume=true, or a resume that changes what is evaluated, is one
-    line; a second evaluation into a directory that one is writing is refused (two runs both journaled there)."""
+    """out= checked and locked before any worker starts: an out= that is a file or cannot be written, or another
+    run's results without resume=true, or a resume that changes what is evaluated (or has no config.json to compare
+    with), is one line; a second evaluation into a directory that one is writing is refused (two runs both journaled
+    there). This run's config.json is written by _write_config once the plan is known (a resume refused only then
+    must leave the old one to compare with)."""
     out = Path(cfg.out)
     results = out / "results.jsonl"
-    cfg_path = out / "config.json"
     if results.exists() and not cfg.resume:
         raise UserError(f"{out} already holds results; pass resume=true to continue it or choose another out=")
-    if cfg.resume and cfg_path.exists():
-        try:
-            old = json.loads(cfg_path.read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"resume=true but {cfg_path} cannot be read ({e}); move it away to resume anyway") from None
-        new = to_dict(cfg)
-        diff = [k for k in PLAN_KEYS if _key(old, k) != _key(new, k)]
-        if diff:
-            raise UserError(f"resume=true but {out} was evaluated with different {', '.join(diff)}")
+    _check_same_plan(cfg, out, _resumed_config(cfg))
     try:
         out.mkdir(parents=True, exist_ok=True)
         _lock(out)
-        cfg_path.write_text(json.dumps(to_dict(cfg), indent=2))
     except OSError as e:
         raise UserError(f"out={out} is not a writable directory: {e.strerror or e}") from None
     return out, Journal(results)
+
+
+def _check_same_plan(cfg: EvalConfig, out: Path, old: dict | None, n_tasks: int | None = None) -> None:
+    """A resume that evaluates something else than the run it continues (`old`: that run's config) is one line
+    naming the keys (plan_diff)."""
+    if old is not None and (diff := plan_diff(old, to_dict(cfg), n_tasks)):
+        raise UserError(f"resume=true but {out} was evaluated with different {', '.join(diff)}")
+
+
+def _write_config(cfg: EvalConfig, out: Path, n_tasks: int) -> None:
+    """OUT/config.json, once the env's tasks are known: a resume whose tasks resolve to other task ids than the
+    run it continues is refused first (one line), the old config.json left in place."""
+    _check_same_plan(cfg, out, _resumed_config(cfg), n_tasks)
+    try:
+        write_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=2))
+    except OSError as e:
+        raise UserError(f"out={out} is not a writable directory: {e.strerror or e}") from None
 
 
 def _lock(out: Path) -> None:
@@ -202,13 +256,36 @@ def local_env_workers(env: str, kwargs: dict[str, Any], n: int):
     return [EnvWorker(env, kwargs, index=i) for i in range(n)]
 
 
+START_RETRIES = 3   # more starts of an env worker whose process died before its env was built (killed, OOM)
+
+
+def start_env_worker(w, retries: int = START_RETRIES):
+    """Start one env worker; one whose process dies while building its env (EnvWorkerCrashed with an exit code) is
+    started again, up to `retries` more times, as a worker that crashes mid-run is restarted; then a RunError
+    naming the worker and how its process ended. An env that raises while being built, or is not built within its
+    start_timeout, would do so again: raised at once."""
+    from wamkit.envs.worker import EnvWorkerCrashed
+
+    for attempt in itertools.count(1):
+        try:
+            return w.start()
+        except EnvWorkerCrashed as e:
+            if e.exit_code is None:
+                raise
+            if attempt > retries:
+                raise RunError(f"env worker {e.index}: {e.msg}, {attempt} times in a row; not started again "
+                               f"(its output, above, may say why)") from None
+            log.warning("env worker %d: %s; starting it again (%d of %d)", e.index, e.msg, attempt, retries)
+
+
 def start_env_workers(workers) -> None:
-    """Start every env worker (in parallel); a user error inside the env (unknown suite...) becomes a UserError."""
+    """Start every env worker (in parallel, start_env_worker); a user error inside the env (unknown suite...)
+    becomes a UserError."""
     from concurrent.futures import ThreadPoolExecutor
 
     try:
         with ThreadPoolExecutor(len(workers)) as ex:
-            list(ex.map(lambda w: w.start(), workers))
+            list(ex.map(start_env_worker, workers))
     except RuntimeError as e:
         msg = getattr(e, "msg", "")
         for kind in ("UserError: ", "ConfigError: "):
@@ -282,6 +359,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
             console.print(f"{n_envs} {cfg.env} env worker(s) ready in {time.time() - t_build:.1f} s")
         spec, tasks = workers[0].spec, workers[0].tasks
         plan = plan_for_tasks(cfg.suite, tasks, cfg.tasks, cfg.trials, cfg.trial_start, f"{cfg.env}/{cfg.suite}")
+        _write_config(cfg, out, len(tasks))
         pkw = policy_kwargs(cfg, spec.action_dim)
         policy, codec = None, None
         if cfg.inference == "inprocess" or served_elsewhere(cfg.policy):
@@ -326,8 +404,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 env_timeout_factor=cfg.env_timeout_factor,
                                 env_timeout_first_s=cfg.env_timeout_first_s)
         run_id = uuid.uuid4().hex[:12]
-        if journal.bad_lines:
-            console.print(f"warning: {journal.bad_lines_message()}", soft_wrap=True, markup=False, highlight=False)
+        for warning in journal.warnings():
+            console.print(f"warning: {warning}", soft_wrap=True, markup=False, highlight=False)
         done_before = [journal.records[ep.key] for ep in plan if journal.done(ep.key)]
         if journal.records:
             console.print(f"resuming: {len(done_before)} of {len(plan)} episodes already done, "
@@ -340,9 +418,12 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         # reported as setup_s, not evaluation time (throughput is episodes and env steps over evaluation time)
         clock = {"t0": time.time(), "setup_s": 0.0}
         stats = {"done": 0, "succ": sum(int(r["success"]) for r in done_before), "steps": 0}
-        progress = Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("success {task.fields[succ]}"), TextColumn("{task.fields[rate]}"),
-                            TimeElapsedColumn(), console=console, disable=not cfg.progress, transient=False)
+        if cfg.progress and not console.is_terminal:   # a log file, CI, `| tee`: rich would draw only at the end
+            progress = PlainProgress(console, cfg.progress_every_s)
+        else:
+            progress = Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("success {task.fields[succ]}"), TextColumn("{task.fields[rate]}"),
+                                TimeElapsedColumn(), console=console, disable=not cfg.progress, transient=False)
         starting = ("starting the action server(s) (policy load, warm-up) ..." if cfg.inference == "server"
                     else "starting ...")
         bar = progress.add_task("eval", total=len(plan), completed=len(done_before), succ="-", rate=starting)
@@ -428,6 +509,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         wall = time.time() - clock["t0"]
         if timeline.spans or not (out / "timeline.json").exists():   # a resume with nothing to run keeps the last
             timeline.save(out / "timeline.json")
+        elif (lost := drop_unreadable_timeline(out / "timeline.json")) is not None:
+            console.print(f"warning: {lost}", soft_wrap=True, markup=False, highlight=False)
         util = timeline.utilization()
         planned = [journal.records[ep.key] for ep in plan if journal.done(ep.key)]   # not records of another plan
         summary = summarize(planned, wall_s=wall, config=to_dict(cfg), versions=versions(),

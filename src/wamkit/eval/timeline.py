@@ -3,11 +3,14 @@ and drawn as a PNG with one lane per env and per inference side."""
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from wamkit.core.files import write_atomic
 
 PROGRESS_BINS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)   # Timeline.progress's bin widths, in order
 PROGRESS_MAX_BINS = 400
@@ -41,8 +44,8 @@ class Timeline:
         self.spans.append(Span(lane, kind, t0, t1, n))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"t_origin": self.t_origin,
-                                          "spans": [s.__dict__ for s in self.spans]}))
+        """Written atomically (core.files.write_atomic): a run killed while saving leaves the last timeline."""
+        write_atomic(path, json.dumps({"t_origin": self.t_origin, "spans": [s.__dict__ for s in self.spans]}))
 
     @classmethod
     def load(cls, path: str | Path) -> "Timeline":
@@ -180,9 +183,29 @@ class Timeline:
         ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper right", fontsize=7)
         fig.tight_layout()
         p = Path(path)
-        fig.savefig(p, dpi=90)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=90)
         plt.close(fig)
+        write_atomic(p, png.getvalue())
         return p
+
+
+def drop_unreadable_timeline(path: str | Path) -> str | None:
+    """A saved timeline that cannot be read (cut short where an older wamkit wrote it in place) is lost: it is moved
+    aside to PATH.unreadable, so that the report and later resumes go on without it; returns the one-line warning
+    saying so, or None where the file is readable (or absent)."""
+    from wamkit.core.errors import UserError
+
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        Timeline.load(path)
+        return None
+    except UserError as e:
+        aside = path.with_name(path.name + ".unreadable")
+        path.replace(aside)
+        return f"{e}: left out of the report, moved to {aside} (the next run that runs episodes writes a new one)"
 
 
 def _mean_ms(spans) -> float:
