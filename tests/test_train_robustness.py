@@ -165,6 +165,16 @@ def test_a_directory_wamkit_did_not_write_is_refused(tmp_path, capsys, flag):
     assert (tmp_path / "config.json").read_text() == '{"model": "not wamkit"}'
 
 
+def test_hidden_files_and_a_jobs_own_log_do_not_make_a_directory_foreign(tmp_path):
+    """Another rank's write test (.wamkit-write-test-*), a .gitkeep, the job log a scheduler writes into out= before
+    the run starts: none is a file of something else (a multi-rank start could be refused when one rank listed the
+    directory during another's write test)."""
+    for name in (".gitkeep", ".wamkit-write-test-x", "slurm-1.out", "job.err"):
+        (tmp_path / name).write_text("")
+    train(cfg_of(tmp_path, "steps=1", "batch_size=8"))
+    assert sorted(losses(tmp_path)) == [1]
+
+
 def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
     train(cfg_of(tmp_path, "steps=2", "batch_size=8"))
     (tmp_path / "tb" / "mine.txt").write_text("keep")

@@ -260,9 +260,9 @@ START_RETRIES = 3   # more starts of an env worker whose process died before its
 
 
 def start_env_worker(w, retries: int = START_RETRIES):
-    """Start one env worker; one whose process dies while building its env (EnvWorkerCrashed with an exit code) is
-    started again, up to `retries` more times, as a worker that crashes mid-run is restarted; then a RunError
-    naming the worker and how its process ended. An env that raises while being built, or is not built within its
+    """Start one env worker; one whose process is killed by a signal while building its env (EnvWorkerCrashed with
+    a negative exit code) is started again, up to `retries` more times, as a worker that crashes mid-run is
+    restarted; then a RunError naming the worker and how its process ended. An env that raises while being built, or is not built within its
     start_timeout, would do so again: raised at once."""
     from wamkit.envs.worker import EnvWorkerCrashed
 
@@ -270,8 +270,8 @@ def start_env_worker(w, retries: int = START_RETRIES):
         try:
             return w.start()
         except EnvWorkerCrashed as e:
-            if e.exit_code is None:
-                raise
+            if e.exit_code is None or e.exit_code >= 0:   # only a process ended by a signal (killed, OOM): an
+                raise                                         # exit of its own (an import or GL setup failing) recurs
             if attempt > retries:
                 raise RunError(f"env worker {e.index}: {e.msg}, {attempt} times in a row; not started again "
                                f"(its output, above, may say why)") from None

@@ -34,7 +34,7 @@ def http_url(host: str, port: int) -> str:
 _MAX_MB = float(2 ** 20)   # sizes in MB stay below 1 TiB: int(mb * 2**20) must be a sane byte count
 # (key, lowest, highest, lowest excluded) of every number of ServeConfig, checked by validate()
 _NUMBER_RANGES = (
-    ("port", 0, 65535, False), ("max_batch_size", 0, None, False), ("max_wait_ms", 0, None, False),
+    ("port", 0, 65535, False), ("max_batch_size", 0, None, False), ("max_wait_ms", 0, 60000, False),
     ("max_wait_fraction", 0, 1, False), ("concurrent_batches", 1, None, False), ("decode_threads", 1, None, False),
     ("max_queue", 1, None, False), ("max_body_mb", 0, _MAX_MB, True), ("log_every_s", 0, None, False),
     ("graceful_timeout_s", 0, None, False), ("parent_pid", 0, 2 ** 31 - 1, False), ("torch_threads", 0, None, False),

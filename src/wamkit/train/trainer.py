@@ -159,13 +159,17 @@ def check_writable_dir(out: Path) -> None:
                         + (f" ({e.filename})" if e.filename and str(e.filename) != str(out) else "")) from None
 
 
+JOB_LOGS = (".out", ".err", ".log")   # a batch job's own output files, which its scheduler may write into out=
+
+
 def check_out_dir(cfg: TrainConfig) -> None:
     """A run dir that already holds a run is continued (resume=true) or replaced (overwrite=true), never silently
     mixed with a new run (its log would be appended to, its newest checkpoint exported instead of the new one)."""
     out = Path(cfg.out)
     check_writable_dir(out)
     # a directory of something else: its config.json was overwritten, its tb/ written into (overwrite=true deleted it)
-    there = sorted(p.name for p in out.iterdir())
+    # (hidden files are not counted: another rank's write test, a .gitkeep; nor a scheduler's job log written there)
+    there = sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and p.suffix not in JOB_LOGS)
     if there and not is_run_dir(out):
         shown = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
         raise UserError(f"out={out} holds files that wamkit train did not write ({shown}): choose a new or empty "
