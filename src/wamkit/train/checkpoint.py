@@ -384,6 +384,7 @@ def load_weights_into(module: torch.nn.Module, ckpt: str | Path, weights: str = 
     sd = {k: v.detach().clone() for k, v in module.state_dict().items()}
     with loading(ckpt / "model"):
         dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "model")), no_dist=True)
+    ema_keys: set[str] = set()   # the weights the EMA replaced (checked for NaN/inf as the EMA's)
     if weights == "ema":
         if not (ckpt / "ema").exists():
             raise UserError(f"{ckpt} has no EMA weights (trained with ema=0)")
@@ -395,7 +396,6 @@ def load_weights_into(module: torch.nn.Module, ckpt: str | Path, weights: str = 
             ema_sd = {k: sd[k] for k in ema_keys}
             dcp.load(ema_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "ema")), no_dist=True)
         sd.update(ema_sd)
-    ema_keys = set(ema_sd) if weights == "ema" else set()
     check_finite([(ckpt / "ema", {k: v for k, v in sd.items() if k in ema_keys}),
                   (ckpt / "model", {k: v for k, v in sd.items() if k not in ema_keys})], "use an earlier checkpoint")
     with loading(ckpt / "model", "does not fit the policy its policy.json builds"):
