@@ -137,10 +137,15 @@ def test_resume_compares_the_tasks_the_plan_resolves_to(done_run, tmp_path):
     out = copy_of(done_run, tmp_path)
     assert run_eval(cfg_of(out, "resume=true", "tasks=0,1"), quiet()[0])["episodes"] == 2
     assert run_eval(cfg_of(out, "resume=true"), quiet()[0])["episodes"] == 2    # and back to the default
+    results = out / "results.jsonl"
+    torn = results.read_text() + '{"key": "torn'            # a killed run's last line: set aside only by a resume
+    results.write_text(torn)
     for _ in range(2):
         with pytest.raises(UserError, match="evaluated with different tasks"):
             run_eval(cfg_of(out, "resume=true", "tasks=0"), quiet()[0])
     assert json.loads((out / "config.json").read_text())["tasks"] is None
+    # the refused resume read the journal but changed nothing (it rewrote it without its bad line before refusing)
+    assert results.read_text() == torn and not (out / "results.jsonl.rejected").exists()
 
 
 @pytest.mark.slow

@@ -46,7 +46,10 @@ def test_bad_lines_are_skipped_reported_and_not_done(tmp_path):
     assert [n for n, _ in j.bad_lines] == [2, 3, 4, 5]
     msg = j.bad_lines_message()
     assert "\n" not in msg and str(p) in msg and "2 (not UTF-8)" in msg and "'success'" in msg
-    # the journal is clean again, the bad lines kept aside, and the re-run episodes can be appended
+    # loading changes no file; tidy() (the runner's, once a resume is accepted; else the first append) cleans it,
+    # the bad lines kept aside, and the re-run episodes can be appended
+    assert len(p.read_bytes().splitlines()) == 6 and not j.rejected_path.exists()
+    j.tidy()
     assert len(p.read_text(encoding="utf-8").splitlines()) == 2
     assert len(j.rejected_path.read_bytes().splitlines()) == 4
     for t in range(1, 5):
@@ -116,6 +119,7 @@ def test_a_second_record_of_an_episode_with_other_content_is_set_aside_and_named
     assert "line 3: episode s/0/0 again (first at line 1), a different outcome" in msg
     assert "line 4: episode s/1/0 again (first at line 2), the same outcome, other details" in msg
     assert "first record of each episode is kept" in msg and str(j.rejected_path) in msg
+    j.append(rec(2, 0))                       # the first append sets the lines aside (no tidy() called)
     assert [json.loads(x) for x in j.rejected_path.read_text().splitlines()] == lines[2:4]
-    assert len(p.read_text().splitlines()) == 2
+    assert len(p.read_text().splitlines()) == 3
     assert not Journal(p).warnings()          # the file is clean again

@@ -50,6 +50,7 @@ class Journal:
         self.records: dict[str, dict[str, Any]] = {}
         self.bad_lines: list[tuple[int, str]] = []    # (1-based line number, why) of lines skipped on load
         self.conflicts: list[tuple[int, str]] = []    # (line number, what) of later records of a recorded episode
+        self._tidy: tuple[list[str], list[bytes]] | None = None   # (good records, set-aside lines) until tidy()
         if self.path.exists():
             self._load()
         self._fh = None
@@ -92,10 +93,19 @@ class Journal:
                     self.conflicts.append((n, f"episode {key} again (first at line {first[key]}), {outcome}"))
                     bad.append(raw if raw.endswith(b"\n") else raw + b"\n")
         if bad:
-            with open(self.rejected_path, "ab") as f:
-                f.writelines(bad)
-        # rewrite without bad/duplicate lines so the file stays a clean JSONL
+            self._tidy = (good, bad)
+
+    def tidy(self) -> None:
+        """Set the bad and conflicting lines found on load aside (OUT/results.jsonl.rejected) and rewrite the journal
+        without them, so the file stays a clean JSONL. Loading alone changes no file: a resume refused after loading
+        (its tasks resolve to other ids) leaves the journal as it found it. Called before the first append."""
+        if self._tidy is None:
+            return
+        good, bad = self._tidy
+        with open(self.rejected_path, "ab") as f:
+            f.writelines(bad)
         write_atomic(self.path, "".join(g + "\n" for g in good))
+        self._tidy = None
 
     @property
     def rejected_path(self) -> Path:
@@ -129,6 +139,7 @@ class Journal:
         if rec["key"] in self.records:
             raise RuntimeError(f"episode {rec['key']} recorded twice")
         if self._fh is None:
+            self.tidy()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(self.path, "a", encoding="utf-8")
         self._fh.write(json.dumps(rec, sort_keys=True) + "\n")

@@ -360,6 +360,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         spec, tasks = workers[0].spec, workers[0].tasks
         plan = plan_for_tasks(cfg.suite, tasks, cfg.tasks, cfg.trials, cfg.trial_start, f"{cfg.env}/{cfg.suite}")
         _write_config(cfg, out, len(tasks))
+        journal.tidy()   # only now that the resume is accepted: a refused one leaves results.jsonl as it was
         pkw = policy_kwargs(cfg, spec.action_dim)
         policy, codec = None, None
         if cfg.inference == "inprocess" or served_elsewhere(cfg.policy):
