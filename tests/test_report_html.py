@@ -5,6 +5,7 @@ renders. Plus fast checks of the page and of report.md without a browser."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rich.console import Console
 
 from wamkit.core.config import load_config
 from wamkit.eval.config import EvalConfig
@@ -239,6 +241,27 @@ def test_report_with_a_timeline(tmp_path):
     assert "](timeline.png)" in md and "Utilization: env busy 50% of env time, inference busy 50%" in md
     page = (out / "report.html").read_text()
     assert 'id="timeline"' in page and "data:image/png;base64," in page
+
+
+def test_report_goes_on_without_a_cut_timeline(tmp_path):
+    """A timeline.json cut short (a run killed while an older version wrote it) stopped `wamkit report` with one line:
+    the table, report.md and report.html are still wanted; the report says once why there is no timeline."""
+    from wamkit.eval.report import print_report
+    from wamkit.eval.timeline import Timeline
+
+    out = _fake_out(tmp_path)
+    tl = Timeline(0.0)
+    tl.add("env/0", "sim", 0.0, 0.5)
+    tl.save(out / "timeline.json")
+    (out / "timeline.json").write_text((out / "timeline.json").read_text()[:20])
+    buf = io.StringIO()
+    print_report(out, Console(file=buf, width=200, force_terminal=False))
+    text = buf.getvalue()
+    warn = [x for x in text.splitlines() if "timeline.json" in x]
+    assert len(warn) == 1 and warn[0].startswith("warning: ") and "goes on without it" in warn[0]
+    assert "report:" in text and (out / "report.md").exists() and not (out / "timeline.png").exists()
+    assert "No timeline.png (no readable timeline.json" in (out / "report.html").read_text()
+    assert (out / "timeline.json").read_text().startswith('{"t_origin"')     # the reader moves nothing
 
 
 def test_videos_are_enlarged_to_be_judged(tmp_path):

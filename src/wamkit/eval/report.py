@@ -60,12 +60,35 @@ def utilization(out: str | Path, summary: dict) -> dict | None:
         keys = ("env_busy", "inference_busy", "mean_batch", "sim_ms_mean", "env_wait_ms_mean", "request_ms_mean",
                 "sim_worker_ms_mean", "server_batches")
         return {k: sch[k] for k in keys if sch.get(k) is not None}
-    tl = Path(out) / "timeline.json"
-    if tl.exists():
-        from wamkit.eval.timeline import Timeline
+    tl = readable_timeline(out)
+    return tl.utilization() if tl is not None else None
 
-        return Timeline.load(tl).utilization()
+
+def timeline_problem(out: str | Path) -> str | None:
+    """Why OUT/timeline.json cannot be read (a run killed while writing it, with an older version), or None."""
+    from wamkit.core.errors import UserError
+    from wamkit.eval.timeline import Timeline
+
+    tl = Path(out) / "timeline.json"
+    try:
+        if tl.exists():
+            Timeline.load(tl)
+    except UserError as e:
+        return str(e)
     return None
+
+
+def readable_timeline(out: str | Path):
+    """OUT/timeline.json as a Timeline; None where there is none or it cannot be read (the report goes on without
+    it: print_report says why once)."""
+    from wamkit.core.errors import UserError
+    from wamkit.eval.timeline import Timeline
+
+    tl = Path(out) / "timeline.json"
+    try:
+        return Timeline.load(tl) if tl.exists() else None
+    except UserError:
+        return None
 
 
 def chunk_text(sim_ms: float, worker_ms: float | None) -> str:
@@ -95,9 +118,10 @@ def draw_timeline(out: str | Path) -> Path | None:
     if not tl.exists():
         return None
     if not png.exists() or png.stat().st_mtime < tl.stat().st_mtime:
-        from wamkit.eval.timeline import Timeline
-
-        Timeline.load(tl).draw(png)
+        timeline = readable_timeline(out)
+        if timeline is None:
+            return None
+        timeline.draw(png)
     return png
 
 
@@ -129,6 +153,8 @@ def print_report(out: str | Path, console: Console | None = None) -> dict:
     """Print the per-task table, throughput and utilization, and (re)write the report files."""
     console = console or Console()
     s = write_report(out)
+    if (why := timeline_problem(out)) is not None:
+        console.print(f"warning: {why}; the report goes on without it", soft_wrap=True)
     console.print(task_table(s))
     console.print(throughput_line(s))
     u = utilization(out, s)

@@ -188,7 +188,7 @@ def render_html(out: str | Path) -> str:
     png = out / "timeline.png"
     timeline = (f'<img class="timeline" id="timeline" alt="timeline: one lane per env and inference side" '
                 f'src="{_data_uri(png, "image/png")}">' if png.exists()
-                else '<p class="sub">No timeline.png (no timeline.json in this directory).</p>')
+                else '<p class="sub">No timeline.png (no readable timeline.json in this directory).</p>')
     vers = "".join(f'<tr><th class="l">{_e(k)}</th><td class="l">{_e(v)}</td></tr>' for k, v in versions.items())
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>wamkit report: {_e(title)}</title>
