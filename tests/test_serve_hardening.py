@@ -159,6 +159,23 @@ def test_a_free_port_taken_before_the_server_binds_it_is_picked_again():
             assert w.port != taken and w.healthy() and w.starts == 2
 
 
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="needs an IPv6 loopback (::1)")
+def test_a_server_worker_on_the_ipv6_loopback_picks_its_port_and_serves():
+    """server.host=::1 with port 0: free_port bound an AF_INET socket to '::1' (a gaierror before the server ran)."""
+    w = WamkitServerWorker("zero", {"action_dim": 4, "horizon": 2}, host="::1")
+    with w:
+        assert w.port > 0 and w.healthy()
+
+
 @pytest.mark.slow
 @pytest.mark.metaworld
 def test_eval_against_a_foreign_server_on_its_port_fails_and_scores_nothing(foreign, tmp_path):

@@ -33,6 +33,7 @@ from rich.table import Table
 from wamkit.core.config import load_config
 from wamkit.core.cpu_pinning import can_lower_nice
 from wamkit.core.errors import ConfigError
+from wamkit.core.files import write_atomic
 from wamkit.eval.config import EvalConfig
 from wamkit.eval.deadline import RowDeadline
 from wamkit.eval.host_load import cgroup_throttling, cpu_times, shares, throttled
@@ -507,8 +508,8 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
                 if quota:
                     host["throttled"] = quota
             # rows so far, in case the run is cut short (bound and ratios come at the end)
-            (out / "bench_eval.partial.json").write_text(json.dumps({"rows": [x for v in runs.values() for x in v]},
-                                                                    indent=2))
+            write_atomic(out / "bench_eval.partial.json",
+                         json.dumps({"rows": [x for v in runs.values() for x in v]}, indent=2))
             console.print(f"  {runs[name][-1]['episodes_per_hour']:.0f} episodes/h, "
                           f"{runs[name][-1]['env_steps_per_s']:.1f} env steps/s")
         if stopped:
@@ -548,8 +549,8 @@ def _bench_eval(base: EvalConfig, out: Path, console: Console, rows: list[str] |
                        "policy_args": base.policy_args,
                        # inference=server: servers started once for every row (0: each row started its own)
                        "shared_servers": len((runtime or {}).get("server_workers") or [])}}
-    (out / "bench_eval.json").write_text(json.dumps(report, indent=2))
-    (out / "bench_eval.md").write_text(markdown(report))
+    write_atomic(out / "bench_eval.json", json.dumps(report, indent=2))   # a bench killed meanwhile leaves
+    write_atomic(out / "bench_eval.md", markdown(report))                 # the last whole file, never half of one
     console.print(table(report))
     for line in auto_lines(report) + steady_lines(report["steady_vs_best_fixed"]) + probe_lines(results) \
             + cycle_lines(results):

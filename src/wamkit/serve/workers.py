@@ -61,8 +61,10 @@ class ServerConfigError(ServerStartError, UserError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+    """A port free on `host` now (IPv4 or IPv6: server.host=::1 was a gaierror from an AF_INET socket)."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]"), 0))
         return int(s.getsockname()[1])
 
 
