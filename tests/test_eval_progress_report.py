@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from wamkit.eval.progress import fmt_duration, rate_text
+from wamkit.core.durations import fmt_duration
+from wamkit.eval.progress import rate_text
 from wamkit.eval.report import print_report
 from wamkit.eval.timeline import Timeline
 
@@ -141,3 +142,12 @@ def test_a_truncated_summary_or_timeline_is_one_line_naming_the_file(tmp_path, c
     (tmp_path / "timeline.json").write_text('{"t_origin": 1.0, "spans": [{"lane"')
     with pytest.raises(UserError, match="timeline.json is not a readable timeline"):
         Timeline.load(tmp_path / "timeline.json")
+
+
+def test_train_and_eval_progress_give_the_time_left_in_one_format():
+    """train's plain line read `ETA 0:09:17`, eval's `ETA 9m17s`: one format (core.durations) for both."""
+    from wamkit.train.logger import progress_line
+
+    line = progress_line(40, 2000, {"loss": 0.41, "steps_per_s": 3.52, "samples_per_s": 112.6})
+    assert line.endswith("| ETA 9m17s")                               # 1960 steps at 3.52/s = 556.8 s
+    assert rate_text(10, 1000, 100.0, 30).endswith("ETA 5m00s")

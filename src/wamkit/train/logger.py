@@ -6,12 +6,12 @@ WANDB_MODE=offline keeps it local, `wandb sync OUT/wandb/offline-run-*` uploads 
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 import time
 from pathlib import Path
 
+from wamkit.core.durations import fmt_duration
 from wamkit.core.files import write_atomic
 
 
@@ -57,7 +57,7 @@ def after_earlier_event_files(tb: Path) -> None:
 
 def progress_line(step: int, total: int, scalars: dict[str, float]) -> str:
     """The console line of a log window without the bar, e.g.
-    `train step 40/2000 | loss 0.4121 | 3.52 steps/s | 112.6 samples/s | ETA 0:09:17` (ETA at the window's rate)."""
+    `train step 40/2000 | loss 0.4121 | 3.52 steps/s | 112.6 samples/s | ETA 9m17s` (ETA at the window's rate)."""
     parts = [f"train step {step}/{total}"]
     if "loss" in scalars:
         parts.append(f"loss {scalars['loss']:.4f}")
@@ -67,7 +67,7 @@ def progress_line(step: int, total: int, scalars: dict[str, float]) -> str:
     if "samples_per_s" in scalars:
         parts.append(f"{scalars['samples_per_s']:.1f} samples/s")
     if sps and sps > 0 and step < total:
-        parts.append(f"ETA {datetime.timedelta(seconds=round((total - step) / sps))}")
+        parts.append(f"ETA {fmt_duration((total - step) / sps)}")
     return " | ".join(parts)
 
 
