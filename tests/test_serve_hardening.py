@@ -159,6 +159,18 @@ def test_a_free_port_taken_before_the_server_binds_it_is_picked_again():
             assert w.port != taken and w.healthy() and w.starts == 2
 
 
+def test_a_long_log_tail_says_what_was_cut_and_where_the_whole_log_is(tmp_path):
+    """The cut line named the log file; a Ray server actor removes that file right after (its line named a file
+    gone): the caller says what to name instead."""
+    w = WamkitServerWorker("zero", log_path=tmp_path / "server.log")
+    w.log_path.write_text("".join(f"line {i}\n" for i in range(1000)))
+    assert w.log_tail(3) == "line 997\nline 998\nline 999"
+    head, rest = w.log_tail(None, max_bytes=100).split("\n", 1)
+    assert head == f"[... {w.log_path.stat().st_size - 100} bytes cut; {w.log_path}]" and rest.endswith("line 999\n")
+    head = w.log_tail(None, max_bytes=100, whole_log="the whole log was not kept").split("\n", 1)[0]
+    assert head.endswith("bytes cut; the whole log was not kept]") and str(w.log_path) not in head
+
+
 def _has_ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as s:

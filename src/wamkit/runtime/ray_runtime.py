@@ -155,7 +155,7 @@ class _ServerActorImpl:
         """Stop the server; its log tail (the driver writes it to OUT/server-<i>.log, under a line naming this node),
         the log file removed if this actor chose it."""
         self.worker.stop()
-        tail = self.worker.log_tail(None)
+        tail = self.worker.log_tail(None, whole_log="the whole log was not kept" if self.own_log else None)
         if self.own_log:
             try:
                 os.unlink(self.own_log)

@@ -250,9 +250,10 @@ class ServerWorker(StartStopContext, abc.ABC):
         self.restart(timeout)
         return True
 
-    def log_tail(self, n: int | None = 40, max_bytes: int = LOG_TAIL_BYTES) -> str:
+    def log_tail(self, n: int | None = 40, max_bytes: int = LOG_TAIL_BYTES, whole_log: str | None = None) -> str:
         """The end of the server's log: its last `n` lines (None: all) of its last `max_bytes`; with n=None, a log
-        longer than that starts with a line saying how much was cut, and where the whole log is."""
+        longer than that starts with a line saying how much was cut, and where the whole log is (`whole_log`: what
+        to say instead of its path, for a caller that removes the file)."""
         try:
             with open(self.log_path, "rb") as f:
                 size = f.seek(0, os.SEEK_END)
@@ -263,7 +264,7 @@ class ServerWorker(StartStopContext, abc.ABC):
         if n is not None:
             return "\n".join(text.splitlines()[-n:])
         if size > max_bytes:
-            text = f"[... {size - max_bytes} bytes cut; {self.log_path}]\n" + text
+            text = f"[... {size - max_bytes} bytes cut; {whole_log or self.log_path}]\n" + text
         return text
 
     def __repr__(self) -> str:
