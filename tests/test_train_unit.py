@@ -524,3 +524,17 @@ def test_corrupt_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, finish
     assert sorted(losses(run)) == [1, 2, 3, 4]                      # nothing trained after the failed load
     if name == "model":
         _cli_fails(capsys, ["export", str(run), str(tmp_path / "export")], str(step / "model"))
+
+
+def test_the_finite_check_lets_buffers_hold_inf_but_not_nan():
+    """A loaded checkpoint is checked for NaN/inf; a module's buffer may hold -inf by design (an additive attention
+    mask), so buffers are checked for NaN only (a -inf mask buffer refused every resume and export)."""
+    from wamkit.train.checkpoint import first_non_finite
+
+    mask = torch.triu(torch.full((3, 3), float("-inf")), 1)
+    sd = {"w": torch.ones(2), "mask": mask, "steps": torch.tensor(3)}
+    assert first_non_finite(sd, frozenset({"mask"})) is None
+    assert first_non_finite(sd) == "mask"                                   # a weight with inf is corrupt
+    assert first_non_finite({**sd, "mask": mask.nan_to_num(nan=0.0).fill_diagonal_(float("nan"))},
+                            frozenset({"mask"})) == "mask"
+    assert first_non_finite({**sd, "w": torch.tensor([1.0, float("inf")])}, frozenset({"mask"})) == "w"

@@ -308,7 +308,8 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, ema, rank:
             dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(path / "ema")))
         ema.load_state_dict(sd)
         parts.append((path / "ema", sd))
-    check_finite(parts, f"resume from an earlier checkpoint (move {path} away)")
+    check_finite(parts, f"resume from an earlier checkpoint (move {path} away)",
+                 frozenset(n for n, _ in model.named_buffers()))
     sched["lr_lambdas"] = [None] * len(optimizer.param_groups)
     with loading(path / "trainer_state.json", "has a scheduler state that does not fit"):
         scheduler.load_state_dict(sched)
@@ -397,7 +398,8 @@ def load_weights_into(module: torch.nn.Module, ckpt: str | Path, weights: str = 
             dcp.load(ema_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "ema")), no_dist=True)
         sd.update(ema_sd)
     check_finite([(ckpt / "ema", {k: v for k, v in sd.items() if k in ema_keys}),
-                  (ckpt / "model", {k: v for k, v in sd.items() if k not in ema_keys})], "use an earlier checkpoint")
+                  (ckpt / "model", {k: v for k, v in sd.items() if k not in ema_keys})], "use an earlier checkpoint",
+                 frozenset(n for n, _ in module.named_buffers()))
     with loading(ckpt / "model", "does not fit the policy its policy.json builds"):
         module.load_state_dict(sd, strict=True)
     return weights
@@ -437,13 +439,15 @@ def _named_tensors(sd: dict, prefix: str = ""):
             yield name, v.to_local() if hasattr(v, "to_local") else v
 
 
-def first_non_finite(sd: dict) -> str | None:
-    """The name of the first floating tensor of `sd` holding a NaN or inf, or None. One `isfinite().all()` per
-    tensor, read back in one transfer per device: cheap next to reading the weights."""
+def first_non_finite(sd: dict, buffers: frozenset[str] = frozenset()) -> str | None:
+    """The name of the first floating tensor of `sd` holding a NaN or inf, or None; the tensors named in `buffers`
+    (a module's buffers: an additive attention mask may hold -inf by design) only for NaN. One check per tensor,
+    read back in one transfer per device: cheap next to reading the weights."""
     by_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
     for k, (name, t) in enumerate(_named_tensors(sd)):
         if t.is_floating_point() and t.numel():
-            by_device.setdefault(t.device, []).append((k, name, torch.isfinite(t).all()))
+            ok = ~torch.isnan(t).any() if name in buffers else torch.isfinite(t).all()
+            by_device.setdefault(t.device, []).append((k, name, ok))
     bad = []
     for flags in by_device.values():
         ok = torch.stack([f for _, _, f in flags]).cpu()
@@ -468,10 +472,11 @@ def non_finite_error(d: Path, name: str, use: str) -> UserError:
                      f"that produced NaN/inf is ever checkpointed); {use}")
 
 
-def check_finite(parts: list[tuple[Path, dict]], use: str) -> None:
+def check_finite(parts: list[tuple[Path, dict]], use: str, buffers: frozenset[str] = frozenset()) -> None:
     """UserError (on every rank, when a process group is up: the ranks agree) naming the first (part, tensor) of
-    `parts` ([(checkpoint part dir, state dict loaded from it)]) that holds NaN/inf on any rank."""
-    bad = next(((d, n) for d, sd in parts if (n := first_non_finite(sd)) is not None), None)
+    `parts` ([(checkpoint part dir, state dict loaded from it)]) that holds NaN/inf on any rank (`buffers`: names
+    checked for NaN only, see first_non_finite)."""
+    bad = next(((d, n) for d, sd in parts if (n := first_non_finite(sd, buffers)) is not None), None)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         got: list = [None] * dist.get_world_size()
         dist.all_gather_object(got, (str(bad[0]), bad[1]) if bad else None)
