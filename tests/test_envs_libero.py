@@ -77,18 +77,21 @@ def test_render_skipping_equals_render_every_step_then_max_steps(env, skipped_ru
     o1, r1 = skipped_run
     o2 = env.reset(0, 0)
     n0 = env.renders
-    r2 = env.execute(_actions(), render_every_step=True)
+    from wamkit.envs.base import timed_execute
+
+    r2 = timed_execute(env, _actions(), render_every_step=True, run_to_max_steps=False)
     assert env.renders - n0 == 2 * CHUNK  # both cameras, every step
+    assert 0 < r2.worker_render_s < r2.worker_s and r2.worker_cpu_s > 0   # the chunk's rendering, timed
     assert len(r2.frames) == CHUNK
     _same_obs(o1, o2)
     _same_obs(r1.obs, r2.obs)  # frames observed with render skipping == frames of the every-step run
     np.testing.assert_array_equal(r2.frames[-1], r2.obs.images["image"])
 
     # max steps (20): 8 done, 16 more requested -> 12 executed, episode over, nothing rendered
-    n0 = env.renders
+    n0, s0 = env.renders, env.render_s
     r3 = env.execute(_actions(16, seed=1))
     assert (r3.steps, r3.episode_steps, r3.done, r3.obs) == (12, 20, True, None)
-    assert env.renders == n0
+    assert env.renders == n0 and env.render_s == s0
     with pytest.raises(RuntimeError):
         env.execute(_actions(1))
 

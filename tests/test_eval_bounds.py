@@ -209,6 +209,9 @@ def test_the_report_says_where_an_envs_cycle_goes():
     assert cycle_lines([merged]) == [lines[0].replace("server 23.6;", "server 23.6 a batch of 10.0 observations;")]
     worker = dict(row, sim_worker_ms_mean=16.25)   # the env processes' own time per chunk (ChunkResult.worker_s)
     assert cycle_lines([worker]) == [lines[0].replace("chunk 18.7 +", "chunk 18.7 (in the env's process 16.2) +")]
+    split = dict(worker, cpu_worker_ms_mean=15.81, render_worker_ms_mean=4.14)   # its CPU time and rendering
+    assert cycle_lines([split]) == [lines[0].replace("chunk 18.7 +", "chunk 18.7 (in the env's process 16.2: CPU "
+                                                                     "15.8, rendering 4.1) +")]
     paced = dict(row, task_chunk_ms={"0": 9.54, "1": 20.31, "2": 13.0})   # the tasks' paces (per_task chunk_ms)
     assert cycle_lines([paced]) == [lines[0][:-1] + "; the tasks' chunks 9.5-20.3 ms."]
     assert cycle_lines([dict(row, task_chunk_ms={"0": 9.54})]) == lines[:1]   # one task: no range
@@ -244,3 +247,20 @@ def test_rounds_alternate_their_order():
     rows = [("A", 1), ("B", 2), ("C", 3)]
     assert [[n for n, _ in round_order(rows, k)] for k in range(4)] == [["A", "B", "C"], ["C", "B", "A"]] * 2
     assert rows == [("A", 1), ("B", 2), ("C", 3)]   # the caller's list is left as it was
+
+
+def test_a_row_over_rounds_keeps_every_rounds_chunk_figures():
+    """Rows were compared through their median runs only, which are different rounds (session 31: greedy's round 3
+    against auto's round 2); with an even number of rounds the details are the lower middle run's. Each round's
+    chunk figures are kept beside, so rows compare round by round."""
+    from wamkit.eval.bench import _median_row
+
+    runs = [{"row": "auto", "env_steps_per_s": r, "episodes_per_hour": 10 * r, "sim_worker_ms_mean": w,
+             "cpu_worker_ms_mean": c, "render_worker_ms_mean": None, "task_chunk_ms": {"0": w}}
+            for r, w, c in ((500.0, 410.0, 400.0), (480.0, 430.0, 425.0), (520.0, 400.0, 390.0), (490.0, 420, 410))]
+    med = _median_row(runs)
+    assert med["env_steps_per_s"] == 495.0 and med["sim_worker_ms_mean"] == 420    # the lower middle run's details
+    assert med["sim_worker_ms_rounds"] == [410.0, 430.0, 400.0, 420]
+    assert med["cpu_worker_ms_rounds"] == [400.0, 425.0, 390.0, 410]
+    assert med["task_chunk_ms_rounds"] == [{"0": 410.0}, {"0": 430.0}, {"0": 400.0}, {"0": 420}]
+    assert "render_worker_ms_rounds" not in med                                       # no round has it

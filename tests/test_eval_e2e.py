@@ -90,6 +90,9 @@ def test_metaworld_schedule_invariance(mw_serial, tmp_path, mode_args):
     assert s["scheduler"]["gc_frozen_objects"] > 10_000   # the heap setup built, frozen for the run (gc_freeze)
     # the env processes' own time per chunk, inside the chunk's span as this process saw it
     assert 0 < s["scheduler"]["sim_worker_ms_mean"] <= s["scheduler"]["sim_ms_mean"]
+    # of it the camera rendering and the process's CPU time (where a spinning GPU wait would show)
+    assert 0 < s["scheduler"]["render_worker_ms_mean"] < s["scheduler"]["sim_worker_ms_mean"]
+    assert 0 < s["scheduler"]["cpu_worker_ms_mean"]
     if "auto_shapes=greedy" in mode_args:   # held to greedy: unprobed, one observation per request
         assert s["scheduler"]["auto_shape"]["shape"] == "greedy" and not s["scheduler"]["auto_shape"]["probed"]
         assert s["scheduler"]["mean_batch"] == 1.0 and s["scheduler"]["requests"] > 0

@@ -100,7 +100,9 @@ if [ -n "$OTHER" ]; then
     || cp /tmp/lib_${E}$TAG/bench_eval.partial.json "$OUT/libero_${E}envs${TAG}_partial.json" 2>/dev/null
   for d in /tmp/lib_${E}$TAG/*/; do
     n=$(basename "$d"); [ -f "$d/timeline.png" ] && cp "$d/timeline.png" "$OUT/timeline_${E}_${n}$TAG.png"
-    [ -f "$d/round1/timeline.png" ] && cp "$d/round1/timeline.png" "$OUT/timeline_${E}_${n}$TAG.png"
+    for r in "$d"/round*/; do   # every round's (rows are compared round by round: bench_eval.json *_rounds)
+      [ -f "$r/timeline.png" ] && cp "$r/timeline.png" "$OUT/timeline_${E}_${n}_$(basename "$r")$TAG.png"
+    done
   done
 fi
 ROWS=""; BOUND=${BOUND2:-$BOUND}

@@ -41,3 +41,6 @@ class ChunkResult:
     frames: list[np.ndarray] = field(default_factory=list)  # per-step frames when recording video
     worker_s: float | None = None  # seconds the env's own process spent on the call (stepping, rendering, packing
                                    # the reply): what the caller's span adds beyond it is transport and its own wait
+    worker_cpu_s: float | None = None     # CPU seconds the env's process used in execute (a GPU wait that spins,
+                                          # e.g. an EGL render behind the model's kernels, counts here)
+    worker_render_s: float | None = None  # seconds of execute spent rendering cameras (envs that count it: LIBERO)

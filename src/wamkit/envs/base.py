@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -87,6 +88,19 @@ _REGISTRY: dict[str, str] = {
     "libero": "wamkit.envs.libero:LiberoEnv",
     "metaworld": "wamkit.envs.metaworld:MetaWorldEnv",
 }
+
+
+def timed_execute(env: Env, actions: np.ndarray, *, render_every_step: bool, run_to_max_steps: bool) -> ChunkResult:
+    """env.execute with what it cost the env's own process on the result: worker_s (wall), worker_cpu_s (this
+    process's CPU time), worker_render_s (camera rendering, for an env that counts it in `render_s`). Every env
+    runner (the local worker process, the Ray actor) calls this, so the figures mean the same everywhere."""
+    r0 = getattr(env, "render_s", None)
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = env.execute(actions, render_every_step=render_every_step, run_to_max_steps=run_to_max_steps)
+    res.worker_s, res.worker_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    if r0 is not None:
+        res.worker_render_s = env.render_s - r0
+    return res
 
 
 def register_env(name: str, target: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import time
 
 import numpy as np
 
@@ -118,6 +119,7 @@ class LiberoEnv(Env):
         self._success = False
         self._over = True
         self.renders = 0              # camera frames rendered (for tests and benchmarks)
+        self.render_s = 0.0           # seconds spent rendering them (bench: where a chunk's time goes)
         self.resets = [0, 0]          # [hard, soft] resets done (a soft one keeps the task's loaded scene)
 
     # ---- interface -------------------------------------------------------------------------------------------
@@ -248,7 +250,11 @@ class LiberoEnv(Env):
 
             def counted(obs_cache, _real=real):
                 self.renders += 1
-                return _real(obs_cache)
+                t0 = time.perf_counter()
+                try:
+                    return _real(obs_cache)
+                finally:
+                    self.render_s += time.perf_counter() - t0
 
             def blank_sensor(obs_cache, _b=blank):
                 return _b

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -127,6 +128,7 @@ class MetaWorldEnv(Env):
         self._obs: np.ndarray | None = None
         self._episode_steps, self._success, self._over = 0, False, True
         self.renders = 0
+        self.render_s = 0.0           # seconds spent rendering (bench: where a chunk's time goes)
 
     def tasks(self) -> list[TaskInfo]:
         return list(self._tasks)
@@ -236,6 +238,7 @@ class MetaWorldEnv(Env):
         import mujoco
 
         env = self._envs[self._task_id]
+        t0 = time.perf_counter()
         if self._client is not None:
             img = self._client.render(self._model_keys[self._task_id], env.model, env.data, CAMERAS[cam],
                                       self.image_size, self.image_size)
@@ -245,6 +248,7 @@ class MetaWorldEnv(Env):
                 r = self._renderers[self._task_id] = mujoco.Renderer(env.model, self.image_size, self.image_size)
             r.update_scene(env.data, camera=CAMERAS[cam])
             img = r.render()
+        self.render_s += time.perf_counter() - t0
         self.renders += 1
         return np.ascontiguousarray(img[::-1, ::-1]) if CAMERA_FLIP else img.copy()
 

@@ -31,7 +31,7 @@ from wamkit.core.cpu_pinning import change_nice, change_pin, pin_process, renice
 from wamkit.core.lifecycle import StartClosingContext
 from wamkit.core.shm_names import owned_name, sweep_orphans
 from wamkit.core.types import ChunkResult, Observation
-from wamkit.envs.base import EnvSpec, TaskInfo
+from wamkit.envs.base import EnvSpec, TaskInfo, timed_execute
 from wamkit.envs.process_setup import single_threaded_children
 
 
@@ -137,9 +137,10 @@ def _worker_main(conn, env_name: str, env_kwargs: dict, index: int) -> None:
                     conn.send(("ok", _pack_obs(obs, layout, buf)))
                 elif cmd == "execute":
                     t0 = time.perf_counter()
-                    r = env.execute(msg[1], render_every_step=msg[2], run_to_max_steps=msg[3])
+                    r = timed_execute(env, msg[1], render_every_step=msg[2], run_to_max_steps=msg[3])
                     reply = {"obs": _pack_obs(r.obs, layout, buf), "success": bool(r.success), "done": bool(r.done),
-                             "steps": int(r.steps), "episode_steps": int(r.episode_steps), "frames": r.frames}
+                             "steps": int(r.steps), "episode_steps": int(r.episode_steps), "frames": r.frames,
+                             "worker_cpu_s": r.worker_cpu_s, "worker_render_s": r.worker_render_s}
                     reply["worker_s"] = time.perf_counter() - t0
                     conn.send(("ok", reply))
                 elif cmd == "ping":
@@ -418,4 +419,5 @@ class EnvWorker(StartClosingContext):
 
     def _unpack_chunk(self, d) -> ChunkResult:
         return ChunkResult(obs=self._unpack_obs(d["obs"]), success=d["success"], done=d["done"], steps=d["steps"],
-                           episode_steps=d["episode_steps"], frames=list(d["frames"]), worker_s=d.get("worker_s"))
+                           episode_steps=d["episode_steps"], frames=list(d["frames"]), worker_s=d.get("worker_s"),
+                           worker_cpu_s=d.get("worker_cpu_s"), worker_render_s=d.get("worker_render_s"))

@@ -38,7 +38,7 @@ from wamkit.eval.config import EvalConfig
 from wamkit.eval.deadline import RowDeadline
 from wamkit.eval.host_load import cgroup_throttling, cpu_times, shares, throttled
 from wamkit.eval.metrics import task_chunk_ms
-from wamkit.eval.report import chunk_text
+from wamkit.eval.report import WORKER_MS_KEYS, chunk_text
 from wamkit.eval.steady import steady_lines, steady_vs_best_fixed
 from wamkit.eval.timeline import batch_sizes_summary
 
@@ -94,6 +94,8 @@ def _row(name: str, s: dict[str, Any], horizon: int) -> dict[str, Any]:
             "request_ms_mean": sch.get("request_ms_mean", 0.0), "compute_ms_mean": sch.get("compute_ms_mean", 0.0),
             "sim_ms_mean": sch.get("sim_ms_mean", 0.0), "env_wait_ms_mean": sch.get("env_wait_ms_mean", 0.0),
             "sim_worker_ms_mean": sch.get("sim_worker_ms_mean"), "server_batches": sch.get("server_batches") or {},
+            "cpu_worker_ms_mean": sch.get("cpu_worker_ms_mean"),
+            "render_worker_ms_mean": sch.get("render_worker_ms_mean"),
             "scene_loads": sch.get("scene_loads", 0), "scene_load_s": sch.get("scene_load_s", 0.0),
             "request_retries": sch.get("request_retries", 0),
             "env_steps": th["env_steps"], "success_rate": s["success_rate"],
@@ -369,7 +371,9 @@ def warm_envs(base: EvalConfig, envs, console: Console, n: int) -> None:
 
 
 def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row over its rounds: the run with the median env steps/s, plus every round's rate and the spread."""
+    """One row over its rounds: the run with the median env steps/s (of an even number of rounds, the lower of the
+    two middle ones) gives the row's details, the rates are the medians of every round's; each round's rate, chunk
+    figures and auto's shape are kept beside (`*_rounds`), so two rows can be compared round by round."""
     order = sorted(runs, key=lambda x: x["env_steps_per_s"])
     med = dict(order[(len(order) - 1) // 2]) if len(order) % 2 else dict(order[len(order) // 2 - 1])
     rates = [x["env_steps_per_s"] for x in runs]
@@ -381,6 +385,9 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
         med["auto_shape_rounds"] = [x.get("auto_shape") for x in runs]
     if any("progress" in x for x in runs):     # each round's pace over time (steady.py compares rows round by round)
         med["progress_rounds"] = [x.get("progress") for x in runs]
+    for k in ("sim_worker_ms_mean", "cpu_worker_ms_mean", "render_worker_ms_mean", "task_chunk_ms"):
+        if any(x.get(k) for x in runs):         # every round's, so that rows compare round by round (paired), not
+            med[k.removesuffix("_mean") + "_rounds"] = [x.get(k) for x in runs]   # only through their median run
     if any("host_cpu" in x for x in runs):     # the host's CPUs in each round (the median run's stays host_cpu)
         med["host_cpu_rounds"] = [x.get("host_cpu") for x in runs]
     med["spread"] = (max(rates) - min(rates)) / med["env_steps_per_s"] if med["env_steps_per_s"] else 0.0
@@ -622,7 +629,7 @@ def cycle_lines(rows: list[dict[str, Any]]) -> list[str]:
         if not sim or wait is None:
             continue
         req, comp = x.get("request_ms_mean") or 0.0, x.get("compute_ms_mean") or 0.0
-        txt = (f"{x['row']}: an env's cycle {sim + wait:.1f} ms = {chunk_text(sim, x.get('sim_worker_ms_mean'))} + "
+        txt = (f"{x['row']}: an env's cycle {sim + wait:.1f} ms = {chunk_text(sim, *(x.get(k) for k in WORKER_MS_KEYS))} + "
                f"waiting {wait:.1f} for the next one (request {req:.1f}")
         txt += f", server {comp:.1f}" if comp else ""
         batches = batch_sizes_summary(x.get("server_batches"))

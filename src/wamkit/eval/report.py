@@ -58,7 +58,7 @@ def utilization(out: str | Path, summary: dict) -> dict | None:
     sch = summary.get("scheduler", {})
     if all(isinstance(sch.get(k), (int, float)) for k in ("env_busy", "inference_busy")):
         keys = ("env_busy", "inference_busy", "mean_batch", "sim_ms_mean", "env_wait_ms_mean", "request_ms_mean",
-                "sim_worker_ms_mean", "server_batches")
+                *WORKER_MS_KEYS, "server_batches")
         return {k: sch[k] for k in keys if sch.get(k) is not None}
     tl = readable_timeline(out)
     return tl.utilization() if tl is not None else None
@@ -91,10 +91,18 @@ def readable_timeline(out: str | Path):
         return None
 
 
-def chunk_text(sim_ms: float, worker_ms: float | None) -> str:
+WORKER_MS_KEYS = ("sim_worker_ms_mean", "cpu_worker_ms_mean", "render_worker_ms_mean")   # chunk_text's arguments
+
+
+def chunk_text(sim_ms: float, worker_ms: float | None, cpu_ms: float | None = None,
+               render_ms: float | None = None) -> str:
     """An env's mean chunk as the evaluating process saw it, with the env process's own part where the run has it
-    (summary `sim_worker_ms_mean`): 'chunk 18.7' or 'chunk 18.7 (in the env's process 16.2)'."""
-    return f"chunk {sim_ms:.1f}" + (f" (in the env's process {worker_ms:.1f})" if worker_ms else "")
+    (summary `sim_worker_ms_mean`) and of that its CPU time and camera rendering (`cpu_worker_ms_mean`,
+    `render_worker_ms_mean`): 'chunk 18.7', 'chunk 18.7 (in the env's process 16.2: CPU 15.8, rendering 4.1)'."""
+    if not worker_ms:
+        return f"chunk {sim_ms:.1f}"
+    parts = [f"{name} {ms:.1f}" for name, ms in (("CPU", cpu_ms), ("rendering", render_ms)) if ms is not None]
+    return f"chunk {sim_ms:.1f} (in the env's process {worker_ms:.1f}" + (f": {', '.join(parts)})" if parts else ")")
 
 
 def utilization_line(u: dict) -> str:
@@ -103,7 +111,7 @@ def utilization_line(u: dict) -> str:
             f"mean batch {u.get('mean_batch', 0.0):.1f}")
     if u.get("sim_ms_mean"):
         line += (f"; an env's cycle {u['sim_ms_mean'] + u.get('env_wait_ms_mean', 0.0):.1f} ms = "
-                 f"{chunk_text(u['sim_ms_mean'], u.get('sim_worker_ms_mean'))} + waiting "
+                 f"{chunk_text(u['sim_ms_mean'], *(u.get(k) for k in WORKER_MS_KEYS))} + waiting "
                  f"{u.get('env_wait_ms_mean', 0.0):.1f} for actions (request {u.get('request_ms_mean', 0.0):.1f})")
     batches = batch_sizes_summary(u.get("server_batches"))
     if batches:   # what the model ran: requests merged by the server (summary.scheduler.server_batches)

@@ -147,6 +147,8 @@ class Scheduler:
         self.active_envs = 0
         self.sim_samples: deque[tuple[float, int]] = deque(maxlen=200)   # (seconds, concurrent sims)
         self.worker_chunk_s: list[float] = []   # seconds each chunk took in its env's own process (where reported)
+        self.worker_cpu_s: list[float] = []     # ... of it the process's CPU time, and its camera rendering
+        self.worker_render_s: list[float] = []
         self.sim_started: dict[int, float] = {}   # env index -> monotonic start of the chunk it is simulating
         self.reset_started: dict[int, float] = {}  # env index -> monotonic start of the reset under way
         self.reset_samples: deque[float] = deque(maxlen=50)   # seconds of the resets done
@@ -216,6 +218,10 @@ class Scheduler:
                 chunk, render_every_step=render, run_to_max_steps=self.opts.run_to_max_steps))
             if res.worker_s is not None:
                 self.worker_chunk_s.append(res.worker_s)
+            if res.worker_cpu_s is not None:
+                self.worker_cpu_s.append(res.worker_cpu_s)
+            if res.worker_render_s is not None:
+                self.worker_render_s.append(res.worker_render_s)
             return res
         finally:
             self.simulating -= 1

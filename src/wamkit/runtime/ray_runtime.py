@@ -96,10 +96,10 @@ class _EnvActorImpl:
         return self.env.reset(task_id, trial)
 
     def execute(self, actions: np.ndarray, render_every_step: bool, run_to_max_steps: bool) -> ChunkResult:
-        t0 = time.perf_counter()
-        res = self.env.execute(actions, render_every_step=render_every_step, run_to_max_steps=run_to_max_steps)
-        res.worker_s = time.perf_counter() - t0   # (the reply's serialization by Ray is not in it)
-        return res
+        from wamkit.envs.base import timed_execute
+
+        return timed_execute(self.env, actions, render_every_step=render_every_step,
+                             run_to_max_steps=run_to_max_steps)   # (the reply's serialization by Ray not in worker_s)
 
     def echo(self, obs: Observation) -> Observation:
         """Round-trip probe for benchmarks: returns what it was given."""
