@@ -112,7 +112,7 @@ def test_batch_array_and_lists_of_images():
                          "parameters": {"seed": [1, 2, 3]}})
     assert len(req) == 3 and all(np.array_equal(req.observations[i].images["image"], a[i]) for i in range(3))
     req = parse_request({"input": {"input_reference": [a[0].tolist(), a[1].tolist()], "prompt": ["x", "y"]}})
-    assert len(req) == 2 and req.observations[1].task == "y" and req.seeds == [0, 0]
+    assert len(req) == 2 and req.observations[1].task == "y" and req.seeds == [42, 42]   # SGLang's default seed
     req = parse_request({"input": {"images": {"image": a[0].tolist(), "wrist_image": a[1].tolist()},
                                    "state": [0.5, 1.0]}})
     assert len(req) == 1 and req.observations[0].state.tolist() == [0.5, 1.0]
@@ -147,7 +147,7 @@ def raw(a):
     ({"input": {"image": [raw(img())] * 2, "task": ["a", "b", "c"]}}, "input.task", "3 prompts"),
     ({"input": {"image": raw(img())}, "parameters": {"action_horizon": 16, "num_frames": 16}},
      "parameters.num_frames", "action_horizon + 1"),
-    ({"input": {"image": raw(img())}, "parameters": {"raw_action_dim": "7"}}, "parameters.raw_action_dim",
+    ({"input": {"image": raw(img())}, "parameters": {"raw_action_dim": "7.5"}}, "parameters.raw_action_dim",
      "integer"),
     ({"input": {"image": [raw(img())] * 2, "state": [[1.0], [2.0], [3.0]]}}, "input.state", "3 states"),
     ({"input": {"image": "/etc/passwd"}}, "input.image", "file paths"),

@@ -79,7 +79,8 @@ def test_json_roundtrip(server):
     a = np.array([d["action"]["values"] for d in j["data"]], np.float32)
     assert np.array_equal(a, reference([11, 12, 13])[:, :, :5])
     assert set(j["timing"]) >= {"queue_ms", "compute_ms", "batch_size", "t_start", "t_end"}
-    assert j["usage"] == {"batch_size": 3, "action_horizon": 8, "action_dim": 5, "denoise_steps": 0}
+    assert j["usage"] == {"batch_size": 3, "action_horizon": 8, "action_dim": 5, "denoise_steps": 0,
+                          "prefix_cache_hit": False}     # SGLang's usage fields
 
 
 def test_msgpack_roundtrip_multi_camera(server):
@@ -89,8 +90,8 @@ def test_msgpack_roundtrip_multi_camera(server):
     assert r.status_code == 200 and r.headers["content-type"] == "application/msgpack"
     j = msgpack.unpackb(r.content, raw=False)
     vals = j["data"][0]["action"]["values"]
-    assert vals["__ndarray__"] and vals["dtype"] == "<f4"  # SGLang's array marker
-    a = np.stack([np.frombuffer(d["action"]["values"]["data"], np.float32).reshape(8, 7) for d in j["data"]])
+    assert vals[b"__ndarray__"] and vals[b"dtype"] == "<f4"  # SGLang's array marker, keys packed as bytes as SGLang's
+    a = np.stack([np.frombuffer(d["action"]["values"][b"data"], np.float32).reshape(8, 7) for d in j["data"]])
     assert np.array_equal(a, reference([1, 2, 3, 4, 5]))
 
 
@@ -251,7 +252,7 @@ def test_queue_full_503_then_sigterm_finishes_in_flight_work():
         r = asyncio.run(go())
         assert r.status_code == 200
         j = msgpack.unpackb(r.content, raw=False)
-        a = np.stack([np.frombuffer(d["action"]["values"]["data"], np.float32).reshape(8, 7) for d in j["data"]])
+        a = np.stack([np.frombuffer(d["action"]["values"][b"data"], np.float32).reshape(8, 7) for d in j["data"]])
         assert np.array_equal(a, reference([3, 4]))
         assert w.proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM after its graceful exit
         pid = w.pid

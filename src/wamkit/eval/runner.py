@@ -309,10 +309,6 @@ def keep_measurements(summary: dict[str, Any], previous: Path) -> dict[str, Any]
     return summary
 
 
-def _mean_ms(seconds: list[float]) -> float | None:
-    return 1000.0 * statistics.fmean(seconds) if seconds else None
-
-
 def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=None, server_worker_factory=None,
              server_workers=None, cores: int | None = None) -> dict[str, Any]:
     """Run an evaluation; returns the summary (also written to OUT/summary.json).
@@ -543,9 +539,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                 "request_ms_mean": util.get("request_ms_mean", 0.0),
                                 "compute_ms_mean": util.get("compute_ms_mean", 0.0),
                                 "sim_ms_mean": util.get("sim_ms_mean", 0.0),
-                                "sim_worker_ms_mean": _mean_ms(sched.worker_chunk_s),
-                                "cpu_worker_ms_mean": _mean_ms(sched.worker_cpu_s),
-                                "render_worker_ms_mean": _mean_ms(sched.worker_render_s),
+                                **sched.chunk_costs.summary(),
                                 "env_wait_ms_mean": util.get("env_wait_ms_mean", 0.0),
                                 "server_batches": timeline.server_batches(),
                                 "progress": timeline.progress(),

@@ -128,6 +128,29 @@ def _timeout_error(index: int, msg: str) -> Exception:
     return EnvWorkerTimeout(index, msg)
 
 
+@dataclass
+class ChunkCosts:
+    """What each chunk cost in its env's own process, where the env reports it (ChunkResult.worker_*): the wall
+    time, of it the process's CPU time, and its camera rendering."""
+    wall_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+    render_s: list[float] = field(default_factory=list)
+
+    def add(self, res: ChunkResult) -> None:
+        for seconds, v in ((self.wall_s, res.worker_s), (self.cpu_s, res.worker_cpu_s),
+                           (self.render_s, res.worker_render_s)):
+            if v is not None:
+                seconds.append(v)
+
+    def summary(self) -> dict[str, float | None]:
+        """The summary's means in ms (None without reports): sim_worker_ms_mean, cpu_ and render_worker_ms_mean."""
+        def mean_ms(xs: list[float]) -> float | None:
+            return 1000.0 * statistics.fmean(xs) if xs else None
+
+        return {"sim_worker_ms_mean": mean_ms(self.wall_s), "cpu_worker_ms_mean": mean_ms(self.cpu_s),
+                "render_worker_ms_mean": mean_ms(self.render_s)}
+
+
 class Scheduler:
     """Runs `episodes` on `envs` (objects with async reset/execute, restart(), index) with `inference`.
 
@@ -146,9 +169,7 @@ class Scheduler:
         self.simulating = 0
         self.active_envs = 0
         self.sim_samples: deque[tuple[float, int]] = deque(maxlen=200)   # (seconds, concurrent sims)
-        self.worker_chunk_s: list[float] = []   # seconds each chunk took in its env's own process (where reported)
-        self.worker_cpu_s: list[float] = []     # ... of it the process's CPU time, and its camera rendering
-        self.worker_render_s: list[float] = []
+        self.chunk_costs = ChunkCosts()
         self.sim_started: dict[int, float] = {}   # env index -> monotonic start of the chunk it is simulating
         self.reset_started: dict[int, float] = {}  # env index -> monotonic start of the reset under way
         self.reset_samples: deque[float] = deque(maxlen=50)   # seconds of the resets done
@@ -216,12 +237,7 @@ class Scheduler:
         try:
             res = await self._call(i, "execute+render" if render else "execute", self.envs[i].execute(
                 chunk, render_every_step=render, run_to_max_steps=self.opts.run_to_max_steps))
-            if res.worker_s is not None:
-                self.worker_chunk_s.append(res.worker_s)
-            if res.worker_cpu_s is not None:
-                self.worker_cpu_s.append(res.worker_cpu_s)
-            if res.worker_render_s is not None:
-                self.worker_render_s.append(res.worker_render_s)
+            self.chunk_costs.add(res)
             return res
         finally:
             self.simulating -= 1

@@ -16,6 +16,12 @@ What it does per predict():
    as ActionAuthError, a UserError);
 4. sorts each response by input_index, keeps the first raw_action_dim channels, scatters chunks back into order, then
    applies `postprocess` (e.g. a denormalizer) to the (N, H, D) array.
+mode="wamkit" sends wamkit's request forms (several cameras and states per request, one seed per observation) only to a
+server whose metadata says it is wamkit (`server.name`); any other server gets only forms SGLang accepts
+(wamkit.protocol.sglang.plan_sglang_requests / build_sglang_observation_request: one seed a request, so observations
+are grouped by seed, prompt and shapes; SGLang's batch form `input.images = {camera: [image] * N}` for one camera
+without state, else one observation a request, requests sent concurrently). The same seeds give the same actions
+whatever the grouping.
 Every request's timing (client send/receive wall times + the server's `timing` extension) is appended to
 `last_timings` (the latest predict() call) and passed to `on_timing` if given (for the evaluation timeline).
 
@@ -49,6 +55,7 @@ from wamkit.core.types import Observation
 from wamkit.protocol import (MSGPACK, ProtocolError, build_request, build_sglang_request, check_sglang_request,
                              decode_body, encode_body, parse_response, sglang_parameters)
 from wamkit.protocol.messages import DEFAULT_CAMERA
+from wamkit.protocol.sglang import build_sglang_observation_request, is_wamkit_server, plan_sglang_requests
 
 RETRY_STATUS = frozenset((429, 500, 502, 503, 504))
 UNAVAILABLE_STATUS = frozenset((429, 502, 503, 504))   # the server is not there (yet): retried for retry_s too; a
@@ -182,6 +189,7 @@ class ActionClient(RetryingClient):
         self.worker = worker                       # optional ServerWorker: restarted when the server is unreachable
         self.last_timings: list[dict[str, Any]] = []
         self._metadata: dict[str, Any] | None = None
+        self._native: bool | None = None           # the server is wamkit (its metadata says so): wamkit's forms
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http: httpx.AsyncClient | None = None
         self._old_http: list[httpx.AsyncClient] = []
@@ -284,6 +292,25 @@ class ActionClient(RetryingClient):
             self._max_request = 1
         return self._max_request
 
+    async def server_is_wamkit(self) -> bool:
+        """Whether the server's metadata says it is `wamkit serve` (a server without the metadata route: no)."""
+        if self._native is None:
+            try:
+                md = await self.metadata()
+            except ActionClientError as e:
+                if e.status != 404:
+                    raise
+                md = {}
+            self._native = is_wamkit_server(md)
+        return self._native
+
+    async def _plan(self, observations: Sequence[Observation], seeds: Sequence[int]) -> list[list[int]]:
+        """mode="wamkit" to a server that is not wamkit: SGLang's forms (plan_sglang_requests), else plan()."""
+        limit = await self.max_request_size()
+        if self.mode == "wamkit" and not await self.server_is_wamkit():
+            return plan_sglang_requests(observations, seeds, limit)
+        return self.plan(observations, seeds, limit)
+
     def _group_key(self, o: Observation, seed: int) -> tuple:
         if self.mode == "sglang":
             img = o.images.get(self.camera)
@@ -310,7 +337,7 @@ class ActionClient(RetryingClient):
         rad = params.get("raw_action_dim", self.raw_action_dim)
         if self.mode == "sglang":
             params = sglang_parameters(**params)
-        plan = self.plan(observations, seeds, await self.max_request_size())
+        plan = await self._plan(observations, seeds)
         timings: list[dict[str, Any]] = []
         results = await asyncio.gather(*(self._send([observations[i] for i in idx], [seeds[i] for i in idx],
                                                     params, rad, timings) for idx in plan))
@@ -329,8 +356,10 @@ class ActionClient(RetryingClient):
                 check_sglang_request(body, self._max_request)
             except ValueError as e:
                 raise ActionClientError(f"{self.url}: not sent (SGLang would refuse it): {e}") from None
-        else:
+        elif self._native:
             body = build_request(obs, seeds, params, binary=self.binary)
+        else:   # a server that is not wamkit: one seed a request, SGLang's image forms (plan_sglang_requests)
+            body = build_sglang_observation_request(obs, seeds[0], params, "ndarray" if self.binary else "png")
         data, ctype = encode_body(body, self.binary)
         headers = {"content-type": ctype, "accept": MSGPACK if self.binary else "application/json"}
         t_send = time.time()

@@ -2,7 +2,11 @@
 mapping. Every decoded body is then checked in one pass (check_tree, no recursion) so later code only ever sees plain
 data: nesting <= max_depth, str keys (msgpack bytes keys are decoded as UTF-8), integers in -2**63..2**64-1, finite
 floats (JSON NaN/Infinity and overflowing literals refused), strings that are valid Unicode (no lone surrogates), and
-no msgpack extension types (timestamps included). Each refusal is a 400 naming the field path."""
+no msgpack extension types (timestamps included). Each refusal is a 400 naming the field path.
+
+numpy scalars packed by openpi's and SGLang's msgpack packers (``{"__npgeneric__": True, "data": 7, "dtype": "<i8"}``,
+keys as str or bytes: what ``seed=np.int64(7)`` becomes) are replaced by the Python scalar (bool, int or float) they
+carry, in the same pass."""
 
 from __future__ import annotations
 
@@ -81,8 +85,35 @@ def _check_leaf(v: Any, parts: tuple) -> None:
         raise ProtocolError(field_path(parts), f"unsupported value of type {t.__name__}")
 
 
+def _marker_get(d: dict, key: str) -> Any:
+    return d[key] if key in d else d.get(key.encode())
+
+
+def _is_npgeneric(v: dict) -> bool:
+    return bool(_marker_get(v, "__npgeneric__"))
+
+
+def _npgeneric_value(v: dict, parts: tuple) -> Any:
+    """A numpy-scalar marker -> the bool / int / float it carries (400 naming the field when it is not one)."""
+    data, dtype = _marker_get(v, "data"), _marker_get(v, "dtype")
+    if isinstance(dtype, (bytes, bytearray)):
+        dtype = bytes(dtype).decode("ascii", "replace")
+    try:
+        kind = np.dtype(dtype).kind if isinstance(dtype, str) else None
+    except (TypeError, ValueError, SyntaxError):
+        kind = None
+    want = {"b": (bool,), "i": (int,), "u": (int,), "f": (int, float)}.get(kind or "")
+    if want is None or type(data) not in want:
+        raise ProtocolError(field_path(parts), f"a numpy scalar must carry a bool, int or float of its dtype, got "
+                                               f"dtype {str(dtype)[:20]!r} and {type(data).__name__}")
+    value = float(data) if kind == "f" else data
+    _check_leaf(value, parts)
+    return value
+
+
 def check_tree(obj: Any, max_depth: int = DecodeLimits.max_depth) -> None:
-    """One iterative pass over a decoded body (see the module doc). Rewrites bytes keys as str in place."""
+    """One iterative pass over a decoded body (see the module doc). Rewrites bytes keys as str and numpy-scalar
+    markers as Python scalars, in place."""
     stack: list[tuple[Any, tuple, int]] = [(obj, (), 1)]
     while stack:
         node, parts, depth = stack.pop()
@@ -95,12 +126,16 @@ def check_tree(obj: Any, max_depth: int = DecodeLimits.max_depth) -> None:
                     raise ProtocolError(field_path(parts), "duplicate mapping keys (str and bytes spellings)")
                 node.clear()
                 node.update(items)
+            scalars = []
             for k, v in node.items():
                 t = type(v)
-                if t is dict or t is list:
+                if t is dict and _is_npgeneric(v):
+                    scalars.append((k, _npgeneric_value(v, parts + (k,))))
+                elif t is dict or t is list:
                     stack.append((v, parts + (k,), depth + 1))
                 else:
                     _check_leaf(v, parts + (k,))
+            node.update(scalars)
         elif type(node) is list:
             inner_ok = depth + 1 <= max_depth
             for i, v in enumerate(node):
@@ -115,7 +150,10 @@ def check_tree(obj: Any, max_depth: int = DecodeLimits.max_depth) -> None:
                             continue
                     stack.append((v, parts + (i,), depth + 1))
                 elif t is dict:
-                    stack.append((v, parts + (i,), depth + 1))
+                    if _is_npgeneric(v):
+                        node[i] = _npgeneric_value(v, parts + (i,))
+                    else:
+                        stack.append((v, parts + (i,), depth + 1))
                 elif t is int and INT_MIN <= v <= INT_MAX:
                     continue
                 else:

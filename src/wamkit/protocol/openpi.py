@@ -10,7 +10,9 @@ Request forms (both accepted on every route):
   ``{"observation/image": uint8 (H, W, 3), "observation/wrist_image": uint8 (H, W, 3),
   "observation/state": float (S,), "prompt": str}``: ``observation/<camera>`` is camera ``<camera>``,
   ``observation/state`` the state; also SGLang's spellings (``images: {camera: image}``, ``image``,
-  ``observation.images.<camera>``, ``state``, ``observation.state``, ``task``) and ``seed`` (int, default 0).
+  ``observation.images.<camera>``, ``state``, ``observation.state``, ``task``), ``seed`` (int, default 42, SGLang's)
+  and SGLang's parameters, which SGLang reads from the frame itself (``action_horizon``, ``num_frames``,
+  ``num_inference_steps``, ``guidance_scale``, ...: any `parameters` name, validated as over HTTP).
 - action request (SGLang): ``{"input": {...}, "parameters": {...}, ...}`` exactly as ``POST /v1/actions/generations``
   (several observations per frame where the server's metadata says ``capabilities.batch_inputs``).
 
@@ -34,13 +36,16 @@ from wamkit.protocol.codec import MSGPACK, decode_body
 from wamkit.protocol.errors import ProtocolError
 from wamkit.protocol.images import decode_image
 from wamkit.protocol.limits import DecodeLimits, ImageBudget
-from wamkit.protocol.messages import DEFAULT_CAMERA, MAX_SEED, _decode_float_array, decode_action_values
+from wamkit.protocol.messages import (_SGLANG_ONLY_INPUTS, DEFAULT_CAMERA, PARAMETER_NAMES, SG_IMAGE_PREFIX,
+                                      ActionRequest, _decode_float_array, decode_action_values, validate_parameters)
 
 OBS_PREFIX = "observation/"              # openpi: observation/<camera> and observation/state
-SG_IMAGE_PREFIX = "observation.images."  # SGLang / LeRobot spelling of a camera key
 STATE_KEYS = ("observation/state", "observation.state", "state")
 PROMPT_KEYS = ("prompt", "task")
-IGNORED_KEYS = frozenset(("output_format", "return_timing"))  # SGLang knobs with one meaning here
+# SGLang's runtime knobs, read from a frame by SGLang, with one meaning here (arrays are always sent as arrays)
+IGNORED_KEYS = frozenset(("output_format", "return_timing", "enable_prefix_cache", "enable_pi_prefix_cache",
+                          "enable_cuda_graph", "enable_pi_cuda_graph"))
+FRAME_PARAMETERS = PARAMETER_NAMES - IGNORED_KEYS   # seed, action_horizon, num_inference_steps, guidance_scale, ...
 
 
 # ------------------------------------------------------------------------------------------------ msgpack-numpy
@@ -93,67 +98,97 @@ def _state(value: Any, path: str) -> np.ndarray:
     return np.ascontiguousarray(v)
 
 
-def observation_from_openpi(d: dict[str, Any], limits: DecodeLimits | None = None) -> tuple[Observation, int]:
-    """openpi (or SGLang raw) observation dict -> (Observation, seed). ProtocolError names the offending key.
-    `limits`: the server's decode limits (one image budget for the whole dict, as for an HTTP request)."""
-    limits = limits or DecodeLimits()
-    budget = ImageBudget(limits)
-    images: dict[str, np.ndarray] = {}
-    state: np.ndarray | None = None
-    task, seed = "", 0
-    seen_state = seen_prompt = ""
+class _Frame:
+    """What one openpi observation dict holds, read key by key (ProtocolError names the key)."""
 
-    def add_image(cam: str, value: Any, path: str) -> None:
+    def __init__(self, limits: DecodeLimits):
+        self.limits, self.budget = limits, ImageBudget(limits)
+        self.images: dict[str, np.ndarray] = {}
+        self.state: np.ndarray | None = None
+        self.task = ""
+        self.params: dict[str, Any] = {}
+        self.seen_state = self.seen_prompt = ""
+
+    def add_image(self, cam: str, value: Any, path: str) -> None:
         if not cam:
             raise ProtocolError(path, "empty camera name")
-        if cam in images:
+        if cam in self.images:
             raise ProtocolError(path, f"camera {cam!r} sent twice")
-        images[cam] = decode_image(value, path, budget=budget)
+        self.images[cam] = decode_image(value, path, budget=self.budget)
 
-    for key, value in d.items():
+    def set_state(self, key: str, value: Any) -> None:
+        if self.seen_state:
+            raise ProtocolError(key, f"send either {self.seen_state} or {key}, not both")
+        self.seen_state, self.state = key, _state(value, key)
+
+    def set_prompt(self, key: str, value: Any) -> None:
+        if self.seen_prompt:
+            raise ProtocolError(key, f"send either {self.seen_prompt} or {key}, not both")
+        if not isinstance(value, str):
+            raise ProtocolError(key, f"expected a string, got {type(value).__name__}")
+        if len(value) > self.limits.max_text_chars:
+            raise ProtocolError(key, f"longer than {self.limits.max_text_chars} characters")
+        self.seen_prompt, self.task = key, value
+
+    def add_openpi_image(self, key: str, value: Any) -> None:
+        try:
+            self.add_image(key[len(OBS_PREFIX):], value, key)
+        except ProtocolError as e:
+            raise ProtocolError(key, f"{e.message} (wamkit reads observation/<camera> as a uint8 (H, W, 3) "
+                                     f"image and observation/state as the state)", e.status) from None
+
+    def add_images(self, key: str, value: Any) -> None:
+        if not isinstance(value, dict) or not value:
+            raise ProtocolError(key, "expected a non-empty {camera: image} mapping")
+        for cam, img in value.items():
+            self.add_image(str(cam), img, f"images.{cam}")
+
+    def read(self, key: Any, value: Any) -> None:
         if not isinstance(key, str):
             raise ProtocolError(str(key), "observation keys must be strings")
         if key in STATE_KEYS:
-            if seen_state:
-                raise ProtocolError(key, f"send either {seen_state} or {key}, not both")
-            seen_state, state = key, _state(value, key)
+            self.set_state(key, value)
         elif key in PROMPT_KEYS:
-            if seen_prompt:
-                raise ProtocolError(key, f"send either {seen_prompt} or {key}, not both")
-            if not isinstance(value, str):
-                raise ProtocolError(key, f"expected a string, got {type(value).__name__}")
-            if len(value) > limits.max_text_chars:
-                raise ProtocolError(key, f"longer than {limits.max_text_chars} characters")
-            seen_prompt, task = key, value
-        elif key == "seed":
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-                raise ProtocolError(key, f"expected an integer, got {value!r}")
-            if not 0 <= value <= MAX_SEED:   # as parameters.seed over HTTP
-                raise ProtocolError(key, f"must be in 0..2**63-1, got {value}")
-            seed = int(value)
+            self.set_prompt(key, value)
+        elif key in FRAME_PARAMETERS:   # SGLang reads a frame's parameters from the frame itself
+            self.params[key] = value
         elif key.startswith(OBS_PREFIX):
-            try:
-                add_image(key[len(OBS_PREFIX):], value, key)
-            except ProtocolError as e:
-                raise ProtocolError(key, f"{e.message} (wamkit reads observation/<camera> as a uint8 (H, W, 3) "
-                                         f"image and observation/state as the state)", e.status) from None
+            self.add_openpi_image(key, value)
         elif key.startswith(SG_IMAGE_PREFIX):
-            add_image(key[len(SG_IMAGE_PREFIX):], value, key)
+            self.add_image(key[len(SG_IMAGE_PREFIX):], value, key)
         elif key == "images":
-            if not isinstance(value, dict) or not value:
-                raise ProtocolError(key, "expected a non-empty {camera: image} mapping")
-            for cam, img in value.items():
-                add_image(str(cam), img, f"images.{cam}")
+            self.add_images(key, value)
         elif key == "image":
-            add_image(DEFAULT_CAMERA, value, key)
+            self.add_image(DEFAULT_CAMERA, value, key)
         elif key in IGNORED_KEYS:
-            continue
+            return
+        elif key.removeprefix("observation.") in _SGLANG_ONLY_INPUTS:
+            raise ProtocolError(key, "not served here (send images inline)", status=422)
         else:
             raise ProtocolError(key, "unknown observation key; send observation/<camera> images, "
-                                     "observation/state, prompt (and optionally seed)")
-    if not images:
+                                     "observation/state, prompt (and optionally seed or SGLang's parameters: "
+                                     "action_horizon, num_inference_steps, ...)")
+
+
+def openpi_request(d: dict[str, Any], limits: DecodeLimits | None = None) -> ActionRequest:
+    """openpi (or SGLang raw) observation dict -> a one-observation ActionRequest: the observation, its seed
+    (DEFAULT_SEED when none) and the parameters the frame carries (action_horizon, num_inference_steps, ...;
+    validated as `parameters` over HTTP, errors naming the frame's key). `limits`: the server's decode limits (one
+    image budget for the whole dict, as for an HTTP request)."""
+    frame = _Frame(limits or DecodeLimits())
+    for key, value in d.items():
+        frame.read(key, value)
+    if not frame.images:
         raise ProtocolError("observation/image", "no camera image in the observation")
-    return Observation(images=images, state=state, task=task), seed
+    params, seeds, source = validate_parameters(frame.params, 1, frame.limits, prefix="")
+    obs = Observation(images=frame.images, state=frame.state, task=frame.task)
+    return ActionRequest(request_id="", observations=[obs], seeds=seeds, parameters=params, horizon_source=source)
+
+
+def observation_from_openpi(d: dict[str, Any], limits: DecodeLimits | None = None) -> tuple[Observation, int]:
+    """openpi (or SGLang raw) observation dict -> (Observation, seed); see openpi_request."""
+    req = openpi_request(d, limits)
+    return req.observations[0], req.seeds[0]
 
 
 def is_action_request(d: dict[str, Any]) -> bool:

@@ -29,7 +29,7 @@ import numpy as np
 
 from wamkit.core.types import Observation
 from wamkit.protocol.images import encode_image
-from wamkit.protocol.messages import DEFAULT_CAMERA, parse_response
+from wamkit.protocol.messages import DEFAULT_CAMERA, DEFAULT_SEED, parse_response
 
 SGLANG_DEFAULTS: dict[str, Any] = {"action_mode": "policy", "action_horizon": 16, "num_inference_steps": 30,
                                    "guidance_scale": 1.0, "fps": 20}
@@ -100,7 +100,7 @@ def check_sglang_request(body: dict[str, Any], max_batch_size: int | None = None
         raise ValueError(f"input.prompt: {len(prompt)} prompts for {n} images (one, or one per image)")
     if not isinstance(prompt, (str, list)):
         raise ValueError("input.prompt: a string or a list of strings")
-    seed = params.get("seed", 42)
+    seed = params.get("seed", DEFAULT_SEED)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"parameters.seed: SGLang takes one non-negative integer per request, got {seed!r}")
     refusal = sglang_parameter_refusal(params)
@@ -124,6 +124,73 @@ def sglang_parameter_refusal(params: dict[str, Any]) -> tuple[str, str] | None:
     if params.get("action_mode", "policy") != "policy":
         return "parameters.action_mode", "wamkit sends policy mode only"
     return None
+
+
+# ------------------------------------------------------------------- any observation, to a server that is not wamkit
+def is_wamkit_server(metadata: dict[str, Any] | None) -> bool:
+    """Whether an action server's metadata is wamkit's (`server.name`): only then are wamkit's own request forms
+    sent (several cameras and states per batch, one seed per observation); any other server gets SGLang's."""
+    server = (metadata or {}).get("server")
+    return isinstance(server, dict) and server.get("name") == "wamkit"
+
+
+def sglang_batchable(o: Observation) -> bool:
+    """Whether SGLang's batch form can carry `o` beside others: one camera and no state (SGLang batches
+    observations only on Cosmos3's path, `input.images = {camera: [image] * N}`, which reads one image each)."""
+    return len(o.images) == 1 and o.state is None
+
+
+def sglang_group_key(o: Observation, seed: int) -> tuple:
+    """What observations must share to go in one SGLang request: prompt text (prompts of different token lengths
+    cannot share its batch), cameras and image shapes, state length, and the seed (SGLang takes one a request)."""
+    cams = tuple(sorted((k, tuple(v.shape)) for k, v in o.images.items()))
+    return o.task, cams, None if o.state is None else int(o.state.shape[0]), int(seed)
+
+
+def plan_sglang_requests(observations: Sequence[Observation], seeds: Sequence[int], limit: int) -> list[list[int]]:
+    """Indices of each request to a server that is not wamkit: observations grouped by sglang_group_key (so every
+    observation is computed with its own seed, as it would be alone), at most `limit` a request, one a request when
+    SGLang's batch form cannot carry them (several cameras, or a state)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (o, s) in enumerate(zip(observations, seeds)):
+        groups.setdefault(sglang_group_key(o, s), []).append(i)
+    out = []
+    for idx in groups.values():
+        step = max(1, int(limit)) if sglang_batchable(observations[idx[0]]) else 1
+        out += [idx[k:k + step] for k in range(0, len(idx), step)]
+    return out
+
+
+def _image_value(a: np.ndarray, encoding: str) -> Any:
+    return np.ascontiguousarray(a) if encoding == "array" else encode_image(a, encoding)
+
+
+def build_sglang_observation_request(observations: Sequence[Observation], seed: int, parameters: dict[str, Any],
+                                     encoding: str = "array", request_id: str | None = None) -> dict[str, Any]:
+    """Observations of one plan_sglang_requests group -> a request in SGLang's own forms: one observation as
+    `input.images = {camera: image, ...}` (+ `input.state`, a vector), several as SGLang's batch form
+    `input.images = {camera: [image] * N}` (one camera, no state); `input.task`; ONE integer seed. encoding: "array"
+    (numpy arrays, for openpi's msgpack packer), "ndarray" (the array marker, for encode_body's msgpack) or "png"
+    (JSON: `{"b64_json"}`, and lists for the state)."""
+    n = len(observations)
+    if n == 0:
+        raise ValueError("no observations")
+    if n > 1 and not all(sglang_batchable(o) for o in observations):
+        raise ValueError("SGLang's batch form carries one camera and no state: send such observations one a request")
+    if n == 1:
+        images = {c: _image_value(a, encoding) for c, a in observations[0].images.items()}
+    else:
+        cam = next(iter(observations[0].images))
+        images = {cam: [_image_value(o.images[cam], encoding) for o in observations]}
+    tasks = [o.task for o in observations]
+    inp: dict[str, Any] = {"task": tasks[0] if len(set(tasks)) == 1 else tasks, "images": images}
+    state = observations[0].state
+    if n == 1 and state is not None:
+        state = np.ascontiguousarray(state, np.float32)
+        inp["state"] = state if encoding == "array" else state.tolist()
+    return {"request_id": request_id or f"req_{uuid.uuid4().hex[:16]}", "input": inp,
+            "parameters": {**parameters, "seed": int(seed)},
+            "runtime": {"response_format": "envelope", "output_format": "list" if encoding == "png" else "numpy"}}
 
 
 def decode_sglang_response(body: dict[str, Any], raw_action_dim: int | None, expect_n: int | None = None

@@ -1,17 +1,22 @@
 """The action server: Starlette app over a policy and a dynamic batcher (run on uvicorn by `wamkit serve`).
 
 Routes
-- ``GET  /health``                    200 {"status": "ok", "instance_id": ...} (503 while shutting down or once the
-                                      policy child died: ActionServer.health_state, /healthz's fact too); never needs
-                                      the token. instance_id: env WAMKIT_INSTANCE_ID of this process (null if unset):
-                                      a server worker checks it to prove the answer comes from the server it started.
+- ``GET  /health``                    200 {"status": "ok", "instance_id": ...} (503 once the policy child died, or
+                                      "shutting_down" in the moment between SIGTERM and the listener's close, after
+                                      which new connections are refused: ActionServer.health_state, /healthz's fact
+                                      too); never needs the token. instance_id: env WAMKIT_INSTANCE_ID of this process
+                                      (null if unset): a server worker checks it to prove the answer comes from the
+                                      server it started.
 - ``GET  /v1/actions/metadata``       policy spec, max batch size, action dim/horizon (SGLang's metadata layout).
-- ``POST /v1/actions/generations``    SGLang's action API (+ wamkit extensions), JSON or msgpack.
+- ``POST /v1/actions/generations``    SGLang's action API (+ wamkit extensions), JSON or msgpack; envelope, or
+                                      SGLang's raw output for runtime.response_format "raw".
 - ``GET  /metrics``                   JSON: counts, batch-size histogram, queue/compute p50/p99 (Prometheus text when
                                       Accept asks for text/plain or OpenMetrics).
 - ``GET  /metrics/prometheus``        the same in the Prometheus text format (0.0.4).
 - ``WS   /openpi/policy``, ``/``, ``/v1/actions/realtime``, ``GET /healthz``: openpi / SGLang websockets (serve.ws).
 
+Token: ``Authorization: Bearer <token>`` or openpi's ``Api-Key <token>`` on every route but /health (one check,
+serve.errors.token_accepted, for HTTP and websockets).
 Errors answer ``{"error": {"message", "type", "path", "code"}, "detail": message}``: 400 malformed (the message names
 the field path), 401 bad/missing token, 408 body not received within body_timeout_s, 413 body or decoded images too
 large, 415 content type, 422 valid but unsupported here (also: the policy's own input check refused it, a UserError
@@ -26,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import math
 import os
@@ -45,14 +49,15 @@ from wamkit.core.cpu_pinning import torch_threads
 from wamkit.core.errors import UserError
 from wamkit.policies.base import Policy
 from wamkit.protocol import ProtocolError, build_response, decode_body, encode_body, is_msgpack, parse_request
-from wamkit.protocol.messages import ActionRequest
+from wamkit.protocol.messages import ActionRequest, build_raw_response
 from wamkit.protocol.sglang import sglang_parameter_refusal
 from wamkit.protocol.shm import ShmReader
 from wamkit.protocol.shm import available as shm_available
 from wamkit.serve.batcher import DynamicBatcher, QueueFull
 from wamkit.serve.config import INSTANCE_ENV, ServeConfig
+from wamkit.serve.metadata import default_steps, metadata_of
 from wamkit.serve.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics, wants_prometheus
-from wamkit.serve.errors import OFFLOAD_BYTES, error_response
+from wamkit.serve.errors import OFFLOAD_BYTES, error_response, token_accepted
 from wamkit.serve.ws import websocket_routes
 
 log = logging.getLogger("wamkit.serve")
@@ -136,13 +141,9 @@ class ActionServer:
 
     # ------------------------------------------------------------------ helpers
     def _check_token(self, request: Request) -> None:
-        if self.token is None:
-            return
-        auth = request.headers.get("authorization", "")
-        scheme, _, given = auth.partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.token.encode())
-        if not ok:
-            raise _HTTPError(401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+        if not token_accepted(self.token, request.headers.get("authorization", "")):
+            raise _HTTPError(401, "missing or invalid token (Authorization: Bearer <token> or Api-Key <token>)",
+                             headers={"WWW-Authenticate": "Bearer"})
 
     async def _read_body(self, request: Request) -> bytes:
         cl = request.headers.get("content-length")
@@ -174,16 +175,18 @@ class ActionServer:
     def _check_against_policy(self, req: ActionRequest) -> None:
         a = self.spec.action
         p = req.parameters
+        horizon_path = f"parameters.{req.horizon_source}"   # num_frames when the horizon came from it
         if self.spec.extra.get("request_rules") == "sglang":   # answering in SGLang's place: refuse what it refuses
             refusal = sglang_parameter_refusal(p)
             if refusal is not None:
-                raise ProtocolError(refusal[0], refusal[1])
+                path = horizon_path if refusal[0] == "parameters.action_horizon" else refusal[0]
+                raise ProtocolError(path, refusal[1])
             if len(req) > self.max_batch_size:
                 raise ProtocolError("input.image", f"{len(req)} observations exceed the server's max batch size "
                                                    f"{self.max_batch_size} (SGLang's --batching-max-size)")
         if p.get("action_horizon", 0) > a.horizon:
-            raise ProtocolError("parameters.action_horizon", f"{p['action_horizon']} > this policy's horizon "
-                                                             f"{a.horizon}", status=422)
+            raise ProtocolError(horizon_path, f"action_horizon {p['action_horizon']} > this policy's horizon "
+                                              f"{a.horizon}", status=422)
         if p.get("raw_action_dim", 0) > a.dim:
             raise ProtocolError("parameters.raw_action_dim", f"{p['raw_action_dim']} > this policy's action dim "
                                                              f"{a.dim}", status=422)
@@ -251,27 +254,13 @@ class ActionServer:
         status, body = self.health_state()
         return JSONResponse(body, status_code=status)
 
+    def denoise_steps(self, req: ActionRequest) -> int:
+        """usage.denoise_steps: the request's num_inference_steps, else the policy's default (SGLang reports its
+        default too), else 0."""
+        return req.parameters.get("num_inference_steps", default_steps(self.spec) or 0)
+
     def metadata_dict(self) -> dict[str, Any]:
-        s = self.spec
-        return {
-            "object": "action.metadata", "model": self.model, "policy_family": s.name, "policy": s.to_dict(),
-            "input": {"image_keys": list(s.input.cameras), "image_size": s.input.image_size,
-                      "state_dim": s.input.state_dim or None, "text": s.input.text},
-            "output": {"action_type": "continuous", "action_horizon": s.action.horizon, "action_dim": s.action.dim,
-                       "padded_action_dim": s.action.dim, "dtype": "float32"},
-            "defaults": {"action_mode": "policy", "action_horizon": s.action.horizon},
-            "capabilities": {"action_modes": ["policy"], "batch_inputs": True, "max_batch_size": self.max_batch_size,
-                             "batched_action_modes": ["policy"], "multiple_candidates": False,
-                             "realtime_websocket": True, "multiple_cameras": True, "state": True,
-                             "per_observation_seeds": True, "openpi_websocket": True, "msgpack": True,
-                             "shm_arrays": self.shm is not None},
-            "server": {"name": "wamkit", "max_wait_ms": self.cfg.max_wait_ms,
-                       "max_wait_fraction": self.cfg.max_wait_fraction, "max_queue": self.cfg.max_queue,
-                       "concurrent_batches": len(self.replicas),
-                       "max_body_bytes": self.max_body, "auth": self.token is not None,
-                       "instance_id": self.instance_id, "max_image_pixels": self.limits.max_image_pixels,
-                       "max_decoded_bytes": self.limits.max_decoded_bytes, "max_depth": self.limits.max_depth},
-        }
+        return metadata_of(self)
 
     async def metadata(self, request: Request) -> Response:
         self._check_token(request)
@@ -308,8 +297,11 @@ class ActionServer:
             keys = [req.group_key(i) for i in range(n)]
         self.metrics.count("observations", n)
         actions, timing = await self.batcher.submit(req.observations, req.seeds, keys)
-        out = build_response(req, actions, self.model, binary, timing=timing,
-                             denoise_steps=req.parameters.get("num_inference_steps", 0))
+        if req.runtime.response_format == "raw":   # SGLang's pipeline output as it is
+            out = build_raw_response(req, actions, binary, timing=timing, denoise_steps=self.denoise_steps(req))
+        else:
+            out = build_response(req, actions, self.model, binary, timing=timing,
+                                 denoise_steps=self.denoise_steps(req))
         data, media = encode_body(out, binary)
         self.metrics.response(200, (time.perf_counter() - t0) * 1000.0)
         return Response(data, media_type=media)

@@ -13,6 +13,11 @@ import numpy as np
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# every counter the server keeps (ServerMetrics.count's names), at 0 from the start: a fresh server already exposes
+# each series (wamkit_<name>_total), so dashboards and rate() see them before the first request
+COUNTERS = ("requests", "observations", "observations_computed", "batches", "rejected_busy",
+            "batches_split_after_error", "decode_unexpected", "body_timeouts", "ws_connections",
+            "closed_header_timeout", "closed_connection_cap", "closed_websocket_cap")
 _TIMINGS = (("queue_ms", "queue_wait", "time an observation waited for its batch"),
             ("compute_ms", "batch_compute", "policy.predict time per batch"),
             ("request_ms", "request", "time from request received to response sent"))
@@ -34,7 +39,7 @@ class ServerMetrics:
     def __init__(self, window: int = 10000):
         self.t0 = time.time()
         self._lock = threading.Lock()
-        self.counts: collections.Counter[str] = collections.Counter()
+        self.counts: collections.Counter[str] = collections.Counter({name: 0 for name in COUNTERS})
         self.status: collections.Counter[int] = collections.Counter()
         self.batch_sizes: collections.Counter[int] = collections.Counter()
         self.queue_ms: collections.deque[float] = collections.deque(maxlen=window)

@@ -22,7 +22,6 @@ route; the connection stays open and the server keeps serving.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from typing import Any
@@ -38,10 +37,9 @@ from wamkit.protocol import ProtocolError, build_response, parse_request
 from wamkit.protocol.limits import DecodeLimits
 from wamkit.protocol.messages import ActionRequest
 from wamkit.protocol.shm import refuse as refuse_shm
-from wamkit.protocol.openpi import (bytes_keyed_marker, is_action_request, observation_from_openpi, packb,
-                                    unpackb)
+from wamkit.protocol.openpi import bytes_keyed_marker, is_action_request, openpi_request, packb, unpackb
 from wamkit.serve.batcher import QueueFull
-from wamkit.serve.errors import OFFLOAD_BYTES, error_response
+from wamkit.serve.errors import OFFLOAD_BYTES, error_response, token_accepted
 
 
 OPENPI_PATHS = ("/openpi/policy", "/")
@@ -62,10 +60,7 @@ def _error_body(status: int, message: str, path: str = "", retry_after_s: float 
 
 
 def _token_ok(srv: Any, ws: WebSocket) -> bool:
-    if srv.token is None:
-        return True
-    scheme, _, given = ws.headers.get("authorization", "").partition(" ")
-    return scheme.lower() in ("bearer", "api-key") and hmac.compare_digest(given.strip().encode(), srv.token.encode())
+    return token_accepted(srv.token, ws.headers.get("authorization", ""))   # the HTTP routes' check
 
 
 def _parse(body: dict[str, Any], limits: DecodeLimits) -> tuple[ActionRequest, bool]:
@@ -73,8 +68,7 @@ def _parse(body: dict[str, Any], limits: DecodeLimits) -> tuple[ActionRequest, b
     (the same as its HTTP route's: one image budget per frame, text and nesting caps)."""
     if is_action_request(body):
         return parse_request(body, limits), False
-    obs, seed = observation_from_openpi(body, limits)
-    return ActionRequest(request_id="", observations=[obs], seeds=[seed], parameters={}), True
+    return openpi_request(body, limits), True   # with the parameters the frame carries, as SGLang reads them
 
 
 def _openpi_path(path: str) -> str:
@@ -196,8 +190,7 @@ class _Connection:
             server_timing["prev_total_ms"] = self.prev_total_ms
         server_timing.update(timing)
         if self.envelope:
-            out = build_response(req, actions, srv.model, True, timing=timing,
-                                 denoise_steps=req.parameters.get("num_inference_steps", 0))
+            out = build_response(req, actions, srv.model, True, timing=timing, denoise_steps=srv.denoise_steps(req))
             for item in out["data"]:   # runtime.output_format=list leaves lists as they are
                 v = item["action"]["values"]
                 if isinstance(v, dict):

@@ -7,7 +7,11 @@
   ``observation/state``, ``prompt``, plus ``seed``), reply ``{"actions": (H, D)}``. Works with openpi's own policy
   server (pi0 / pi0.5), SGLang's ``/openpi/policy`` and ``wamkit serve``. The url's default path: /openpi/policy.
 - protocol="sglang-ws": SGLang's ``/v1/actions/realtime`` (default path): action requests, envelope replies; several
-  observations per frame when the server's metadata frame says ``capabilities.batch_inputs`` (wamkit serve), else one.
+  observations per frame when the server's metadata frame says ``capabilities.batch_inputs``, else one. To a wamkit
+  server (its metadata's `server.name`) in wamkit's forms (any cameras and states, one seed per observation); to any
+  other server only in forms SGLang accepts, planned as ActionClient plans them for such a server
+  (wamkit.protocol.sglang.plan_sglang_requests: one seed a frame, so observations are grouped by seed, prompt and
+  shapes; several a frame only with one camera and no state), frames in flight at once.
 - A pool of up to `max_connections` connections, opened on demand and kept: each carries one request at a time (the
   protocol answers in order), so one predict() of N observations puts up to N frames in flight at once, and several
   predict() calls overlap (the server batches frames from all connections together).
@@ -15,7 +19,9 @@
   (the observations one predict() can have in flight at once).
 - Retries: connection failures (the connection is dropped, a ServerWorker given as `worker` is restarted when it
   stopped answering) and 429/5xx error replies (honouring ``retry_after_s``) with exponential backoff + jitter;
-  other errors raise ActionClientError naming the server's message at once.
+  other errors raise ActionClientError naming the server's message at once. A traceback in an error reply (SGLang's
+  ``{"error": traceback}``, openpi's text frame) is read as its last line; ValueError / TypeError / KeyError there
+  (SGLang's validation) is a client error, not retried (ws_codec.text_refusal).
 - action_horizon: chunks longer than this are cut to their first action_horizon actions (what openpi's LIBERO
   example does with replan_steps=5; `wamkit eval horizon=5` passes it).
 - Timing: each frame's record (``t_send``, ``t_recv``, ``client_ms``, ``attempts``, byte counts, ``server``: the
@@ -40,6 +46,7 @@ from wamkit.protocol import ProtocolError
 from wamkit.protocol.client import (RETRY_STATUS, ActionClientError, RetryingClient, checked_seeds, client_error,
                                     exception_text, scatter_chunks)
 from wamkit.protocol.openpi import packb, unpackb
+from wamkit.protocol.sglang import is_wamkit_server, plan_sglang_requests
 from wamkit.protocol.shm import UNREADABLE as SHM_UNREADABLE
 from wamkit.protocol.shm import available as shm_available
 from wamkit.serve.ws_codec import CODECS, DEFAULT_PATHS, PROTOCOLS, Refused, error_reply  # noqa: F401
@@ -94,6 +101,7 @@ class WebsocketActionClient(RetryingClient):
         self.shm_used = False                     # whether this client sent its arrays through shared memory
         self.last_timings: list[dict[str, Any]] = []
         self._per_frame: int | None = None        # observations per frame
+        self._native = True                       # the server is wamkit (its metadata frame says so)
         self._restart_lock: asyncio.Lock | None = None
 
     # ------------------------------------------------------------------ connections
@@ -207,7 +215,9 @@ class WebsocketActionClient(RetryingClient):
 
     async def max_request_size(self) -> int:
         if self._per_frame is None:
-            caps = (await self.metadata()).get("capabilities") or {}
+            md = await self.metadata()
+            caps = md.get("capabilities") or {}
+            self._native = is_wamkit_server(md)
             self._per_frame = self.codec.per_frame(caps)
             if self.shm_arrays and caps.get("shm_arrays") and shm_available():
                 from wamkit.protocol.shm import ShmSlots
@@ -218,8 +228,13 @@ class WebsocketActionClient(RetryingClient):
             self._max_request = self._per_frame if self._per_frame > 1 else self.max_connections
         return int(self._max_request)
 
-    def plan(self, observations: Sequence[Observation], per_frame: int) -> list[list[int]]:
-        """Indices of each frame: observations with the same cameras/shapes/state length, at most per_frame."""
+    def plan(self, observations: Sequence[Observation], per_frame: int, seeds: Sequence[int] | None = None
+             ) -> list[list[int]]:
+        """Indices of each frame: observations with the same cameras/shapes/state length, at most per_frame (to a
+        server that is not wamkit, over sglang-ws: plan_sglang_requests, which needs the seeds)."""
+        if self.protocol == "sglang-ws" and not self._native:
+            return plan_sglang_requests(observations, seeds if seeds is not None else [0] * len(observations),
+                                        per_frame)
         if per_frame <= 1:
             return [[i] for i in range(len(observations))]
         groups: dict[tuple, list[int]] = {}
@@ -237,7 +252,7 @@ class WebsocketActionClient(RetryingClient):
         params = {**self.parameters, **(parameters or {})}
         rad = params.get("raw_action_dim", self.raw_action_dim)
         await self.max_request_size()
-        plan = self.plan(observations, self._per_frame or 1)
+        plan = self.plan(observations, self._per_frame or 1, seeds)
         timings: list[dict[str, Any]] = []
         results = await asyncio.gather(*(self._send([observations[i] for i in idx], [seeds[i] for i in idx],
                                                     params, rad, timings) for idx in plan))
@@ -252,7 +267,7 @@ class WebsocketActionClient(RetryingClient):
 
     async def _send(self, obs: list[Observation], seeds: list[int], params: dict[str, Any], rad: int | None,
                     timings: list[dict[str, Any]]) -> np.ndarray:
-        body, rid = self.codec.body(obs, seeds, params, self.send_seed)
+        body, rid = self.codec.body(obs, seeds, params, self.send_seed, self._native)
         slots = self._slots
         if slots is None:
             frame = packb(body)

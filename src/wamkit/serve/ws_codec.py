@@ -4,7 +4,12 @@ reply decodes, how a refusal reads, which route and auth scheme the server expec
 - `openpi`: one observation per frame (openpi's observation dict, plus ``seed``), reply ``{"actions": (H, D)}``;
   route /openpi/policy; ``Authorization: Api-Key <key>``.
 - `sglang-ws`: SGLang's ``/v1/actions/realtime``: action requests, envelope replies; several observations per frame
-  when the server's metadata says ``capabilities.batch_inputs``; ``Authorization: Bearer <token>``.
+  when the server's metadata says ``capabilities.batch_inputs``; ``Authorization: Bearer <token>``. wamkit's own
+  request forms (several cameras and states per frame, a list of seeds) go only to a wamkit server (its metadata
+  says so); any other server gets SGLang's (wamkit.protocol.sglang.build_sglang_observation_request).
+- Error replies: SGLang (both routes) and openpi answer a failed request with a Python traceback (SGLang's
+  ``{"error": traceback}``, openpi's text frame): read as its last line (``ValueError: ...``), a client error (400,
+  not retried) for ValueError / TypeError / KeyError, as SGLang's HTTP route answers a ValueError with 400, else 500.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import numpy as np
 from wamkit.core.types import Observation
 from wamkit.protocol import parse_response
 from wamkit.protocol.openpi import build_ws_request, decode_openpi_actions, observation_to_openpi, packb
+from wamkit.protocol.sglang import build_sglang_observation_request
+
+CLIENT_EXCEPTIONS = ("ValueError", "TypeError", "KeyError")   # a traceback ending in one of these: the request's fault
 
 
 class Refused(Exception):
@@ -27,6 +35,19 @@ class Refused(Exception):
         self.status, self.retry_after = status, retry_after
 
 
+def text_refusal(text: str) -> Refused:
+    """An error sent as text (openpi's text frame, SGLang's {"error": traceback}) -> Refused: a Python traceback
+    is read as its last line, the exception (400 for CLIENT_EXCEPTIONS, else 500); other text as it is (500)."""
+    lines = [x.strip() for x in text.strip().splitlines() if x.strip()]
+    if not lines:
+        return Refused("the server answered an empty error", 500)
+    if not lines[0].startswith("Traceback"):
+        return Refused(text.strip()[-2000:], 500)
+    last = lines[-1][:500]
+    exc = last.split(":", 1)[0].rsplit(".", 1)[-1]
+    return Refused(last, 400 if exc in CLIENT_EXCEPTIONS else 500)
+
+
 def error_reply(reply: Any) -> Refused | None:
     """A reply that reports an error -> Refused (wamkit: the HTTP error body; openpi: a text frame, usually a
     traceback; SGLang: {"error": traceback})."""
@@ -34,7 +55,7 @@ def error_reply(reply: Any) -> Refused | None:
         try:
             reply = json.loads(reply)
         except ValueError:
-            return Refused(reply.strip()[-2000:], 500)
+            return text_refusal(reply)
         if not isinstance(reply, dict):
             return Refused(str(reply)[:2000], 500)
     err = reply.get("error")
@@ -44,7 +65,7 @@ def error_reply(reply: Any) -> Refused | None:
         code = err.get("code")
         return Refused(str(err.get("message") or reply.get("detail") or err), int(code) if isinstance(code, int)
                        else 500, err.get("retry_after_s"))
-    return Refused(str(err)[-2000:], 500)
+    return text_refusal(str(err))
 
 
 class OpenpiCodec:
@@ -56,14 +77,14 @@ class OpenpiCodec:
         return 1
 
     def body(self, obs: Sequence[Observation], seeds: Sequence[int], params: dict[str, Any],
-             send_seed: bool) -> tuple[dict[str, Any], str]:
-        """(frame body, request id) for one observation (packb makes the frame)."""
+             send_seed: bool, native: bool = True) -> tuple[dict[str, Any], str]:
+        """(frame body, request id) for one observation (packb makes the frame); the same for any server."""
         return observation_to_openpi(obs[0], seeds[0] if send_seed else None), ""
 
     def encode(self, obs: Sequence[Observation], seeds: Sequence[int], params: dict[str, Any],
-               send_seed: bool) -> tuple[bytes, str]:
+               send_seed: bool, native: bool = True) -> tuple[bytes, str]:
         """(frame, request id) for one observation."""
-        body, rid = self.body(obs, seeds, params, send_seed)
+        body, rid = self.body(obs, seeds, params, send_seed, native)
         return packb(body), rid
 
     def decode(self, reply: dict[str, Any], raw_action_dim: int | None, n: int) -> tuple[np.ndarray, dict[str, Any]]:
@@ -81,13 +102,18 @@ class SglangWsCodec:
         return int(capabilities["max_batch_size"]) if batched else 1
 
     def body(self, obs: Sequence[Observation], seeds: Sequence[int], params: dict[str, Any],
-             send_seed: bool) -> tuple[dict[str, Any], str]:
-        body = build_ws_request(obs, seeds, params)
+             send_seed: bool, native: bool = True) -> tuple[dict[str, Any], str]:
+        """native (a wamkit server): wamkit's forms; else SGLang's (the observations share one seed: the client
+        planned them with plan_sglang_requests)."""
+        if native:
+            body = build_ws_request(obs, seeds, params)
+        else:
+            body = build_sglang_observation_request(obs, seeds[0], params, "array")
         return body, body["request_id"]
 
     def encode(self, obs: Sequence[Observation], seeds: Sequence[int], params: dict[str, Any],
-               send_seed: bool) -> tuple[bytes, str]:
-        body, rid = self.body(obs, seeds, params, send_seed)
+               send_seed: bool, native: bool = True) -> tuple[bytes, str]:
+        body, rid = self.body(obs, seeds, params, send_seed, native)
         return packb(body), rid
 
     def decode(self, reply: dict[str, Any], raw_action_dim: int | None, n: int) -> tuple[np.ndarray, dict[str, Any]]:
