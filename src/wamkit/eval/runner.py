@@ -9,7 +9,6 @@ import itertools
 import json
 import logging
 import os
-import statistics
 import time
 import uuid
 from pathlib import Path
