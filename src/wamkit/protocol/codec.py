@@ -172,7 +172,8 @@ def decode_body(body: bytes, content_type: str | None, max_depth: int = DecodeLi
         except msgpack.StackError:
             raise ProtocolError("", f"body is nested deeper than {max_depth} levels") from None
         except Exception as e:  # msgpack raises several types (ExtraData, FormatError, ValueError...)
-            raise ProtocolError("", f"body is not valid msgpack ({type(e).__name__}: {str(e)[:200]})") from None
+            why = str(e)[:200] or "a byte that begins no msgpack value"   # FormatError says nothing (0xc1)
+            raise ProtocolError("", f"body is not valid msgpack ({type(e).__name__}: {why})") from None
     else:
         ct = (content_type or "").lower()
         if ct and "json" not in ct:
