@@ -253,6 +253,8 @@ def test_report_goes_on_without_a_cut_timeline(tmp_path):
     tl = Timeline(0.0)
     tl.add("env/0", "sim", 0.0, 0.5)
     tl.save(out / "timeline.json")
+    (out / "timeline.png").write_bytes(b"an older picture")
+    os.utime(out / "timeline.png", (1, 1))                 # drawn before the JSON was (re)written and cut
     (out / "timeline.json").write_text((out / "timeline.json").read_text()[:20])
     buf = io.StringIO()
     print_report(out, Console(file=buf, width=200, force_terminal=False))

@@ -289,6 +289,9 @@ def test_openpi_frames_carry_parameters_as_sglang_reads_them(rnd):
         assert (err["code"], err["path"]) == (400, "action_horizn")
         ws.send_bytes(sg_pack({**frame, "num_inference_steps": "many"}))
         assert json.loads(ws.receive_text())["error"]["path"] == "num_inference_steps"
+        ws.send_bytes(sg_pack({**frame, "action_horizon": 100}))   # refused by the policy's check: the frame's key
+        err = json.loads(ws.receive_text())["error"]
+        assert (err["code"], err["path"]) == (422, "action_horizon"), err
     from wamkit.protocol.openpi import openpi_request
 
     req = openpi_request({"image": img(0), "num_frames": 9}, DecodeLimits())
@@ -449,3 +452,50 @@ def test_a_fresh_server_exposes_every_counter_at_zero():
     for name in ("requests", "observations", "batches", "rejected_busy", "decode_unexpected", "body_timeouts",
                  "ws_connections", "closed_header_timeout", "closed_connection_cap", "closed_websocket_cap"):
         assert [s.value for s in fams[f"wamkit_{name}"].samples] == [0], name
+
+
+# ------------------------------------------------------------------------------ review of session 32
+def test_a_long_dtype_string_is_refused_before_numpy_parses_it():
+    """numpy took seconds (holding the GIL) to parse a multi-MB structured dtype sent as a numpy-scalar marker."""
+    import time
+
+    import msgpack
+
+    from wamkit.protocol import ProtocolError, decode_body
+    from wamkit.protocol.limits import MAX_DTYPE_CHARS, parse_dtype
+
+    body = msgpack.packb({"parameters": {"seed": {b"__npgeneric__": True, b"data": 7, b"dtype": "i8," * 500_000}}},
+                         use_bin_type=True)
+    t0 = time.perf_counter()
+    with pytest.raises(ProtocolError) as ei:
+        decode_body(body, "application/msgpack")
+    assert ei.value.path == "parameters.seed" and time.perf_counter() - t0 < 1.0
+    with pytest.raises(ValueError, match=f"at most {MAX_DTYPE_CHARS}"):
+        parse_dtype("<f4," * 20)
+    assert parse_dtype("<f4") == np.float32
+
+
+def test_observation_cameras_join_the_top_level_images_as_sglang_merges_them():
+    from wamkit.protocol import ProtocolError
+    from wamkit.protocol.messages import parse_request
+
+    im = img(1)[:8, :8]
+    r = parse_request({"input": {"observation": {"observation.images.wrist": im}, "images": {"image": im}}})
+    assert sorted(r.observations[0].images) == ["image", "wrist"]          # input.images dropped the wrist camera
+    r = parse_request({"input": {"observation": {"images": {"a": im}}, "images": {"b": im}}})
+    assert sorted(r.observations[0].images) == ["b"]                       # input.images replaces the observation's
+    with pytest.raises(ProtocolError) as ei:
+        parse_request({"input": {"observation": {"observation.images.wrist": im}, "image": im}})
+    assert ei.value.path == "input.observation.observation.images.wrist" and "input.image" in str(ei.value)
+
+
+def test_sglang_form_requests_carry_the_images_size_as_build_sglang_request_does():
+    """Without height/width SGLang's Cosmos3 resizes and crops every image to 480x832: the clients' SGLang forms
+    (mode=wamkit against another server, sglang-ws) preprocessed otherwise than mode=sglang."""
+    from wamkit.core.types import Observation
+    from wamkit.protocol.sglang import build_sglang_observation_request
+
+    o = Observation(images={"image": np.zeros((6, 10, 3), np.uint8)}, state=None, task="t")
+    assert build_sglang_observation_request([o, o], 5, {}, "array")["parameters"] == {"height": 6, "width": 10,
+                                                                                      "seed": 5}
+    assert build_sglang_observation_request([o], 5, {"height": 4}, "array")["parameters"]["height"] == 4

@@ -127,7 +127,8 @@ def draw_timeline(out: str | Path) -> Path | None:
         return None
     if not png.exists() or png.stat().st_mtime < tl.stat().st_mtime:
         timeline = readable_timeline(out)
-        if timeline is None:
+        if timeline is None:   # a picture older than the JSON shows some other timeline: not embedded as this one
+            png.unlink(missing_ok=True)
             return None
         timeline.draw(png)
     return png

@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 
 from wamkit.protocol.errors import ProtocolError
-from wamkit.protocol.limits import INT_MAX, INT_MIN, DecodeLimits
+from wamkit.protocol.limits import INT_MAX, INT_MIN, DecodeLimits, parse_dtype
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
@@ -99,8 +99,8 @@ def _npgeneric_value(v: dict, parts: tuple) -> Any:
     if isinstance(dtype, (bytes, bytearray)):
         dtype = bytes(dtype).decode("ascii", "replace")
     try:
-        kind = np.dtype(dtype).kind if isinstance(dtype, str) else None
-    except (TypeError, ValueError, SyntaxError):
+        kind = parse_dtype(dtype).kind if isinstance(dtype, str) else None
+    except ValueError:
         kind = None
     want = {"b": (bool,), "i": (int,), "u": (int,), "f": (int, float)}.get(kind or "")
     if want is None or type(data) not in want:

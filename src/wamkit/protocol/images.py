@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from wamkit.protocol.errors import ProtocolError
-from wamkit.protocol.limits import MAX_SIDE, DecodeLimits, ImageBudget
+from wamkit.protocol.limits import MAX_SIDE, DecodeLimits, ImageBudget, parse_dtype
 
 ENCODED_FORMATS = ("PNG", "JPEG")           # the only encoded image formats decoded (PIL is asked for no other)
 _PNG_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA")   # 8-bit modes: at most 4 bytes a pixel before RGB
@@ -51,8 +51,8 @@ def _check_dtype(dtype: Any, path: str) -> None:
     if not isinstance(dtype, str):
         raise ProtocolError(path + ".dtype", f"expected a dtype string, got {type(dtype).__name__}")
     try:
-        dt = np.dtype(dtype)
-    except (TypeError, ValueError, SyntaxError):
+        dt = parse_dtype(dtype)
+    except ValueError:
         raise ProtocolError(path + ".dtype", f"unknown dtype {dtype[:40]!r}") from None
     if dt != np.uint8:
         raise ProtocolError(path + ".dtype", f"images must be uint8, got {dtype!r}")

@@ -6,11 +6,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from wamkit.protocol.errors import ProtocolError
 
 MAX_SIDE = 8192                  # no image side may exceed this, whatever the pixel cap
 MAX_DIM = 2 ** 31 - 1            # any declared array dimension
 INT_MIN, INT_MAX = -(2 ** 63), 2 ** 64 - 1   # integers anywhere in a body (what msgpack can carry)
+MAX_DTYPE_CHARS = 32             # a dtype string from the network ('<f4', 'uint8'); numpy parses long ones slowly
+
+
+def parse_dtype(dtype: str) -> np.dtype:
+    """np.dtype of a dtype string from the network; ValueError for one longer than MAX_DTYPE_CHARS (numpy took
+    seconds, holding the GIL, over a multi-MB structured-dtype string) or one numpy does not know."""
+    if len(dtype) > MAX_DTYPE_CHARS:
+        raise ValueError(f"a dtype string of {len(dtype)} characters (at most {MAX_DTYPE_CHARS})")
+    try:
+        return np.dtype(dtype)
+    except (TypeError, ValueError, SyntaxError) as e:   # numpy parses some strings as Python (SyntaxError)
+        raise ValueError(str(e)) from None
 
 
 @dataclass(frozen=True)

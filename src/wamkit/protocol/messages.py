@@ -15,7 +15,7 @@ Request (SGLang's fields; wamkit extensions marked +)::
 
 As SGLang reads it: `input.observation` is the base and `input.task/prompt/image/images/state` override it; without
 `action_horizon`, `num_frames` gives it (num_frames - 1); integer parameters and the seed may be integral floats or
-text ("7"); `action_mode` and the runtime formats are read case-insensitively; no seed means DEFAULT_SEED (42).
+text ("7"), as SGLang's Cosmos3 path reads them (int(...)); `action_mode` and the runtime formats are read case-insensitively; no seed means DEFAULT_SEED (42).
 
 Response (envelope)::
 
@@ -48,7 +48,7 @@ import numpy as np
 from wamkit.core.types import Observation
 from wamkit.protocol.errors import ProtocolError
 from wamkit.protocol.images import decode_image, encode_image
-from wamkit.protocol.limits import MAX_DIM, DecodeLimits, ImageBudget, check_count
+from wamkit.protocol.limits import MAX_DIM, DecodeLimits, ImageBudget, check_count, parse_dtype
 
 DEFAULT_CAMERA = "image"  # camera key of SGLang's single `image` field (LeRobot LIBERO: agentview)
 OBJECT = "action.generation"
@@ -193,8 +193,8 @@ def _decode_float_array(value: Any, path: str) -> np.ndarray:
         if dtype is not None and not isinstance(dtype, str):
             raise ProtocolError(path + ".dtype", f"expected a dtype string, got {type(dtype).__name__}")
         try:
-            dt = np.dtype(dtype or "float32")
-        except (TypeError, ValueError, SyntaxError):
+            dt = parse_dtype(dtype or "float32")
+        except ValueError:
             raise ProtocolError(path + ".dtype", f"unknown dtype {dtype[:40]!r}") from None
         if dt.kind not in "fiu" or dt.itemsize > 8:
             raise ProtocolError(path + ".dtype", f"expected a numeric dtype of at most 8 bytes, got {dtype!r}")
@@ -264,7 +264,8 @@ def _field(prefix: str, name: str) -> str:
 
 def as_int(v: Any, path: str) -> int:
     """An integer as SGLang's int(...) takes it: an int, an integral float (7.0) or integral text ("7"); not a
-    bool, 7.5 or "7.5" (SGLang would truncate 7.5 to 7: refused here, naming the field)."""
+    bool, 7.5 or "7.5" (SGLang's int() would truncate 7.5 to 7, and refuses "7.5": both refused here, naming the
+    field)."""
     if _is_int(v):
         return int(v)
     if isinstance(v, float) and math.isfinite(v) and v.is_integer():
@@ -396,6 +397,7 @@ class _Input:
         self.images_list: tuple[Any, str] | None = None
         self.task: tuple[str, Any, str] | None = None         # (field name, value, path)
         self.state: tuple[Any, str] | None = None
+        self.prefixed: dict[str, tuple[Any, str]] = {}       # input.observation's observation.images.<camera>
 
 
 def _refuse_sglang_only(d: dict, path: str) -> None:
@@ -456,11 +458,7 @@ def _read_observation(inp: _Input, obs: Any, path: str) -> None:
             raise ProtocolError(f"{path}.{k}", f"unknown field; valid fields: {', '.join(sorted(INPUT_NAMES))}, "
                                                f"observation.images.<camera>, observation.state")
     _read_fields(inp, plain, path)
-    if cams:
-        if inp.images_list is not None:
-            raise ProtocolError(f"{path}.images", "a list of {camera: image} cannot be combined with "
-                                                  "observation.images.<camera> keys")
-        inp.cameras = {**(inp.cameras or {}), **cams}
+    inp.prefixed = cams   # kept apart: as SGLang, an input.images replaces the observation's images, not these
 
 
 def _collect_input(inp_body: dict) -> _Input:
@@ -479,6 +477,11 @@ def _collect_input(inp_body: dict) -> _Input:
             inp.single = top.single
         if top.cameras is not None or top.images_list is not None:
             inp.cameras, inp.images_list = top.cameras, top.images_list
+    if inp.prefixed:   # observation.images.<camera> join the images (and win over a camera of the same name)
+        if inp.images_list is not None:
+            raise ProtocolError(inp.images_list[1], "a list of {camera: image} cannot be combined with "
+                                                    "input.observation's observation.images.<camera> keys")
+        inp.cameras = {**(inp.cameras or {}), **inp.prefixed}
     return inp
 
 
@@ -521,8 +524,8 @@ def _list_frames(imgs: list, path: str, limits: DecodeLimits, budget: ImageBudge
 def _decode_frames(inp: _Input, limits: DecodeLimits, budget: ImageBudget) -> list[dict]:
     has_images = inp.cameras is not None or inp.images_list is not None
     if inp.single is not None and has_images:
-        where = inp.images_list[1] if inp.images_list is not None else "input.images"
-        raise ProtocolError(where, f"send either input.{inp.single[0]} or input.images, not both")
+        where = inp.images_list[1] if inp.images_list is not None else next(iter(inp.cameras.values()))[1]
+        raise ProtocolError(where, f"send either input.{inp.single[0]} or cameras by name ({where}), not both")
     if inp.single is not None:
         name, value, path = inp.single
         return [{DEFAULT_CAMERA: a} for a in _decode_image_list(value, path, budget)]

@@ -188,8 +188,10 @@ def build_sglang_observation_request(observations: Sequence[Observation], seed: 
     if n == 1 and state is not None:
         state = np.ascontiguousarray(state, np.float32)
         inp["state"] = state if encoding == "array" else state.tolist()
-    return {"request_id": request_id or f"req_{uuid.uuid4().hex[:16]}", "input": inp,
-            "parameters": {**parameters, "seed": int(seed)},
+    h, w = np.shape(next(iter(observations[0].images.values())))[:2]
+    params = {"height": int(h), "width": int(w), **parameters, "seed": int(seed)}   # as build_sglang_request: else
+    return {"request_id": request_id or f"req_{uuid.uuid4().hex[:16]}", "input": inp,   # SGLang resizes to 480x832
+            "parameters": params,
             "runtime": {"response_format": "envelope", "output_format": "list" if encoding == "png" else "numpy"}}
 
 

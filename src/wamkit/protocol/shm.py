@@ -39,6 +39,7 @@ import numpy as np
 
 from wamkit.core.shm_names import SHM_DIR, owned_name, sweep_orphans
 from wamkit.protocol.errors import ProtocolError
+from wamkit.protocol.limits import parse_dtype
 
 PREFIX = "wamkit-shm-"
 MARKER = "__shm__"
@@ -215,8 +216,8 @@ class ShmReader:
         if not isinstance(dtype, str):
             raise ProtocolError(path + ".dtype", f"expected a dtype string such as '<f4', got {type(dtype).__name__}")
         try:
-            dt = np.dtype(dtype)
-        except (TypeError, ValueError, SyntaxError):   # numpy parses some strings as Python (SyntaxError)
+            dt = parse_dtype(dtype)
+        except ValueError:
             raise ProtocolError(path + ".dtype", f"unknown dtype {dtype[:40]!r}") from None
         if dt.kind not in "biuf":
             raise ProtocolError(path + ".dtype", f"arrays of dtype {dt} are not accepted")

@@ -73,8 +73,10 @@ def _parse(body: dict[str, Any], limits: DecodeLimits) -> tuple[ActionRequest, b
 
 def _openpi_path(path: str) -> str:
     """A field path of the HTTP request form -> the openpi observation key (input.images[0].wrist_image ->
-    observation/wrist_image, input.state[0].shape -> observation/state.shape)."""
-    for http, openpi in (("input.images[0].", "observation/"), ("input.state[0]", "observation/state")):
+    observation/wrist_image, input.state[0].shape -> observation/state.shape, parameters.action_horizon ->
+    action_horizon: a frame carries its parameters as keys of its own)."""
+    for http, openpi in (("input.images[0].", "observation/"), ("input.state[0]", "observation/state"),
+                         ("parameters.", "")):
         if path.startswith(http):
             return openpi + path[len(http):]
     return path
