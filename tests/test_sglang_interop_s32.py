@@ -499,3 +499,13 @@ def test_sglang_form_requests_carry_the_images_size_as_build_sglang_request_does
     assert build_sglang_observation_request([o, o], 5, {}, "array")["parameters"] == {"height": 6, "width": 10,
                                                                                       "seed": 5}
     assert build_sglang_observation_request([o], 5, {"height": 4}, "array")["parameters"]["height"] == 4
+
+
+def test_metadata_model_path_is_an_export_directory_only(tmp_path, monkeypatch):
+    """A registered name ("random") reported a model_path where the server's working directory had a folder of that
+    name."""
+    from wamkit.serve.metadata import model_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "random").mkdir()
+    assert model_path("random") is None

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from wamkit.policies.base import PolicySpec
+from wamkit.policies.manifest import is_export_dir
 from wamkit.protocol.messages import DEFAULT_SEED
 
 
@@ -18,7 +19,7 @@ def default_steps(spec: PolicySpec) -> int | None:
 
 def model_path(policy: str) -> str | None:
     """The export directory the policy was loaded from (SGLang's model_path), None for a registered name."""
-    return str(Path(policy).resolve()) if Path(policy).is_dir() else None
+    return str(Path(policy).resolve()) if is_export_dir(policy) else None   # (a folder named like a policy: not one)
 
 
 def metadata_of(srv: Any) -> dict[str, Any]:
