@@ -14,7 +14,8 @@ def names_footer() -> str:
     from wamkit.policies.registry import policy_names
 
     return (f"env: {' | '.join(env_names())}\n"
-            f"policy: {' | '.join(policy_names())} | a directory written by `wamkit export`\n"
+            f"policy: {' | '.join(policy_names())} | package.module:Class (your own: docs/models.md, \"Bring "
+            f"your own model\") | a directory written by `wamkit export`\n"
             "example: wamkit eval env=libero suite=libero_object tasks=0,1 trials=2 policy=zero out=runs/x")
 
 

@@ -1,9 +1,11 @@
 """`wamkit serve [config.yaml] policy=NAME port=P max_batch_size=N max_wait_ms=MS max_wait_fraction=F token=...
 policy_args.k=v ...`
 
-Runs the action server (wamkit.serve.app) on uvicorn. SIGTERM / Ctrl-C: stop accepting, finish in-flight work, exit.
-The token may also come from the environment variable WAMKIT_TOKEN. A host other than loopback needs a token (or
-allow_insecure=true); a port in use is one line and exit code 2. Limits and timeouts: docs/serving.md."""
+Runs the action server (wamkit.serve.app) on uvicorn. policy= is a registered name, `package.module:Class` (a
+module on PYTHONPATH or in the current directory) or an export directory. SIGTERM / Ctrl-C: stop accepting, finish
+in-flight work, exit. The token may also come from the environment variable WAMKIT_TOKEN. A host other than loopback
+needs a token (or allow_insecure=true); a port in use is one line and exit code 2. Limits and timeouts:
+docs/serving.md."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ def help_text(argv: list[str]) -> str:
     from wamkit.policies.registry import policy_names
 
     return config_help(ServeConfig, "usage: wamkit serve [config.yaml] [key=value ...]", __doc__,
-                       f"policy: {' | '.join(policy_names())} | a directory written by `wamkit export`\n"
+                       f"policy: {' | '.join(policy_names())} | package.module:Class (your own: docs/models.md, "
+                       f"\"Bring your own model\") | a directory written by `wamkit export`\n"
                        "routes: docs/serving.md (GET /metrics: JSON; Prometheus text at /metrics/prometheus)")
 
 

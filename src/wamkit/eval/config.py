@@ -72,7 +72,10 @@ class EvalConfig:
     tasks: list[int] | None = None          # task ids; None = every task of the suite
     trials: int = 50                        # init states per task: trial = init-state index 0..trials-1
     trial_start: int = 0                    # first init-state index (trials trial_start..trial_start+trials-1)
-    policy: str = "zero"                    # registered policy name or a directory written by `wamkit export`
+    policy: str = "zero"                    # registered policy name, package.module:Class (your own policy class:
+                                            # docs/models.md) or a directory written by `wamkit export`; with
+                                            # server.url the policy that server serves is evaluated (recorded from
+                                            # its metadata: summary served_policy)
     policy_args: dict[str, Any] = field(default_factory=dict)  # policy constructor keys, e.g. policy_args.size=tiny
     horizon: int | None = None              # actions per chunk; None = the policy's / env's default
     max_steps: int | None = None            # None = the suite's standard max steps

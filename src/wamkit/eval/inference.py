@@ -1,16 +1,24 @@
 """Where action chunks come from during an evaluation: the policy in this process, or an action server over HTTP.
 
 Both are asynchronous: `await predict(observations, seeds)` never blocks the scheduler's event loop, and several
-calls may be in flight. Every call records a span on the timeline (request in flight; server computing)."""
+calls may be in flight. Every call records a span on the timeline (request in flight; server computing). Every
+answer is held to the rules of wamkit.policies.checks (shape, dtype, finite; a chunk longer than the horizon cut to
+it, a shorter one refused): the same rules `wamkit serve` applies to what its policy returns, so an evaluation runs
+the same actions whatever `inference=` says."""
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -19,7 +27,25 @@ from wamkit.core.errors import RunError, UserError
 from wamkit.core.types import Observation
 from wamkit.eval.timeline import Timeline
 from wamkit.policies.base import RemoteCodec
+from wamkit.policies.checks import PolicyOutputError, check_chunks, env_problem, policy_label, read_only
 from wamkit.protocol.messages import observation_key
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Inference", "InProcessInference", "ServerInference", "PolicyOutputError", "PolicyFailed",
+           "check_actions"]
+
+
+def _same_served(a: dict, b: dict) -> bool:
+    """Two servers' (or a server's and a resumed run's) served policies agree: the same name, and the same export
+    directory where both say which (a server that does not say, an older one, is not held against the other)."""
+    paths = (a.get("model_path"), b.get("model_path"))
+    return a.get("name") == b.get("name") and (None in paths or paths[0] == paths[1])
+
+
+class PolicyFailed(RunError):
+    """The policy raised in predict (in this process): one line naming it, the episode(s) and the resume hint."""
+
 
 class Inference(abc.ABC):
     max_request_size: int = 64   # the most observations one predict() may carry (the server's max batch size)
@@ -32,9 +58,41 @@ class Inference(abc.ABC):
     def __init__(self, timeline: Timeline | None = None):
         self.timeline = timeline
         self.action_dim: int | None = None   # the envs' (set by the runner): each chunk's last axis is checked against it
+        self.horizon: int | None = None      # the chunk length asked for (`horizon=`), None: the policy's own
         self.observations = 0
         self.requests = 0
         self.latencies: list[tuple[int, float]] = []   # (batch size, seconds) of every call
+        self._plan: tuple[list, int, int] | None = None   # (episodes, seed, max steps): naming episodes in errors
+
+    def prepare(self, env_spec, horizon: int | None = None, episodes: Sequence = (), seed: int = 0) -> None:
+        """What the run knows before any episode (the runner calls it once the envs are up): the envs' spec (action
+        dim, cameras, state), the horizon asked for, and the episodes to run with the run's seed (an error names the
+        episode an observation belongs to: policy seeds are a function of (episode, env step), eval/plan.py)."""
+        self.action_dim = int(env_spec.action_dim)
+        self.horizon = None if horizon is None else int(horizon)
+        self._plan = (list(episodes), int(seed), int(getattr(env_spec, "max_steps", 0) or 0))
+
+    def episodes_of(self, seeds: Sequence[int]) -> str:
+        """'episode mt/0/1 (env step 8)' (or several) for the observations of `seeds`; '' where it cannot be told."""
+        if not self._plan or not self._plan[0]:
+            return ""
+        from wamkit.eval.plan import step_seed
+
+        episodes, base, max_steps = self._plan
+        want = {int(s) for s in seeds}
+        found: dict[int, str] = {}
+        for step in range(max_steps + 1):            # step 0 first: most failures happen on an episode's first call
+            for ep in episodes:
+                s = step_seed(base, ep, step)
+                if s in want and s not in found:
+                    found[s] = f"{ep.key} (env step {step})"
+            if len(found) == len(want):
+                break
+        names = [found[int(s)] for s in seeds if int(s) in found]
+        if not names:
+            return ""
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return f"episode{'s' if len(names) > 1 else ''} {shown}"
 
     async def start(self) -> None:  # noqa: B027
         pass
@@ -46,10 +104,16 @@ class Inference(abc.ABC):
     async def _predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
         ...
 
+    def _horizon_rule(self) -> tuple[int | None, str]:
+        """(the chunk length every answer is cut to or refused below, how the message names it); None: not checked
+        here (the server path holds its answers to `horizon=` itself)."""
+        return None, ""
+
     async def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
         t0 = time.time()
+        horizon, horizon_name = self._horizon_rule()
         out = check_actions(await self._predict(observations, seeds), len(observations), self.action_dim,
-                            self.describe())
+                            self.describe(), horizon=horizon, horizon_name=horizon_name)
         t1 = time.time()
         self.observations += len(observations)
         self.requests += 1
@@ -58,35 +122,74 @@ class Inference(abc.ABC):
             self.timeline.add("request", "request", t0, t1, len(observations))
         return out
 
+    def waiting_text(self) -> str:
+        """A note for the progress line while the policy has been computing for long ('' otherwise)."""
+        return ""
 
     def describe(self) -> str:
         """Who answered, for an error message."""
         return f"the policy ({self.name or type(self).__name__})"
 
 
-class PolicyOutputError(RunError):
-    """The policy answered with actions no env can execute: the run stops, saying what was wrong."""
+def check_actions(out, n: int, action_dim: int | None, who: str, horizon: int | None = None,
+                  horizon_name: str = "") -> np.ndarray:
+    """(n, H, action_dim) finite float32 actions, or PolicyOutputError (wamkit.policies.checks.check_chunks, the rule
+    `wamkit serve` applies too): NaN went into the simulator (MuJoCo warned and the episode counted as an ordinary
+    failure: a broken model looked like a 0% success rate), inf was clipped without a word, a wrong shape failed later
+    in an env worker with a long traceback, a short batch as an IndexError in the scheduler. With `horizon`, a longer
+    chunk is cut to it and a shorter one refused."""
+    return check_chunks(out, n, action_dim=action_dim, horizon=horizon, who=who, need="the envs need",
+                        horizon_name=horizon_name)
 
 
-def check_actions(out, n: int, action_dim: int | None, who: str) -> np.ndarray:
-    """(n, H, action_dim) finite float32 actions, or PolicyOutputError: NaN went into the simulator (MuJoCo warned
-    and the episode counted as an ordinary failure: a broken model looked like a 0% success rate), inf was clipped
-    without a word, a wrong shape failed later in an env worker with a long traceback, a short batch as an
-    IndexError in the scheduler."""
-    a = np.asarray(out)
-    if a.ndim != 3 or a.shape[0] != n or a.shape[1] < 1 or (action_dim is not None and a.shape[2] != action_dim):
-        want = f"({n}, H, {action_dim if action_dim is not None else 'action_dim'})"
-        raise PolicyOutputError(f"{who} returned actions of shape {list(a.shape)} for {n} observation(s); the envs "
-                                f"need {want}")
-    if a.dtype.kind not in "fiu":
-        raise PolicyOutputError(f"{who} returned actions of dtype {a.dtype}; the envs need numbers")
-    a = a.astype(np.float32, copy=False)
-    bad = ~np.isfinite(a)
-    if bad.any():
-        rows = np.flatnonzero(bad.reshape(n, -1).any(axis=1))
-        raise PolicyOutputError(f"{who} returned non-finite actions (NaN/inf) for {rows.size} of {n} "
-                                f"observation(s) of a request (the first: observation {int(rows[0])})")
-    return a
+class _DaemonExecutor(concurrent.futures.Executor):
+    """One daemon thread that runs the submitted calls in order. A ThreadPoolExecutor's worker is joined when the
+    interpreter exits, so a predict still running when Ctrl-C or SIGTERM stopped the run held the process until it
+    returned (5 minutes for a probe's slow policy); this thread is not waited for."""
+
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._shutdown = False
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        if self._shutdown:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put((f, fn, args, kwargs))
+        return f
+
+    def _work(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            f, fn, args, kwargs = item
+            if not f.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                f.set_exception(e)
+            else:
+                f.set_result(result)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._shutdown = True
+        if cancel_futures:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    item = self._q.get_nowait()
+                    if item is not None:
+                        item[0].cancel()
+        self._q.put(None)
+        if wait:
+            self._thread.join()
+
+
+WAIT_NOTE_S = 10.0       # a predict running longer than this is named on the progress line
+WAIT_WARN_S = 30.0       # ... and logged (again at 2x, 4x ... this)
 
 
 class InProcessInference(Inference):
@@ -95,27 +198,66 @@ class InProcessInference(Inference):
     batching=(max_batch_size, max_wait_ms) (`inprocess_batching=true`): requests in flight together are merged into
     one policy call by wamkit serve's own DynamicBatcher (idle dispatch: a lone request goes at once; those that come
     while a batch computes leave together after it), with no transport at all; auto then measures the shapes that rely
-    on merging (merges_requests). None: each request is its own call, one after another."""
+    on merging (merges_requests). None: each request is its own call, one after another.
+
+    What the policy gets and returns is checked as `wamkit serve` checks it: the env's cameras and state against
+    policy.spec before any episode (prepare), read-only observation arrays, and every answer by check_actions with
+    the horizon asked for (else spec.action.horizon). An exception in predict stops the run with one line naming the
+    policy and the episode(s); Ctrl-C / SIGTERM do not wait for a predict that is still running; close() closes the
+    policy."""
 
     name = "inprocess"
 
     def describe(self) -> str:
-        return f"the policy ({getattr(getattr(self.policy, 'spec', None), 'name', None) or type(self.policy).__name__})"
+        return policy_label(self.policy)
 
     def __init__(self, policy, timeline: Timeline | None = None, batching: tuple[int, float] | None = None):
         super().__init__(timeline)
         self.policy = policy
         self.max_request_size = int(policy.max_batch_size())
         policy.warmup(self.max_request_size)  # one-off work (e.g. CUDA graphs of every batch size) before any timing
-        # one worker thread: the batcher's own (batching), else this one
-        self._pool = None if batching is not None else ThreadPoolExecutor(1, thread_name_prefix="policy")
+        # one worker thread (a daemon: an interrupted run does not wait for it), also the batcher's (batching)
+        self._pool = _DaemonExecutor("policy")
         self._batching = batching
         self._batcher = None
         self.merges_requests = batching is not None
+        self._busy_since: float | None = None    # monotonic start of the predict computing now
+        self._watch: asyncio.Task | None = None
+        self._closed = False
+
+    @property
+    def spec(self):
+        return getattr(self.policy, "spec", None)
+
+    def prepare(self, env_spec, horizon: int | None = None, episodes: Sequence = (), seed: int = 0) -> None:
+        """Also: what the policy reads is checked against the env (cameras, state length), and a horizon longer than
+        the policy's chunks, before any episode runs: one line (the server answers such requests 422)."""
+        super().prepare(env_spec, horizon, episodes, seed)
+        spec = self.spec
+        if spec is None:
+            return
+        problem = env_problem(spec, tuple(getattr(env_spec, "cameras", ()) or ()),
+                              int(getattr(env_spec, "state_dim", 0) or 0))
+        if problem:
+            raise UserError(problem)
+        if self.horizon is not None and self.horizon > spec.action.horizon:
+            raise UserError(f"horizon={self.horizon} asks {policy_label(self.policy)} for chunks of {self.horizon} "
+                            f"actions; it predicts {spec.action.horizon} (spec.action.horizon)")
+
+    def _horizon_rule(self) -> tuple[int | None, str]:
+        spec = self.spec
+        own = spec.action.horizon if spec is not None else None
+        if self.horizon is not None and self.horizon != own:
+            return self.horizon, f"horizon={self.horizon} asks for {self.horizon}"
+        return own, ""
 
     def _run(self, observations, seeds):
         t0 = time.time()
-        out = self.policy.predict(list(observations), list(seeds))
+        self._busy_since = time.monotonic()
+        try:
+            out = self.policy.predict(read_only(observations), list(seeds))
+        finally:
+            self._busy_since = None
         if self.timeline is not None:
             self.timeline.add("server", "compute", t0, time.time(), len(observations))
         return out
@@ -126,24 +268,93 @@ class InProcessInference(Inference):
 
             max_batch, wait_ms = self._batching
             self._batcher = DynamicBatcher(self._run, min(int(max_batch), self.max_request_size), wait_ms,
-                                           max_queue=1 << 30, idle_dispatch=True)
+                                           max_queue=1 << 30, idle_dispatch=True, executor=self._pool,
+                                           check_output=False)   # Inference.predict checks every answer
             await self._batcher.start()
+        if self._watch is None:
+            self._watch = asyncio.create_task(self._watch_predict())
 
     async def _predict(self, observations, seeds):
-        if self._batcher is not None:
-            actions, _ = await self._batcher.submit(observations, seeds, [observation_key(o) for o in observations])
-            return actions
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._run, observations, seeds)
+        try:
+            if self._batcher is not None:
+                actions, _ = await self._batcher.submit(observations, seeds,
+                                                        [observation_key(o) for o in observations])
+                return actions
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, self._run, observations, seeds)
+        except (PolicyOutputError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the policy's own error: one line naming it and the episode(s)
+            raise self._failure(e, seeds) from None
+
+    def _failure(self, e: Exception, seeds: Sequence[int]) -> Exception:
+        where = self.episodes_of(seeds)
+        tb, at = e.__traceback__, ""
+        while tb is not None:
+            at = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+            tb = tb.tb_next
+        msg = (str(e).splitlines() or [""])[0]
+        what = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+        refused = isinstance(e, UserError)
+        text = (f"{policy_label(self.policy)} {'refused its input' if refused else 'failed in predict'} "
+                f"({what}{at}){' on ' + where if where else ''}; the episodes already recorded are kept: fix it, "
+                f"then run the same command with resume=true")
+        return UserError(text) if refused else PolicyFailed(text)
+
+    def waiting_text(self) -> str:
+        since = self._busy_since
+        if since is None:
+            return ""
+        s = time.monotonic() - since
+        return f"waiting on {policy_label(self.policy)}: predict running for {s:.0f} s" if s >= WAIT_NOTE_S else ""
+
+    async def _watch_predict(self) -> None:
+        """Log a line when one predict runs for long (the progress bar alone looked stuck: '0/1 envs busy')."""
+        warned_at = 0.0
+        while True:
+            await asyncio.sleep(1.0)
+            since = self._busy_since
+            if since is None:
+                warned_at = 0.0
+                continue
+            s = time.monotonic() - since
+            if s >= max(WAIT_WARN_S, 2 * warned_at):
+                warned_at = s
+                log.warning("%s (Ctrl-C stops the run without waiting for it; resume=true continues it)",
+                            self.waiting_text())
 
     async def close(self) -> None:
+        """Stop the batcher and the worker thread without waiting for a predict still running (an interrupted run
+        exits at once; the thread ends with the process), then close the policy if none is."""
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        busy = self._busy_since is not None
         if self._batcher is not None:
-            await self._batcher.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            if busy:
+                self._batcher.abort()
+            else:
+                await self._batcher.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if busy or self._closed:   # closing a policy under a running predict is not safe: the process exit ends it
+            return
+        self._closed = True
+        try:
+            self.policy.close()
+        except Exception as e:  # noqa: BLE001 - the results are written; say it and go on
+            log.warning("%s: close() failed: %s: %s", policy_label(self.policy), type(e).__name__, e)
 
 
 DEFAULT_REQUEST_TIMEOUT_S = 120.0   # server.request_timeout_s when neither it nor the policy names one
+SERVED_FILE = "served_policy.json"   # in out=: the policy the server(s) at server.url served (ServerInference)
+
+
+def _journal_has_records(out: Path) -> bool:
+    try:
+        with open(out / "results.jsonl", "rb") as f:
+            return any(line.strip() for line in f)
+    except OSError:
+        return False
 
 
 class ServerInference(Inference):
@@ -183,6 +394,8 @@ class ServerInference(Inference):
         self.in_flight: list[int] = []           # observations in flight per server
         self.served: list[int] = []              # requests answered per server
         self._next = 0
+        # what the server(s) at server.url serve, from their metadata (None: servers started here run self.policy)
+        self.served_policy: dict[str, Any] | None = None
         self.protocol = resolve_protocol(options, codec)
         check_normalization(options, codec)
 
@@ -221,6 +434,47 @@ class ServerInference(Inference):
         self.in_flight = [0] * len(self.clients)
         self.served = [0] * len(self.clients)
         self.max_request_size = min([await c.max_request_size() for c in self.clients])
+        if self.options.url is not None and not self.attached:
+            await self._record_served(targets)
+
+    async def _record_served(self, targets) -> None:
+        """The policy the server(s) at server.url serve (their metadata: policy_family / model / model_path), for the
+        summary and the report (the run's `policy` key names nothing there), and held to on a resume: OUT/
+        served_policy.json keeps it, and a resume against a server that serves another policy is one line."""
+        served = []
+        for (url, _), c in zip(targets, self.clients):
+            try:
+                md = await c.metadata()
+            except Exception:  # noqa: BLE001 - a server without metadata (it answered max_request_size without)
+                md = {}
+            md = md if isinstance(md, dict) else {}
+            spec = md.get("policy") if isinstance(md.get("policy"), dict) else {}
+            name = md.get("policy_family") or spec.get("name") or md.get("model")
+            served.append({"policy": md.get("model_path") or name, "name": name, "model": md.get("model"),
+                           "model_path": md.get("model_path"), "url": url})
+        if any(not _same_served(s, served[0]) for s in served[1:]):
+            raise UserError("server.url lists servers that serve different policies: "
+                            + ", ".join(f"{s['url']}: {s['policy']}" for s in served))
+        self.served_policy = served[0] if len(served) == 1 else {**served[0], "url": [s["url"] for s in served]}
+        if self.log_dir is None:
+            return
+        from wamkit.core.files import write_atomic
+
+        out = Path(self.log_dir)
+        path = out / SERVED_FILE
+        try:
+            old = json.loads(path.read_text()) if path.exists() and _journal_has_records(out) else None
+        except (OSError, ValueError):
+            old = None
+        if isinstance(old, dict) and not _same_served(old, self.served_policy):
+            raise UserError(f"resume=true but {out} was evaluated against a server serving {old.get('policy')!r}; "
+                            f"server.url now serves {self.served_policy['policy']!r}: evaluate into a new out=")
+        write_atomic(path, json.dumps(self.served_policy, indent=2))
+        cfg_path = out / "config.json"      # the run's config, with what the server served
+        with contextlib.suppress(OSError, ValueError):
+            cfg = json.loads(cfg_path.read_text())
+            if isinstance(cfg, dict):
+                write_atomic(cfg_path, json.dumps({**cfg, "served_policy": self.served_policy}, indent=2))
 
     def _make_client(self, url: str, worker):
         """The transport to one server, by `server.protocol`: an object with the async ActionClient interface

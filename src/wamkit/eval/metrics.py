@@ -8,8 +8,12 @@ from wamkit.core.config import is_number
 
 
 def summarize(records: list[dict[str, Any]], *, wall_s: float, config: dict[str, Any], versions: dict[str, Any],
-              inference_obs: int = 0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """records: per-episode results (success, steps, task_id, ...). Throughput is over this run's wall time."""
+              inference_obs: int = 0, extra: dict[str, Any] | None = None,
+              served_policy: dict[str, Any] | None = None) -> dict[str, Any]:
+    """records: per-episode results (success, steps, task_id, ...). Throughput is over this run's wall time.
+    served_policy: what the server(s) at server.url served (ServerInference.served_policy: policy, name, model,
+    model_path, url): kept as `served_policy`, and the summary's config.policy names it (the run's `policy` key
+    names nothing when the policy runs in a server the evaluation did not start; the report shows config.policy)."""
     records = sorted(records, key=lambda r: (r["suite"], r["task_id"], r["trial"]))
     per_task: dict[str, dict[str, Any]] = {}
     for r in records:
@@ -48,6 +52,10 @@ def summarize(records: list[dict[str, Any]], *, wall_s: float, config: dict[str,
         "config": config,
         "versions": versions,
     }
+    if served_policy:
+        out["served_policy"] = served_policy
+        out["config"] = {**config, "policy": served_policy.get("policy") or config.get("policy"),
+                         "served_policy": served_policy}
     if extra:
         out.update({k: v for k, v in extra.items() if k != "run_id"})
     return out

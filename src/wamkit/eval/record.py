@@ -72,10 +72,9 @@ def record(cfg: RecordConfig, console: Console | None = None) -> dict[str, Any]:
     worker = EnvWorker(cfg.env, kw, index=0)
     from wamkit.core.config import check_options
     from wamkit.envs.base import env_class
-    from wamkit.policies.registry import COMMON_KWARGS, is_export_dir, policy_class
+    from wamkit.policies.registry import check_args
 
-    if not is_export_dir(cfg.policy):       # a misspelled policy_args key: one line before the simulator is built
-        check_options("policy_args", cfg.policy, policy_class(cfg.policy), cfg.policy_args, common=COMMON_KWARGS)
+    check_args(cfg.policy, cfg.policy_args)   # a misspelled key or class path: one line before the simulator starts
     check_options("env_args", cfg.env, env_class(cfg.env), cfg.env_args)
     t_build = time.time()
     if cfg.progress:

@@ -127,11 +127,10 @@ def check_names(cfg: EvalConfig) -> None:
     """Names and option keys, before any process starts: unknown env/policy, or a key that is not one of their
     options (`policy_args.sise`, `env_args.foo`), is one line naming it and the valid choices."""
     from wamkit.core.config import check_options
-    from wamkit.policies.registry import COMMON_KWARGS
+    from wamkit.policies.registry import check_args
 
     check_options("env_args", cfg.env, env_class(cfg.env), env_kwargs(cfg))
-    if not is_export_dir(cfg.policy):
-        check_options("policy_args", cfg.policy, policy_class(cfg.policy), cfg.policy_args, common=COMMON_KWARGS)
+    check_args(cfg.policy, cfg.policy_args)   # names, package.module:Class (checked), export dirs
 
 
 LOCK = ".wamkit-eval.lock"   # in out=: the pid of the evaluation writing there
@@ -302,7 +301,7 @@ def keep_measurements(summary: dict[str, Any], previous: Path) -> dict[str, Any]
         return summary
     if not isinstance(old, dict):
         return summary
-    for key in ("throughput", "scheduler", "run_id"):
+    for key in ("throughput", "scheduler", "run_id", "served_policy"):
         if key in old:
             summary[key] = old[key]
     return summary
@@ -359,7 +358,6 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         spec, tasks = workers[0].spec, workers[0].tasks
         plan = plan_for_tasks(cfg.suite, tasks, cfg.tasks, cfg.trials, cfg.trial_start, f"{cfg.env}/{cfg.suite}")
         _write_config(cfg, out, len(tasks))
-        journal.tidy()   # only now that the resume is accepted: a refused one leaves results.jsonl as it was
         pkw = policy_kwargs(cfg, spec.action_dim)
         policy, codec = None, None
         if cfg.inference == "inprocess" or served_elsewhere(cfg.policy):
@@ -388,6 +386,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                                         worker_factory=server_worker_factory, workers=server_workers, codec=codec,
                                         log_dir=out)
         inference.action_dim = spec.action_dim
+        inference.prepare(spec, cfg.horizon, todo, cfg.seed)   # in-process: the env checked against the policy
         # SGLang batches one prompt per request: requests of one task each unless told otherwise
         sglang = getattr(inference, "protocol", "") == "sglang"
         group = cfg.group_by_task if cfg.group_by_task is not None else sglang
@@ -479,6 +478,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
                 what = (f"first episodes: {busy}/{len(workers)} envs busy"
                         + (" (LIBERO builds a task's scene on its first reset)" if cfg.env == "libero" else "")
                         + f", {inference.requests} requests done")
+                if wait := inference.waiting_text():   # a predict computing for long: say so
+                    what += f"; {wait}"
                 progress.update(bar, rate=what)
                 await asyncio.sleep(0.5)
 
@@ -487,6 +488,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         async def main():
             t_setup = time.time()
             await inference.start()
+            journal.tidy()   # only now that the resume is accepted (its plan, and the server it was evaluated
+            # against): a refused one leaves results.jsonl as it found it
             with frozen_heap(cfg.gc_freeze) as frozen:   # full collections then skip what setup built
                 clock["gc_frozen"] = frozen
                 clock["t0"] = time.time()
@@ -515,6 +518,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         planned = [journal.records[ep.key] for ep in plan if journal.done(ep.key)]   # not records of another plan
         summary = summarize(planned, wall_s=wall, config=to_dict(cfg), versions=versions(),
                             inference_obs=inference.observations,
+                            served_policy=getattr(inference, "served_policy", None),
                             extra={"run_id": run_id, "scheduler": {
                                 "mode": cfg.mode, "num_envs": n_envs, "env_restarts": sched.restarts,
                                 "env_timeouts": sched.env_timeouts, "scene_loads": sched.affinity.loads,

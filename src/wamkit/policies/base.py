@@ -121,11 +121,18 @@ class Policy(abc.ABC):
     def make_config(cls, config: C | None = None, **kwargs) -> C:
         """`config` (or the defaults) with `kwargs` on top, checked and coerced by wamkit.core.config's rules: an
         unknown key is a ConfigError naming it and the valid keys; CLI strings become the field types."""
-        return build_options(cls.config_class, kwargs, config, kind="policy_args", name=cls.name)
+        return build_options(cls.config_class, kwargs, config, kind="policy_args",
+                             name=getattr(cls, "name", "") or cls.__name__)
 
     @abc.abstractmethod
     def predict(self, observations: Sequence[Observation], seeds: Sequence[int]) -> np.ndarray:
-        """(N, horizon, action_dim) float32 action chunks, one per observation, in the env's action space."""
+        """(N, horizon, action_dim) float32 action chunks, one per observation, in the env's action space.
+
+        N = len(observations); horizon and action_dim are spec.action's. What callers accept (policies/checks.py,
+        the same rule in `wamkit serve` and in-process evaluation): a float numpy array (another float dtype or a
+        torch tensor is converted), finite, of that shape; a longer chunk is cut to the horizon, a shorter one, another
+        action dim, NaN/inf or a non-float dtype is refused, naming the policy. The observations' arrays may be
+        read-only: copy before changing them."""
 
     def sft_loss(self, batch: dict[str, Any]):
         from wamkit.core.errors import UserError

@@ -54,6 +54,7 @@ from wamkit.core.lifecycle import ClosingContext
 from wamkit.core.types import Observation
 from wamkit.protocol import (MSGPACK, ProtocolError, build_request, build_sglang_request, check_sglang_request,
                              decode_body, encode_body, parse_response, sglang_parameters)
+from wamkit.protocol.errors import POLICY_OUTPUT_ERROR
 from wamkit.protocol.messages import DEFAULT_CAMERA
 from wamkit.protocol.sglang import build_sglang_observation_request, is_wamkit_server, plan_sglang_requests
 
@@ -241,7 +242,7 @@ class ActionClient(RetryingClient):
                                             f"{r.headers.get('location', '?')}): give the server's own address, "
                                             f"not one that redirects", status, r.content)
                 last = _error_message(r)
-                if status not in RETRY_STATUS:
+                if status not in RETRY_STATUS or _error_type(r) == POLICY_OUTPUT_ERROR:   # the same request fails
                     raise client_error(self.url, f"{method} {path} -> {status}: {last}", status, r.content)
                 last = f"{status}: {last}"
                 retry_after = r.headers.get("retry-after")
@@ -415,6 +416,15 @@ def _count(value: Any, field: str, url: str) -> int:
     if n < 1 or isinstance(value, bool):
         raise ActionClientError(f"{url}/v1/actions/metadata: {field} must be a positive integer, got {value!r}")
     return n
+
+
+def _error_type(r: httpx.Response) -> str | None:
+    """The error layout's `error.type` of an answer, if it has one."""
+    try:
+        e = r.json().get("error")
+        return str(e.get("type")) if isinstance(e, dict) else None
+    except (ValueError, AttributeError):
+        return None
 
 
 def _error_message(r: httpx.Response) -> str:

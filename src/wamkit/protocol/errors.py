@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from wamkit.core.errors import UserError
 
+# error.type of a 500 whose cause is the policy's unusable answer (wrong shape, NaN): the same request fails the same
+# way again, so a client does not retry it
+POLICY_OUTPUT_ERROR = "policy_output_error"
+
 
 class ProtocolError(UserError):
     """A request/response that does not follow the action API contract.

@@ -48,8 +48,11 @@ from starlette.routing import Route
 from wamkit.core.cpu_pinning import torch_threads
 from wamkit.core.errors import UserError
 from wamkit.policies.base import Policy
+from wamkit.policies.catalog import check_built
+from wamkit.policies.checks import PolicyOutputError, observation_problem
 from wamkit.protocol import ProtocolError, build_response, decode_body, encode_body, is_msgpack, parse_request
 from wamkit.protocol.messages import ActionRequest, build_raw_response
+from wamkit.protocol.errors import POLICY_OUTPUT_ERROR
 from wamkit.protocol.sglang import sglang_parameter_refusal
 from wamkit.protocol.shm import ShmReader
 from wamkit.protocol.shm import available as shm_available
@@ -98,7 +101,7 @@ class ActionServer:
         self.replicas = [policy] + [policy.replica() for _ in range(cfg.concurrent_batches - 1)]
         self.batcher = DynamicBatcher([p.predict for p in self.replicas], self.max_batch_size, cfg.max_wait_ms,
                                       cfg.max_queue, self.metrics, max_wait_fraction=cfg.max_wait_fraction,
-                                      idle_dispatch=cfg.idle_dispatch)
+                                      idle_dispatch=cfg.idle_dispatch, check_output=self.spec)
         self.decode_pool = ThreadPoolExecutor(max_workers=cfg.decode_threads, thread_name_prefix="wamkit-decode")
         self._log_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -192,19 +195,9 @@ class ActionServer:
                                                              f"{a.dim}", status=422)
         if p.get("action_dim", a.dim) != a.dim:
             raise ProtocolError("parameters.action_dim", f"this policy's action dim is {a.dim}", status=422)
-        cams = [c for c in self.spec.input.cameras if c]
-        sd = self.spec.input.state_dim
-        for i, o in enumerate(req.observations):
-            for c in cams:
-                if c not in o.images:
-                    raise ProtocolError(f"input.images[{i}].{c}", f"missing camera (policy reads {cams})",
-                                        status=422)
-            if sd:
-                if o.state is None:
-                    raise ProtocolError(f"input.state[{i}]", f"missing (policy reads a {sd}-D state)", status=422)
-                if o.state.shape[0] != sd:
-                    raise ProtocolError(f"input.state[{i}].shape", f"expected [{sd}], got {list(o.state.shape)}",
-                                        status=422)
+        for i, o in enumerate(req.observations):   # the rule in-process evaluation applies too (policies.checks)
+            if (problem := observation_problem(self.spec, o, i)) is not None:
+                raise ProtocolError(*problem, status=422)
 
     def _decode(self, body: bytes, content_type: str) -> ActionRequest:
         try:
@@ -321,6 +314,8 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
             from wamkit.policies import make_policy
 
             policy = make_policy(cfg.policy, **kwargs)
+    else:   # given by the caller (tests, an embedding program): checked as make_policy checks what it builds
+        check_built(policy, cfg.policy)
     if "torch" in sys.modules:  # only policies that use torch have imported it
         import torch
 
@@ -351,7 +346,8 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
                 resp = error_response(422, str(e), "input")
             except Exception as e:  # the policy failed: answer 500, keep serving
                 srv.log_failure(e, "request")
-                resp = error_response(500, f"{type(e).__name__}: {e}")
+                resp = error_response(500, f"{type(e).__name__}: {e}",
+                                      kind=POLICY_OUTPUT_ERROR if isinstance(e, PolicyOutputError) else None)
             except asyncio.CancelledError:
                 if not srv.batcher.closing:   # not uvicorn's end of the graceful shutdown: not ours to answer
                     raise

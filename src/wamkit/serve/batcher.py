@@ -32,7 +32,16 @@
   so an observation arriving while one batch computes need not wait for it (a GPU that one small batch leaves
   mostly idle runs two side by side). Refill is meant for one lane (it counts from the last batch to end).
 - The queue is bounded (max_queue observations): submit raises QueueFull (the server answers 503 + Retry-After).
-- close() stops accepting, runs everything already queued, then stops the worker thread.
+- What predict returns is checked (wamkit.policies.checks.check_chunks, the rule in-process evaluation applies too):
+  (N, H, action_dim) with action_dim and the horizon of the policy's spec (a longer chunk cut to the horizon, a
+  shorter one refused), a float dtype (converted to float32), finite values. Anything else fails the batch with a
+  PolicyOutputError naming the policy and what was wrong (the server answers 500 and keeps serving). The spec is the
+  one of the object each predict callable is bound to (`policy.predict`), or given (check_output=<spec>); False: no
+  check but (N, H, D) (a caller that checks itself).
+- Metrics count what predict ran: a failed batch and each of its requests run again alone are all batches (with
+  their observations); a request's timing is that of the batch that answered it (batch_size: its size).
+- close() stops accepting, runs everything already queued, then stops the worker thread; abort() (an interrupted
+  in-process evaluation) stops at once, without waiting for a batch that computes.
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from wamkit.core.types import Observation
+from wamkit.policies.base import PolicySpec
+from wamkit.policies.checks import check_chunks
 
 
 Predict = Callable[[Sequence[Observation], Sequence[int]], np.ndarray]
@@ -88,13 +99,18 @@ class _Item:
 class DynamicBatcher:
     def __init__(self, predict: Predict | Sequence[Predict], max_batch_size: int,
                  max_wait_ms: float, max_queue: int, metrics: Any = None, max_wait_fraction: float = 0.0,
-                 idle_dispatch: bool = False):
-        """predict: one callable, or one per lane (module doc), each (observations, seeds) -> (N, H, D) actions."""
+                 idle_dispatch: bool = False, check_output: PolicySpec | bool = True, executor: Any = None):
+        """predict: one callable, or one per lane (module doc), each (observations, seeds) -> (N, H, D) actions.
+        check_output: True (default) checks each answer against the spec of the policy its lane's callable is bound
+        to, a PolicySpec against that one, False only its shape (N, H, D). executor: where predict runs (default: a
+        thread per lane, owned and shut down here)."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.lanes: list[Predict] = list(predict) if isinstance(predict, (list, tuple)) else [predict]
         if not self.lanes:
             raise ValueError("the batcher needs at least one predict callable")
+        self._specs: list[PolicySpec | None] = [_spec_of(p, check_output) for p in self.lanes]
+        self._executor = executor
         self._free_lanes = list(range(len(self.lanes)))
         self._running: set[asyncio.Task] = set()
         self.max_batch_size = int(max_batch_size)
@@ -119,7 +135,8 @@ class DynamicBatcher:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._wake = asyncio.Event()
-        self._pool = ThreadPoolExecutor(max_workers=len(self.lanes), thread_name_prefix="wamkit-predict")
+        self._pool = self._executor or ThreadPoolExecutor(max_workers=len(self.lanes),
+                                                          thread_name_prefix="wamkit-predict")
         self._task = asyncio.create_task(self._loop(), name="wamkit-batcher")
 
     def begin_close(self) -> None:
@@ -134,8 +151,24 @@ class DynamicBatcher:
         self.begin_close()
         if self._task is not None:
             await self._task
-        if self._pool is not None:
+        if self._pool is not None and self._executor is None:
             self._pool.shutdown(wait=True)
+
+    def abort(self) -> None:
+        """Stop now (event loop thread): queued requests fail with ShuttingDown, the loop and the batches in flight
+        are cancelled, and a predict still running is not waited for (its thread finishes on its own)."""
+        self._closing = True
+        for t in [self._task, *self._running]:
+            if t is not None and not t.done():
+                t.cancel()
+        for dq in self._groups.values():
+            for it in dq:
+                if not it.req.future.done():
+                    it.req.future.set_exception(ShuttingDown("stopped"))
+        self._groups.clear()
+        self._queued = 0
+        if self._pool is not None and self._executor is None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def intake_begin(self) -> None:
         """A request is being received/decoded (event loop thread); pair with intake_end before its submit."""
@@ -263,10 +296,14 @@ class DynamicBatcher:
         try:
             out = await loop.run_in_executor(self._pool, self.lanes[lane], [it.obs for it in items],
                                              [it.seed for it in items])
-            out = np.asarray(out, dtype=np.float32)
-            if out.ndim != 3 or out.shape[0] != len(items):
-                raise RuntimeError(f"policy returned shape {list(out.shape)} for a batch of {len(items)}")
-            return out, None
+            spec = self._specs[lane]
+            if spec is None:
+                out = np.asarray(out, dtype=np.float32)
+                if out.ndim != 3 or out.shape[0] != len(items):
+                    raise RuntimeError(f"policy returned shape {list(out.shape)} for a batch of {len(items)}")
+                return out, None
+            return check_chunks(out, len(items), action_dim=spec.action.dim, horizon=spec.action.horizon,
+                                who=f"policy {spec.name!r}"), None
         except Exception as e:  # the requests in this batch fail; the server keeps serving
             return None, e
 
@@ -305,7 +342,21 @@ class DynamicBatcher:
         for items in by_request.values():
             t0, p0 = time.time(), time.perf_counter()
             out, err = await self._compute(loop, items, lane)
-            _deliver(items, out, err, t0, t0 + time.perf_counter() - p0)
+            dt = time.perf_counter() - p0
+            if self.metrics is not None:     # predict ran again: count it (observations_computed, batches)
+                self.metrics.batch(len(items), dt * 1000.0)
+            _deliver(items, out, err, t0, t0 + dt)
+
+
+def _spec_of(predict: Predict, check: PolicySpec | bool) -> PolicySpec | None:
+    """The spec a lane's answers are checked against (module doc): the given one, or that of the policy `predict` is
+    a bound method of; None: shape (N, H, D) only."""
+    if isinstance(check, PolicySpec):
+        return check
+    if not check:
+        return None
+    spec = getattr(getattr(predict, "__self__", None), "spec", None)
+    return spec if isinstance(spec, PolicySpec) else None
 
 
 def _deliver(batch: list[_Item], out: np.ndarray | None, err: BaseException | None, t0: float, t1: float) -> None:

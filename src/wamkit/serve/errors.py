@@ -13,9 +13,11 @@ AUTH_SCHEMES = ("bearer", "api-key")   # `Authorization: Bearer <token>`, or ope
 OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are decoded in a helper thread, not on the event loop
 
 
-def error_response(status: int, message: str, path: str = "", headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = {401: "authentication_error", 408: "request_timeout", 413: "request_too_large",
-            415: "unsupported_media_type", 503: "server_busy", 500: "server_error"}.get(status, "invalid_request_error")
+def error_response(status: int, message: str, path: str = "", headers: dict[str, str] | None = None,
+                   kind: str | None = None) -> JSONResponse:
+    kind = kind or {401: "authentication_error", 408: "request_timeout", 413: "request_too_large",
+                    415: "unsupported_media_type", 503: "server_busy",
+                    500: "server_error"}.get(status, "invalid_request_error")
     return JSONResponse({"error": {"message": message, "type": kind, "path": path, "code": status},
                          "detail": message}, status_code=status, headers=headers)
 

@@ -11,6 +11,11 @@
 - port=0 picks a free loopback port; if another process takes it before our server binds it, wait_healthy() picks
   another and starts again (only before the server was first healthy); restart() keeps it, so the url stays valid.
 - Output goes to a log file (`log_path`); wait_healthy() quotes its tail when the server dies or times out.
+- A server that exits or does not answer in time raises ServerStartError, a RunError: the CLI prints one line (the
+  last line of the server's log, usually its error, and the log's path) and exits 1.
+- The policy travels to a `wamkit serve` child as a name it can resolve: a name registered with register_policy in
+  this process only becomes its `package.module:Class`, and the directories that class was imported from go on the
+  child's PYTHONPATH (it also starts in this process's working directory), so a custom policy imports there too.
 - Identity: a wamkit server gets a fresh random instance id per start (env WAMKIT_INSTANCE_ID, not argv) and its
   /health echoes it. healthy() counts only an answer carrying it; wait_healthy() raises ServerIdentityError (a
   UserError: one line, exit 2) at once when a healthy answer carries another id or none: the port is held by another
@@ -38,7 +43,7 @@ from typing import Any, Sequence
 import httpx
 
 from wamkit.core.cpu_pinning import change_pin, pin_process, pinnable_env
-from wamkit.core.errors import UserError
+from wamkit.core.errors import RunError, UserError
 from wamkit.core.lifecycle import StartStopContext
 from wamkit.serve.config import INSTANCE_ENV, http_url
 
@@ -48,8 +53,9 @@ logger = logging.getLogger(__name__)
 LOG_TAIL_BYTES = 4 * 2**20    # the most of a log's end log_tail reads (a Ray server actor's stop() returns that much)
 
 
-class ServerStartError(RuntimeError):
-    """The server process exited or did not become healthy in time."""
+class ServerStartError(RunError, RuntimeError):
+    """The server process exited or did not become healthy in time: one line (the CLI prints it, exit 1) naming the
+    last line of the server's log and where the log is."""
 
 
 class ServerIdentityError(ServerStartError, UserError):
@@ -203,8 +209,8 @@ class ServerWorker(StartStopContext, abc.ABC):
                     continue
                 raise ServerConfigError(f"the server on port {self.port} did not start: {last}")
             if rc is not None:
-                raise ServerStartError(f"server exited with code {rc} before becoming healthy; log {self.log_path}:\n"
-                                       f"{self.log_tail()}")
+                raise ServerStartError(f"the server on port {self.port} exited with code {rc} before becoming "
+                                       f"healthy: {self.last_log_line()} (its log: {self.log_path})")
             ok, ours = self._probe(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
             if ok and not ours:
                 if self._repick_port():
@@ -217,8 +223,8 @@ class ServerWorker(StartStopContext, abc.ABC):
                 self._was_healthy = True
                 return self
             if time.monotonic() >= deadline:
-                raise ServerStartError(f"server not healthy after {timeout:.0f}s at {self.url}; log {self.log_path}:\n"
-                                       f"{self.log_tail()}")
+                raise ServerStartError(f"server not healthy after {timeout:.0f}s at {self.url}; its log ends: "
+                                       f"{self.last_log_line()} (its log: {self.log_path})")
             time.sleep(poll_s)
 
     def _repick_port(self) -> bool:
@@ -249,6 +255,13 @@ class ServerWorker(StartStopContext, abc.ABC):
             return False
         self.restart(timeout)
         return True
+
+    def last_log_line(self) -> str:
+        """The line of the log's end that says most: the last of a traceback (the exception) or of a one-line
+        error, else the last non-empty line ('the log is empty')."""
+        lines = [ln.strip() for ln in (self.log_tail(60) or "").splitlines() if ln.strip()]
+        lines = [ln for ln in lines if not ln.startswith("=== start ")]
+        return lines[-1][:500] if lines else "the log is empty"
 
     def log_tail(self, n: int | None = 40, max_bytes: int = LOG_TAIL_BYTES, whole_log: str | None = None) -> str:
         """The end of the server's log: its last `n` lines (None: all) of its last `max_bytes`; with n=None, a log
@@ -289,7 +302,10 @@ class WamkitServerWorker(ServerWorker):
                  python: str | None = None, log_path: str | Path | None = None, env: dict[str, str] | None = None,
                  stop_timeout: float = 10.0):
         super().__init__(port=port, host=host, log_path=log_path, env=env, stop_timeout=stop_timeout)
-        self.policy, self.policy_args = policy, dict(policy_args or {})
+        from wamkit.policies.catalog import policy_target
+
+        # a name registered in this process only: the child resolves its `package.module:Class` instead
+        self.policy, self.policy_args = policy_target(str(policy)), dict(policy_args or {})
         self.max_batch_size, self.max_wait_ms = int(max_batch_size), float(max_wait_ms)
         self.token, self.extra_args = token, extra_args
         self.python = python or sys.executable
@@ -307,7 +323,25 @@ class WamkitServerWorker(ServerWorker):
             env["WAMKIT_TOKEN"] = self.token
         env[INSTANCE_ENV] = self.instance_id or ""
         env.setdefault("PYTHONUNBUFFERED", "1")
+        roots = self.import_roots()
+        if roots:   # a custom policy's modules: importable in the child as they are here
+            have = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+            env["PYTHONPATH"] = os.pathsep.join(roots + [p for p in have if p not in roots])
         return env
+
+    def import_roots(self) -> list[str]:
+        """The directories the policy's class was imported from here, where it is `package.module:Class` (given, or
+        named by an export directory's manifest); [] for wamkit's own policies."""
+        from wamkit.policies.catalog import import_roots, is_import_target
+        from wamkit.policies.manifest import is_export_dir, read_export_manifest
+
+        target = self.policy
+        try:
+            if is_export_dir(target):
+                target = read_export_manifest(target).policy
+            return import_roots(target) if is_import_target(target) else []
+        except UserError:   # not importable here: the child says why (one line, exit 2)
+            return []
 
     def command(self) -> list[str]:
         return [self.python, "-m", "wamkit.cli.main", "serve", f"policy={self.policy}", f"host={self.host}",

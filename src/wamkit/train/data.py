@@ -19,7 +19,6 @@ is dropped but the `n mod world_size` the sampler trims.
 from __future__ import annotations
 
 import collections
-import importlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from wamkit.core.errors import UserError
+from wamkit.policies.catalog import import_target, is_import_target  # noqa: F401 - `package.module:attr` targets
 
 
 @dataclass
@@ -38,18 +38,6 @@ class DataSource:
     collate: Callable[[list], dict]
     make_sampler: Callable[..., Any]        # (num_samples, rank, world_size, seed) -> resumable sampler
     description: str = ""
-
-
-def import_target(target: str):
-    mod, _, attr = target.partition(":")
-    try:
-        return getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"cannot import {target!r}: {e}") from None
-
-
-def is_import_target(s: str) -> bool:
-    return ":" in s and not Path(s).exists() and all(p.isidentifier() for p in s.split(":")[0].split("."))
 
 
 def lerobot_source(cfg, policy, cameras: list[str], horizon: int) -> DataSource:
@@ -104,7 +92,7 @@ def translate_sampler_state(state: dict, world_size: int, rank: int) -> tuple[di
 
 def build_source(cfg, policy, cameras: list[str], horizon: int) -> DataSource:
     if is_import_target(cfg.dataset):
-        src = import_target(cfg.dataset)(cfg, policy)
+        src = import_target(cfg.dataset, what="dataset")(cfg, policy)
         if not isinstance(src, DataSource):
             raise UserError(f"{cfg.dataset} must return a wamkit.train.data.DataSource")
     else:

@@ -24,8 +24,7 @@ from wamkit.policies.base import InitAfterSharding, TrainablePolicy, missing_mem
 from wamkit.policies.manifest import CHECKPOINT_MANIFEST, PolicyManifest
 from wamkit.train import checkpoint as C
 from wamkit.train.config import TrainConfig
-from wamkit.train.data import (BatchStream, DevicePrefetcher, build_source, ensure_action_stats, import_target,
-                               is_import_target, translate_sampler_state)
+from wamkit.train.data import BatchStream, DevicePrefetcher, build_source, ensure_action_stats, translate_sampler_state
 from wamkit.train.dist import DistInfo, all_gather_object, broadcast_object, close_distributed, init_distributed
 from wamkit.train.logger import TrainLogger
 from wamkit.train.optim import (EMA, build_optimizer, build_scheduler, check_lr_multipliers, clip_gradients,
@@ -34,14 +33,13 @@ from wamkit.train.parallelize import setup_model
 
 
 def build_policy(name: str, args: dict, device: str | None = None):
-    """A policy by registry name, exported dir, or `package.module:Class` (constructor kwargs = args)."""
+    """A policy by registry name, exported dir, or `package.module:Class` (constructor kwargs = args; the one
+    resolver of every verb: wamkit.policies.catalog)."""
+    from wamkit.policies import make_policy
+
     kwargs = dict(args)
     if device is not None:
         kwargs.setdefault("device", device)
-    if is_import_target(name):
-        return import_target(name)(**kwargs)
-    from wamkit.policies import make_policy
-
     return make_policy(name, **kwargs)
 
 
@@ -54,11 +52,7 @@ def build_for_training(name: str, args: dict, device: torch.device):
     built materialized on the rank's device."""
     from wamkit.policies.registry import is_export_dir, policy_class
 
-    cls = None
-    if is_import_target(name):
-        cls = import_target(name)
-    elif not is_export_dir(name):
-        cls = policy_class(name)
+    cls = None if is_export_dir(name) else policy_class(name)
     deferred = (isinstance(cls, type) and issubclass(cls, InitAfterSharding) and "device" not in args
                 and bool(cls.can_init_after_sharding(args)))
     return build_policy(name, args, device="meta" if deferred else str(device)), deferred

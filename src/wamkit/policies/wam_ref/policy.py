@@ -54,6 +54,10 @@ class WamRefPolicy(WamRefTraining, Policy):
     config_class = WamRefConfig      # its options (make_policy refuses any other key)
 
     name = "wam-ref"
+    # what the saved weights fix: an export loaded with another value for one of these is refused (export.py);
+    # `size` is a preset whose shapes the export also saves as explicit keys, so changing it alone changed nothing
+    architecture_keys = ("size", "und_config", "und_path", "gen_hidden_size", "gen_intermediate_size", "image_size",
+                         "max_text_len", "state_dim", "action_dim")
 
     def __init__(self, config: WamRefConfig | None = None, **kwargs):
         cfg = WamRefConfig.from_kwargs(**kwargs) if config is None else dataclasses.replace(config, **kwargs)
