@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import typing
 import httpx
 import numpy as np
 import pytest
+from loopback import has_ipv6_loopback
 from starlette.testclient import TestClient
 
 from wamkit.cli.main import main
@@ -139,16 +139,7 @@ def test_healthz_follows_health_when_the_policy_child_dies_and_its_500s_log_one_
     assert "policy process exited (exit code -9)" in failed[0].getMessage()
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback here")
 def test_ipv6_banner_brackets_the_address():
     p = subprocess.Popen([sys.executable, "-m", "wamkit.cli.main", "serve", "policy=zero", "host=::1", "port=0",
                           "log_every_s=0", "warmup=false"], stderr=subprocess.PIPE, text=True,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from loopback import has_ipv6_loopback
 
 from hostile_requests import cases, mutate, png_bomb, valid_body, pack
 from wamkit.core.errors import UserError
@@ -171,16 +172,7 @@ def test_a_long_log_tail_says_what_was_cut_and_where_the_whole_log_is(tmp_path):
     assert head.endswith("bytes cut; the whole log was not kept]") and str(w.log_path) not in head
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="needs an IPv6 loopback (::1)")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="needs an IPv6 loopback (::1)")
 def test_a_server_worker_on_the_ipv6_loopback_picks_its_port_and_serves():
     """server.host=::1 with port 0: free_port bound an AF_INET socket to '::1' (a gaierror before the server ran)."""
     w = WamkitServerWorker("zero", {"action_dim": 4, "horizon": 2}, host="::1")
