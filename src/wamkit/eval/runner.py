@@ -385,8 +385,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
             inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=options, timeline=timeline,
                                         worker_factory=server_worker_factory, workers=server_workers, codec=codec,
                                         log_dir=out)
-        inference.action_dim = spec.action_dim
-        inference.prepare(spec, cfg.horizon, todo, cfg.seed)   # in-process: the env checked against the policy
+        inference.prepare(spec, cfg.horizon, todo, cfg.seed)   # action dim, horizon; in process: the env checked
         # SGLang batches one prompt per request: requests of one task each unless told otherwise
         sglang = getattr(inference, "protocol", "") == "sglang"
         group = cfg.group_by_task if cfg.group_by_task is not None else sglang
