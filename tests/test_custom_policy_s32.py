@@ -501,14 +501,12 @@ def test_a_signal_during_a_slow_predict_stops_the_run_at_once_and_it_resumes(tmp
         while not any("waiting on policy 'custom-test': predict running for" in ln for ln in lines):
             assert p.poll() is None and time.monotonic() < deadline, "".join(lines)
             lines.append(p.stderr.readline())
-        t0 = time.monotonic()
         p.send_signal(sig)
-        p.wait(30)
-        took = time.monotonic() - t0
+        p.wait(60)   # a run that waited for the predict would never end: it blocks while the flag file exists
     finally:
         if p.poll() is None:
             p.kill()
-    assert took < 10, took
+    assert flag.exists()   # the run ended with its predict still blocked (not returned, not waited for)
     assert p.returncode == (143 if sig == signal.SIGTERM else 130)
     flag.unlink()
     r = subprocess.run(argv[:-1] + [f"out={tmp_path / 'out'}", "resume=true", "progress=false"], capture_output=True,
