@@ -597,32 +597,26 @@ def test_metrics_count_every_batch_predict_ran_and_timing_is_the_answering_batch
         assert timing["batch_size"] == n and timing["batches"] == 1 and actions.shape == (n, 2, 3)
 
 
-def test_the_client_does_not_retry_a_policy_output_error():
+def test_the_client_does_not_retry_a_policy_output_error(mod):
     """The same request makes the policy answer the same unusable actions: retrying it 4 times cost seconds and
-    logged four failures before the same error."""
+    logged four failures before the same error. A real server whose policy answers NaN."""
     import asyncio
 
     import httpx
 
     from wamkit.protocol.client import ActionClient, ActionClientError
+    from wamkit.serve.workers import WamkitServerWorker
 
-    calls = []
-
-    def answer(request):
-        calls.append(request.url.path)
-        if request.url.path == "/v1/actions/metadata":
-            return httpx.Response(200, json={"server": {"name": "wamkit"}, "capabilities": {"max_batch_size": 4}})
-        return httpx.Response(500, json={"error": {"message": "PolicyOutputError: policy 'x' answered NaN",
-                                                   "type": "policy_output_error", "path": "", "code": 500}})
-
-    async def go():
-        c = ActionClient("http://test", max_request_size=4, retries=4, backoff=0.01)
-        c._http = httpx.AsyncClient(base_url="http://test", transport=httpx.MockTransport(answer))
+    async def go(url):
+        c = ActionClient(url, retries=4, backoff=0.01)
         try:
-            with pytest.raises(ActionClientError, match="answered NaN"):
+            with pytest.raises(ActionClientError, match="non-finite"):
                 await c.predict(_obs(1), [0])
         finally:
             await c.aclose()
 
-    asyncio.run(go())
-    assert calls.count("/v1/actions/generations") == 1
+    with WamkitServerWorker(f"{mod}:TestPolicy", {"action_dim": 4, "horizon": 3, "fault": "nan"}) as w:
+        w.wait_healthy(120)
+        asyncio.run(go(w.url))
+        m = httpx.get(f"{w.url}/metrics").json()
+    assert m["responses_by_status"].get("500") == 1, m["responses_by_status"]    # asked once, not five times
