@@ -49,6 +49,26 @@ def check_video_codec(codec: str) -> None:
                            f"{', '.join(available_video_codecs())}")
 
 
+def mend_dts(packets: list, n_frames: int) -> bool:
+    """Give an episode's packets (in decode order, pts 0..n-1 in frames) a valid decode timeline where the encoder's
+    is not: every dts set, rising, at most its pts and no further back than the episode's length. libx265 with
+    B-frames gives an episode shorter than its B-frame delay an unset dts (a 1-frame episode: values like
+    -7.9e15 that depend on memory contents), which the mp4 muxer refuses ("pts/dts pair unsupported"). The mended
+    dts are the sorted pts shifted back by the stream's largest reorder, the standard layout. True if mended."""
+    pts = [p.pts for p in packets]
+    dts = [p.dts for p in packets]
+    if None in pts:
+        return False   # nothing to derive a timeline from: the muxer's own error names it
+    if None not in dts and all(d <= t and d >= -n_frames for d, t in zip(dts, pts)) \
+            and all(a < b for a, b in zip(dts, dts[1:])):
+        return False
+    order = sorted(pts)
+    shift = max(0, max(o - t for o, t in zip(order, pts)))
+    for p, o in zip(packets, order):
+        p.dts = o - shift
+    return True
+
+
 class Mp4Appender:
     """The current mp4 of one camera: episodes' packets are appended with a time offset."""
 
@@ -122,13 +142,15 @@ class EpisodeVideoWriter:
             s = c.add_stream(self.encoder, rate=self.fps, options={k: str(v) for k, v in self.options.items()})
             s.width, s.height, s.pix_fmt = w, h, "yuv420p"
             s.codec_context.time_base = Fraction(1, self.fps)
+            packets = []
             for i, img in enumerate(frames):
                 f = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
                 f.pts = i
                 f.time_base = Fraction(1, self.fps)
-                for p in s.encode(f):
-                    c.mux(p)
-            for p in s.encode(None):
+                packets += s.encode(f)
+            packets += s.encode(None)
+            mend_dts(packets, len(frames))
+            for p in packets:
                 c.mux(p)
         return out
 
