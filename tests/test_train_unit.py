@@ -282,6 +282,33 @@ def test_resume_with_another_model_is_refused_naming_the_keys(tmp_path, capsys):
     assert p.stdout.count("nothing to train") == 1, p.stdout
 
 
+def test_a_resume_trains_and_logs_with_its_own_lr(tmp_path):
+    """A probe's finding: `resume=true lr=X` loaded the checkpoint's lr into the optimizer and the scheduler, so the
+    run went on at the old lr, bit for bit, while train_log.jsonl reported X. Two resumes of one checkpoint, the
+    same lr and 10x it: the same loss at the first resumed step (the same weights), different ones after; the
+    logged lr is the lr that ran (the next checkpoint's scheduler says so)."""
+    import shutil
+
+    first = tmp_path / "first"
+    train(cfg_of(first, "steps=3", "batch_size=8", "save_every=3", "warmup=0", "decay=0"))
+    runs = {}
+    for lr in (3e-3, 3e-2):
+        out = tmp_path / f"lr{lr}"
+        shutil.copytree(first, out)
+        train(cfg_of(out, "steps=6", "batch_size=8", "save_every=3", "warmup=0", "decay=0", "resume=true",
+                     f"lr={lr}"))
+        rows = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
+        state = json.loads((list_checkpoints(out / "checkpoints")[-1] / "trainer_state.json").read_text())
+        runs[lr] = ({r["step"]: r["loss"] for r in rows}, {r["step"]: r["lr"] for r in rows},
+                    state["scheduler"]["base_lrs"])
+    (same, same_lr, same_base), (big, big_lr, big_base) = runs[3e-3], runs[3e-2]
+    assert same[4] == big[4]                         # step 4 runs on the checkpoint's weights in both
+    assert same[5] != big[5] and same[6] != big[6]   # it updated them with another lr
+    assert same_lr[5] == pytest.approx(3e-3) and big_lr[5] == pytest.approx(3e-2)
+    ckpt = json.loads((list_checkpoints(first / "checkpoints")[-1] / "trainer_state.json").read_text())
+    assert same_base == ckpt["scheduler"]["base_lrs"] and big_base == pytest.approx([10 * b for b in same_base])
+
+
 def test_cli_refuses_existing_out_in_one_line(tmp_path):
     import subprocess
     import sys

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from wamkit.core.errors import UserError
+from wamkit.train.optim import reapply_hyperparameters, this_runs_hyperparameters
 
 STEP_RE = re.compile(r"^step-(\d{6,})$")
 
@@ -288,6 +289,7 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, ema, rank:
     changed = saved_world != world_size
     if len(samplers) != saved_world:
         raise corrupt(path / "trainer_state.json", f"{len(samplers)} sampler states for world_size {saved_world}")
+    fresh = this_runs_hyperparameters(optimizer)
     msd, osd = get_state_dict(model, optimizer)
     with loading(path / "model"):
         dcp.load(msd, storage_reader=HuggingFaceStorageReader(str(path / "model")))
@@ -313,6 +315,7 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, ema, rank:
     sched["lr_lambdas"] = [None] * len(optimizer.param_groups)
     with loading(path / "trainer_state.json", "has a scheduler state that does not fit"):
         scheduler.load_state_dict(sched)
+    reapply_hyperparameters(optimizer, scheduler, fresh)
     rng_file = path / "rng" / f"rank-{rank:05d}.json"
     if not changed and rng_file.exists():
         rng = read_json_file(rng_file)

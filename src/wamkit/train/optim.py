@@ -119,6 +119,27 @@ def build_scheduler(opt: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler
         opt, lambda s: lr_factor(s, cfg.warmup, cfg.decay, cfg.steps))
 
 
+# what a run's config sets in each AdamW group, as opposed to what training accumulates (moments, step counts)
+HYPERPARAMETERS = ("initial_lr", "weight_decay", "betas", "eps")
+
+
+def this_runs_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each group's hyperparameters as this run's config built them (before a checkpoint's state is loaded)."""
+    return [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
+
+
+def reapply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler, fresh: list[dict]) -> None:
+    """After a resume loaded the optimizer's groups and the scheduler's base lrs from a checkpoint: put back this
+    run's lr, weight decay, betas and eps (a resume may change them, docs/training.md), and set each group's lr to
+    its new base at the scheduler's step, so the lr that runs is the lr that is logged."""
+    for g, f in zip(optimizer.param_groups, fresh):
+        g.update(f)
+    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+    for g, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        g["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
 class EMA:
     """Exponential moving average of the trainable weights, kept in fp32 with the same (sharded) layout as the
     parameters: each rank averages its own shard, no communication. `decay` 0.999 ~ a 1000-step window."""
