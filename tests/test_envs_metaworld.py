@@ -98,3 +98,30 @@ def test_render_quality_fast_is_close_and_deterministic():
     assert np.median(diff) <= 2
     with pytest.raises(ConfigError, match="render_quality"):
         MetaWorldEnv(tasks=("reach-v3",), render_quality="ultra")
+
+
+def test_an_env_visiting_many_tasks_keeps_one_renderer_and_a_bounded_set_of_envs(monkeypatch):
+    """A probe's finding: an env process kept a mujoco.Renderer (110-210 MB of GL buffers) and an env for every task
+    it ever loaded: a serial 12-task run grew to 2.5 GB. Now one renderer (the current task's) and the KEPT_ENVS
+    most recently used envs are kept; a task visited again after its env was dropped is built again to the same
+    scene, bit for bit."""
+    from wamkit.envs.metaworld import MetaWorldEnv
+
+    monkeypatch.setattr(MetaWorldEnv, "KEPT_ENVS", 2)
+    env = MetaWorldEnv(tasks=("reach-v3", "push-v3", "drawer-open-v3"), cameras=("image",), image_size=32,
+                       max_steps=10)
+    acts = np.random.default_rng(1).uniform(-1, 1, (3, 4)).astype(np.float32)
+    try:
+        first = env.reset(0, 1), env.execute(acts).obs
+        seen = []
+        for task_id in (1, 2, 0):
+            o = env.reset(task_id, 1)
+            seen.append((sorted(env._renderers), sorted(env._envs)))
+        again = o, env.execute(acts).obs
+    finally:
+        env.close()
+    assert seen == [([1], [0, 1]), ([2], [1, 2]), ([0], [0, 2])]
+    assert env._renderers == {} and env._envs == {}
+    for a, b in zip(first, again):   # task 0 built again after its env was dropped: the same scene and images
+        np.testing.assert_array_equal(a.state, b.state)
+        np.testing.assert_array_equal(a.images["image"], b.images["image"])

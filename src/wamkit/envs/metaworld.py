@@ -121,8 +121,11 @@ class MetaWorldEnv(Env):
                             control_hz=CONTROL_HZ)
         self._tasks = [TaskInfo(task_id=i, name=n, instruction=task_instruction(n), num_trials=TRIALS_PER_TASK)
                        for i, n in enumerate(cfg.tasks)]
-        self._envs: dict[int, object] = {}       # task_id -> metaworld env (cheap: built once, kept)
-        self._renderers: dict[int, object] = {}  # task_id -> mujoco.Renderer
+        # task_id -> metaworld env, the most recently used last: ~15 MB each, so the KEPT_ENVS last used are kept (a
+        # task visited again is built again, to the same bit-identical scene: its state right after construction)
+        self._envs: dict[int, object] = {}
+        # task_id -> mujoco.Renderer: ~110-210 MB of GL buffers each, so only the current task's is kept
+        self._renderers: dict[int, object] = {}
         self._initial_states: dict[int, np.ndarray] = {}  # task_id -> full MuJoCo state right after construction
         self._task_id: int | None = None
         self._obs: np.ndarray | None = None
@@ -193,23 +196,30 @@ class MetaWorldEnv(Env):
                            episode_steps=self._episode_steps, frames=frames)
 
     def close(self) -> None:
-        for r in self._renderers.values():
-            try:
-                r.close()
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
-        for e in self._envs.values():
-            try:
-                e.close()
-            except Exception:  # noqa: BLE001
-                pass
+        for task_id in list(self._envs):
+            self._drop_task(task_id)
         if self._client is not None:
             self._client.close()
         self._renderers, self._envs, self._task_id = {}, {}, None
 
     # ---- internals ---------------------------------------------------------------------------------------------
+    KEPT_ENVS = 8
+
+    def _drop_task(self, task_id: int) -> None:
+        """Close a task's env and renderer (the next reset of the task builds them again)."""
+        if task_id in self._renderers:
+            _close_quietly(self._renderers.pop(task_id))
+        if task_id in self._envs:
+            _close_quietly(self._envs.pop(task_id))
+        self._initial_states.pop(task_id, None)
+        self._model_keys.pop(task_id, None)
+
     def _env(self, task_id: int):
-        if task_id not in self._envs:
+        if task_id in self._envs:
+            self._envs[task_id] = self._envs.pop(task_id)   # most recently used last
+        else:
+            while len(self._envs) >= self.KEPT_ENVS:
+                self._drop_task(next(iter(self._envs)))
             from metaworld.env_dict import ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE
 
             env = ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE[self._tasks[task_id].name + "-goal-observable"](seed=self.seed)
@@ -245,6 +255,8 @@ class MetaWorldEnv(Env):
         else:
             r = self._renderers.get(self._task_id)
             if r is None:
+                for other in list(self._renderers):
+                    _close_quietly(self._renderers.pop(other))
                 r = self._renderers[self._task_id] = mujoco.Renderer(env.model, self.image_size, self.image_size)
             r.update_scene(env.data, camera=CAMERAS[cam])
             img = r.render()
@@ -259,3 +271,10 @@ class MetaWorldEnv(Env):
                 images[cam] = self._render(cam)
         return Observation(images=images, state=np.asarray(self._obs, dtype=np.float32),
                            task=self._tasks[self._task_id].instruction)
+
+
+def _close_quietly(thing) -> None:
+    try:
+        thing.close()
+    except Exception:  # noqa: BLE001 - best effort: a GL context or env already gone
+        pass
