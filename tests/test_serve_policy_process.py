@@ -13,6 +13,7 @@ from starlette.testclient import TestClient
 
 from wamkit.core.errors import UserError
 from wamkit.core.types import Observation
+from wamkit.policies.simple import FixedCostPolicy
 from wamkit.protocol import build_request
 from wamkit.serve.app import create_app
 from wamkit.serve.config import ServeConfig
@@ -136,3 +137,36 @@ def test_arena_round_trip_and_growth():
         assert arena.size >= 8 * (512 * 512 * 3 + 256 * 512 * 3)
     finally:
         arena.close()
+
+
+class ArenaWatcher(FixedCostPolicy):
+    """A policy (run in the policy process) whose actions say how many of its server's arena files are still named
+    in /dev/shm while it predicts."""
+
+    def predict(self, observations, seeds):
+        server = os.getppid()
+        named = [n for n in os.listdir("/dev/shm") if n.startswith(f"wamkit-policy-{server}_")]
+        return np.full((len(observations), self.spec.action.horizon, self.spec.action.dim), len(named), np.float32)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_the_arena_file_is_unlinked_before_predict_and_orphans_are_swept():
+    """A probe's finding: the arena file was unlinked by the server after the child's reply, so a server killed
+    during a predict (SIGKILL, the OOM killer) left it in /dev/shm for good, under a name no sweep knew. Now the child
+    unlinks it once mapped, before predicting (the policy sees none of its server's files, for the first file and for
+    a grown one); files named for a dead server are removed when a policy process starts."""
+    from wamkit.core.shm_names import owned_name
+
+    stale = Path("/dev/shm") / owned_name("wamkit-policy-").replace(str(os.getpid()), str(2 ** 22 + 12345), 1)
+    stale.write_bytes(b"x")
+    pp = PolicyProcess("test_serve_policy_process:ArenaWatcher")
+    try:
+        assert not stale.exists()
+        small = [Observation({"image": np.zeros((8, 8, 3), np.uint8)}, None, "t")]
+        big = [Observation({"image": np.zeros((512, 512, 3), np.uint8)}, None, "t")] * 8   # > 1 MiB: a new file
+        for obs in (small, small, big):
+            assert pp.predict(obs, [0] * len(obs)).max() == 0
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"wamkit-policy-{os.getpid()}_")]
+    finally:
+        pp.close()
+        stale.unlink(missing_ok=True)

@@ -9,8 +9,9 @@ does no policy work at all, and the policy process's GIL belongs to predict.
 - The child is started with multiprocessing's spawn context, builds the policy with make_policy(name, **kwargs) and
   answers over one Pipe: ("predict", arena, layout, seeds) -> actions, ("warmup", n) -> seconds per step, ("close",).
 - Arrays travel through shared memory: the parent copies each batch's images and states into one memory-mapped file
-  in /dev/shm (grown when a batch needs more; unlinked as soon as the child has mapped it, so nothing is left behind)
-  and sends only their layout (offsets, shapes, dtypes, task texts); the child hands the policy views of it, valid
+  in /dev/shm (grown when a batch needs more; the child unlinks it as soon as it has mapped it, before it predicts,
+  and the parent after the reply should the child have failed first; a file left by a server killed in between
+  carries the server's pid in its name and is removed by the next policy process started) and sends only their layout (offsets, shapes, dtypes, task texts); the child hands the policy views of it, valid
   for that call. 64 observations of two 256 px cameras: one 25 MB memcpy instead of pickling them through the pipe
   (~10 vs ~90 ms on a 2-core CPU).
 - Errors: a failing build raises here (UserError stays UserError: `wamkit serve` exits 2 with its line); a failing
@@ -37,7 +38,10 @@ import numpy as np
 from wamkit.core.cpu_pinning import torch_threads as resolved_threads
 from wamkit.core.errors import UserError
 from wamkit.core.heap import freeze_heap
+from wamkit.core.shm_names import SHM_DIR, owned_name, sweep_orphans
 from wamkit.core.types import Observation
+
+ARENA_PREFIX = "wamkit-policy-"   # + the server's pid (core.shm_names.owned_name)
 from wamkit.policies.base import Policy
 
 
@@ -67,8 +71,11 @@ class _Arena:
         if self.mm is None or total > self.size:
             self.close()
             self.size = max(1 << 20, int(total * 1.25))
-            fd, self.path = tempfile.mkstemp(prefix="wamkit-policy-",
-                                             dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            if os.path.isdir(SHM_DIR):
+                self.path = os.path.join(SHM_DIR, owned_name(ARENA_PREFIX))
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            else:
+                fd, self.path = tempfile.mkstemp(prefix=ARENA_PREFIX)
             try:
                 os.ftruncate(fd, self.size)
                 self.mm = mmap.mmap(fd, self.size)
@@ -80,12 +87,10 @@ class _Arena:
         return new, layout
 
     def mapped(self) -> None:
-        """The child has mapped the file: remove its name (the mapping lives on in both processes)."""
+        """The child has answered (it unlinked the file once mapped): make sure the name is gone (the mapping lives
+        on in both processes)."""
         if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+            _unlink_quietly(self.path)
             self.path = None
 
     def close(self) -> None:
@@ -93,6 +98,13 @@ class _Arena:
         if self.mm is not None:
             self.mm.close()
             self.mm = None
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:   # already gone: the other process removed it
+        pass
 
 
 def _unpack(mm: mmap.mmap, layout: list) -> list[Observation]:
@@ -136,6 +148,7 @@ def _child(conn, name: str, kwargs: dict[str, Any], torch_threads: int) -> None:
                     if path is not None:   # a new (larger) file; the old mapping goes with its last view
                         with open(path, "r+b") as f:
                             mm = mmap.mmap(f.fileno(), 0)
+                        _unlink_quietly(path)   # mapped: its name is no longer needed, whatever happens next
                     out: Any = np.asarray(policy.predict(_unpack(mm, layout), seeds), np.float32)
                 else:
                     out = policy.warmup(msg[1])
@@ -161,6 +174,7 @@ class PolicyProcess(Policy):
         self._proc.start()
         child.close()
         self._lock = threading.Lock()
+        sweep_orphans(ARENA_PREFIX)   # arenas of servers killed while their child was mapping one
         self._arena = _Arena()
         try:
             self.spec, self._max_batch_size = self._call(None, timeout_s=start_timeout_s)
