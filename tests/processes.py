@@ -46,3 +46,46 @@ def descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+def _proc_net_address(hex_addr: str) -> str:
+    """An address of /proc/net/tcp{,6} ("0100007F", 32 hex digits for IPv6: 32-bit words in host order) as text."""
+    import ipaddress
+    import socket
+    import struct
+
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(struct.pack("=I", struct.unpack(">I", raw[i:i + 4])[0]) for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)))
+
+
+def listeners(pids) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every listening TCP socket (IPv4 and IPv6) the processes `pids` hold."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    target = str(fd.readlink())
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes[target[8:-1]] = pid
+        except OSError:
+            continue
+    out = []
+    for name in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:       # 0A = LISTEN
+                addr, port = f[1].split(":")
+                out.append((inodes[f[9]], _proc_net_address(addr), int(port, 16)))
+    return out
+
+
+def is_loopback(address: str) -> bool:
+    """127.0.0.0/8, ::1 and ::ffff:127.x (an IPv6 socket bound to an IPv4 loopback address)."""
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)

@@ -10,6 +10,7 @@ import pytest
 
 from wamkit.core.errors import ConfigError
 from wamkit.runtime.ray_session import RayOptions
+from processes import is_loopback, listeners
 
 
 def test_ray_options_validation():
@@ -49,34 +50,6 @@ def _procs_mentioning(text: str) -> list[str]:
     return out
 
 
-def _listening_inet(pids: set[int]) -> list[str]:
-    """Non-loopback TCP listeners owned by `pids` (from /proc/net/tcp{,6} and the processes' socket inodes)."""
-    inodes: dict[str, int] = {}
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                try:
-                    t = os.readlink(fd)
-                except OSError:
-                    continue
-                if t.startswith("socket:["):
-                    inodes[t[8:-1]] = pid
-        except OSError:
-            continue
-    bad = []
-    for name in ("tcp", "tcp6"):
-        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
-            f = line.split()
-            local, st, inode = f[1], f[3], f[9]
-            if st != "0A" or inode not in inodes:     # 0A = LISTEN
-                continue
-            addr = local.split(":")[0]
-            loopback = addr in ("0100007F", "00000000000000000000000001000000")
-            if not loopback:
-                bad.append(f"pid {inodes[inode]} listens on {local}")
-    return bad
-
-
 @pytest.mark.slow
 @pytest.mark.ray
 def test_private_local_ray_started_and_shut_down(monkeypatch):
@@ -99,9 +72,10 @@ def test_private_local_ray_started_and_shut_down(monkeypatch):
         assert not (home / ".ray" / "auth_token").exists()          # ephemeral token, nothing written to HOME
         pids = {int(p.split(":")[0]) for p in _procs_mentioning(tmp)}
         assert pids, "no Ray processes found under our temp dir"
-        # Ray 2.60 still runs its dashboard head (state API) with include_dashboard=False, bound to 127.0.0.1; no
-        # HTTP dashboard port on a routable address. Ray's own gRPC agents listen on wildcard ports (Ray needs them).
-        assert not [x for x in _listening_inet(pids) if x.endswith(":2049")]          # 0x2049 = 8265
+        # Ray 2.60 still runs its dashboard head (state API) with include_dashboard=False: no HTTP dashboard port
+        # (8265); every listener is on loopback (tests/test_secrets_s33.py checks that of the driver's descendants)
+        held = listeners(pids)
+        assert not [x for x in held if x[2] == 8265] and all(is_loopback(addr) for _, addr, _ in held), held
         assert ray.get(ray.remote(lambda: 7).remote()) == 7
         ray_session.release(s2)
         assert ray.is_initialized()                                   # one holder left

@@ -240,9 +240,9 @@ def test_slowloris_idle_and_stalled_body_sockets_do_not_block_health(tmp_path):
             for i in range(300):                  # more sockets than the server has files
                 s = socket.create_connection(("127.0.0.1", w.port), timeout=10)
                 if i % 3 == 0:
-                    s.sendall(b"POST /v1/actions/generations HTTP/1.1\r\nHost: x\r\nX-Slow: ")   # never ends
+                    s.sendall(b"POST /v1/actions/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")   # never ends
                 elif i % 3 == 1:
-                    s.sendall(b"POST /v1/actions/generations HTTP/1.1\r\nHost: x\r\ncontent-type: "
+                    s.sendall(b"POST /v1/actions/generations HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: "
                               b"application/msgpack\r\ncontent-length: 100000\r\n\r\n" + b"\x80" * 10)  # stalls
                 socks.append(s)                   # i % 3 == 2: idle, sends nothing
                 if i % 50 == 49:
@@ -277,21 +277,21 @@ def test_stalled_body_gets_408_idle_keep_alive_is_closed_and_big_headers_refused
     with WamkitServerWorker("zero", {"action_dim": 4, "horizon": 2},
                             extra_args={"body_timeout_s": 1, "keep_alive_timeout_s": 1, "header_timeout_s": 30}) as w:
         with socket.create_connection(("127.0.0.1", w.port), timeout=30) as s:
-            s.sendall(b"POST /v1/actions/generations HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            s.sendall(b"POST /v1/actions/generations HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                       b"content-length: 1000\r\n\r\n{\"input\":")
             data = b""
             while chunk := s.recv(65536):
                 data += chunk
             assert data.startswith(b"HTTP/1.1 408") and b"body_timeout_s" in data
         with socket.create_connection(("127.0.0.1", w.port), timeout=30) as s:   # keep-alive, then idle
-            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             data = b""
             while chunk := s.recv(65536):
                 data += chunk
             assert data.startswith(b"HTTP/1.1 200")   # recv returned b"": the server closed the idle connection
         assert httpx.get(w.url + "/metrics").json()["counts"].get("body_timeouts") == 1
         with socket.create_connection(("127.0.0.1", w.port), timeout=30) as s:   # headers growing past 16 KB
-            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 17 * 1024)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 17 * 1024)
             data = b""
             while chunk := s.recv(65536):
                 data += chunk

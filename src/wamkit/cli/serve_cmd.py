@@ -1,11 +1,12 @@
-"""`wamkit serve [config.yaml] policy=NAME port=P max_batch_size=N max_wait_ms=MS max_wait_fraction=F token=...
-policy_args.k=v ...`
+"""`wamkit serve [config.yaml] policy=NAME port=P max_batch_size=N max_wait_ms=MS max_wait_fraction=F
+token_file=PATH policy_args.k=v ...`
 
 Runs the action server (wamkit.serve.app) on uvicorn. policy= is a registered name, `package.module:Class` (a
 module on PYTHONPATH or in the current directory) or an export directory. SIGTERM / Ctrl-C: stop accepting, finish
-in-flight work, exit. The token may also come from the environment variable WAMKIT_TOKEN. A host other than loopback
-needs a token (or allow_insecure=true); a port in use is one line and exit code 2. Limits and timeouts:
-docs/serving.md."""
+in-flight work, exit. The token: the environment variable WAMKIT_TOKEN or token_file= (a file readable by you only);
+token= works too, but the command line is visible to every user in `ps`. A host other than loopback needs a token
+(or allow_insecure=true); a port in use, a missing or empty token file is one line and exit code 2. Limits and
+timeouts: docs/serving.md."""
 
 from __future__ import annotations
 

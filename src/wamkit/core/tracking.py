@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from wamkit.core.errors import UserError
+from wamkit.core.secrets import redact
 
 
 def require_wandb() -> None:
@@ -18,12 +19,13 @@ def require_wandb() -> None:
 
 
 def start_wandb(project: str, out: str | Path, config: dict[str, Any], job_type: str):
-    """A W&B run named after the out= dir, its files under OUT/wandb."""
+    """A W&B run named after the out= dir, its files under OUT/wandb; `config` is logged with its secrets redacted
+    (core/secrets.py)."""
     require_wandb()
     import wandb
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("WANDB_SILENT", "true")
-    return wandb.init(project=project, name=out.resolve().name, dir=str(out), config=config, job_type=job_type,
-                      reinit="finish_previous")
+    return wandb.init(project=project, name=out.resolve().name, dir=str(out), config=redact(config),
+                      job_type=job_type, reinit="finish_previous")

@@ -5,11 +5,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from wamkit.core.config import check_number
 from wamkit.core.errors import ConfigError
+from wamkit.serve.config import TOKEN_ENV, read_token_file
 
 MIN_IMAGE, MAX_IMAGE = 8, 2048   # camera image side (pixels) an env may be asked to render
 
@@ -28,7 +30,10 @@ class ServerOptions:
     idle_dispatch: bool = True    # wamkit serve: an idle server runs a partial batch at once unless other requests
                                   # are being received (then it waits up to max_wait_ms); false: every partial batch
                                   # waits max_wait_ms (docs/serving.md "Batching")
-    token: str | None = None      # bearer token of the server(s) (None: env WAMKIT_TOKEN, else no auth)
+    token: str | None = None      # bearer token of the server(s) (None: token_file, else env WAMKIT_TOKEN; the
+                                  # `wamkit serve` processes started here get a random one per run when none is
+                                  # given); on the command line it shows in `ps`: prefer token_file or WAMKIT_TOKEN
+    token_file: str | None = None  # a file holding the token (its first line, stripped; missing or empty: one line)
     url: str | None = None        # use already running server(s) (wamkit serve or SGLang; comma-separated for several)
     protocol: str = "auto"        # wire form: wamkit (HTTP + wamkit's extensions) | sglang (HTTP, SGLang's request
                                   # form) | openpi (websocket, openpi's policy protocol: pi0/pi0.5 servers, SGLang's
@@ -58,7 +63,27 @@ class ServerOptions:
     reserve_cpus: int = 0         # > 0: the servers started here run on the last N CPUs this process may use and the
                                   # local env workers on the rest (Linux; core/cpu_pinning.py); 0: no pinning
 
+    def auth_token(self) -> str | None:
+        """The token the user gave for the server(s): the file `token_file` names (read as `wamkit serve
+        token_file=` reads it), else `token`, else the environment's WAMKIT_TOKEN; None: none (the servers started
+        here then get one of their own: start_server_workers)."""
+        if self.token_file:
+            try:
+                return read_token_file(self.token_file)
+            except ConfigError as e:   # its message names `token_file=`: the key here is server.token_file
+                raise ConfigError(f"server.{e}") from None
+        return self.token or os.environ.get(TOKEN_ENV) or None
 
+    def validate(self) -> None:
+        if self.token and self.token_file:
+            raise ConfigError("server.token and server.token_file both given: give the token one way (token_file "
+                              "or WAMKIT_TOKEN keep it off the command line)")
+        self.auth_token()   # a token file that cannot be read: one line now, before anything starts
+        secret = sorted(k for k in self.serve_args if k in ("token", "token_file"))
+        if secret:
+            raise ConfigError(f"server.serve_args.{secret[0]}: give the servers' token as server.token_file= (or "
+                              f"WAMKIT_TOKEN), which this evaluation's client sends too (serve_args go on their "
+                              f"command line)")
 
 
 @dataclass

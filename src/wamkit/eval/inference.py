@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import queue
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 
 from wamkit.core.cpu_pinning import split_cpus
 from wamkit.core.errors import RunError, UserError
+from wamkit.core.secrets import redact
 from wamkit.core.types import Observation
 from wamkit.eval.timeline import Timeline
 from wamkit.policies.base import RemoteCodec
@@ -450,8 +452,9 @@ class ServerInference(Inference):
             md = md if isinstance(md, dict) else {}
             spec = md.get("policy") if isinstance(md.get("policy"), dict) else {}
             name = md.get("policy_family") or spec.get("name") or md.get("model")
-            served.append({"policy": md.get("model_path") or name, "name": name, "model": md.get("model"),
-                           "model_path": md.get("model_path"), "url": url})
+            # recorded (served_policy.json, summary, config.json, report): no URL userinfo, nothing secret
+            served.append(redact({"policy": md.get("model_path") or name, "name": name, "model": md.get("model"),
+                                  "model_path": md.get("model_path"), "url": url}))
         if any(not _same_served(s, served[0]) for s in served[1:]):
             raise UserError("server.url lists servers that serve different policies: "
                             + ", ".join(f"{s['url']}: {s['policy']}" for s in served))
@@ -484,7 +487,7 @@ class ServerInference(Inference):
         o, own = self.options, (self.codec.transport if self.codec is not None else {})
         # the policy's own transport options (cosmos3's token, timeout_s, max_request_size) where server.* names none
         timeout = o.request_timeout_s or own.get("timeout_s") or DEFAULT_REQUEST_TIMEOUT_S
-        kw = dict(token=o.token or own.get("token"), on_timing=self._on_timing, worker=worker,
+        kw = dict(token=client_token(o, worker, own.get("token")), on_timing=self._on_timing, worker=worker,
                   timeout_s=timeout, retries=o.retries, retry_s=o.retry_s,
                   max_request_size=own.get("max_request_size") or None)
         if self.protocol == "wamkit":
@@ -612,6 +615,13 @@ def server_policy(policy: str, policy_args: dict, options, codec: RemoteCodec | 
     return policy, dict(policy_args)
 
 
+def client_token(options, worker, own: str | None = None) -> str | None:
+    """The bearer token a client sends to a server: the one a server started here was given (`worker.token`: the
+    user's, or this run's own), else the user's (server.token, token_file, WAMKIT_TOKEN), else the policy's own
+    (cosmos3's policy_args.token)."""
+    return getattr(worker, "token", None) or options.auth_token() or own or None
+
+
 def start_server_workers(policy: str, policy_args: dict, options, worker_factory=None, pinnable: bool = False,
                          log_dir: str | Path | None = None) -> list:
     """Start the `options.replicas` local servers of `options` (ServerOptions: launch, port, batching, token,
@@ -624,6 +634,11 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
 
     launch = getattr(options, "launch", "wamkit")
     split = split_cpus(getattr(options, "reserve_cpus", 0) or 0)
+    # the `wamkit serve` processes started here require a token: the user's, else a random one for this run (any
+    # local user could otherwise use them, and their shared-memory arrays); it reaches them in their environment
+    # (WamkitServerWorker; Ray: the actor's arguments), never their command line, and the clients read it from the
+    # worker (client_token)
+    token = options.auth_token() or secrets.token_urlsafe(32)
     workers = []
     try:
         for i in range(max(1, int(getattr(options, "replicas", 1) or 1))):
@@ -645,7 +660,7 @@ def start_server_workers(policy: str, policy_args: dict, options, worker_factory
             else:
                 kw = dict(policy=policy, policy_args=dict(policy_args), port=options.port,
                           max_batch_size=options.max_batch_size, max_wait_ms=options.max_wait_ms,
-                          token=options.token)
+                          token=token)
                 extra = dict(getattr(options, "serve_args", None) or {})
                 if getattr(options, "idle_dispatch", False):
                     extra.setdefault("idle_dispatch", True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from wamkit.core.files import write_atomic
+from wamkit.core.secrets import redact
 from wamkit.eval.metrics import chunk_ms_text
 
 EMBED_BUDGET_BYTES = 32 * 1024 * 1024   # videos embedded in the page, all together; the rest are linked
@@ -181,7 +182,7 @@ def render_html(out: str | Path) -> str:
 
     out = Path(out)
     s = load_summary(out)
-    cfg, versions = s.get("config", {}), s.get("versions", {})
+    cfg, versions = redact(s.get("config", {})), s.get("versions", {})   # (a summary written before redaction too)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime((out / "summary.json").stat().st_mtime))
     title = (f"{cfg.get('env', '?')}/{cfg.get('suite', '?')}: {cfg.get('policy', '?')}, "
              f"{s['successes']}/{s['episodes']} successful")

@@ -22,6 +22,7 @@ from wamkit.core.cpu_pinning import split_cpus
 from wamkit.core.errors import RunError, UserError
 from wamkit.core.files import write_atomic
 from wamkit.core.heap import frozen_heap
+from wamkit.core.secrets import redact
 from wamkit.core.versions import versions
 from wamkit.envs.base import env_class
 from wamkit.envs.render_backend import describe as describe_render
@@ -63,6 +64,12 @@ def plan_diff(old: dict, new: dict, n_tasks: int | None = None) -> list[str]:
     a, b = ids(old), ids(new)
     tasks_differ = a is not None and b is not None and a != b
     return [k for k in PLAN_KEYS if (tasks_differ if k == "tasks" else _key(old, k) != _key(new, k))]
+
+
+def config_record(cfg: EvalConfig) -> dict[str, Any]:
+    """The run's config as it is written (config.json, summary.json, the report) and logged (W&B): to_dict with its
+    secrets redacted (server.token, policy_args.token, URL userinfo: core/secrets.py)."""
+    return redact(to_dict(cfg))
 
 
 def env_kwargs(cfg: EvalConfig) -> dict[str, Any]:
@@ -185,8 +192,9 @@ def _prepare_out(cfg: EvalConfig) -> tuple[Path, Journal]:
 
 def _check_same_plan(cfg: EvalConfig, out: Path, old: dict | None, n_tasks: int | None = None) -> None:
     """A resume that evaluates something else than the run it continues (`old`: that run's config) is one line
-    naming the keys (plan_diff)."""
-    if old is not None and (diff := plan_diff(old, to_dict(cfg), n_tasks)):
+    naming the keys (plan_diff). Both are compared redacted, as config.json holds them: a token is not part of what
+    is evaluated (another one, or one given another way, is the same plan)."""
+    if old is not None and (diff := plan_diff(redact(old), config_record(cfg), n_tasks)):
         raise UserError(f"resume=true but {out} was evaluated with different {', '.join(diff)}")
 
 
@@ -195,7 +203,7 @@ def _write_config(cfg: EvalConfig, out: Path, n_tasks: int) -> None:
     run it continues is refused first (one line), the old config.json left in place."""
     _check_same_plan(cfg, out, _resumed_config(cfg), n_tasks)
     try:
-        write_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=2))
+        write_atomic(out / "config.json", json.dumps(config_record(cfg), indent=2))
     except OSError as e:
         raise UserError(f"out={out} is not a writable directory: {e.strerror or e}") from None
 
@@ -375,7 +383,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         if cfg.logger == "wandb":
             from wamkit.core.tracking import start_wandb
 
-            tracker = start_wandb(cfg.wandb_project, out, to_dict(cfg), job_type="eval")
+            tracker = start_wandb(cfg.wandb_project, out, config_record(cfg), job_type="eval")
         todo = [ep for ep in plan if not journal.done(ep.key)]
         timeline = Timeline()
         if cfg.inference == "inprocess" and codec is None:
@@ -515,7 +523,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
             console.print(f"warning: {lost}", soft_wrap=True, markup=False, highlight=False)
         util = timeline.utilization()
         planned = [journal.records[ep.key] for ep in plan if journal.done(ep.key)]   # not records of another plan
-        summary = summarize(planned, wall_s=wall, config=to_dict(cfg), versions=versions(),
+        summary = summarize(planned, wall_s=wall, config=config_record(cfg), versions=versions(),
                             inference_obs=inference.observations,
                             served_policy=getattr(inference, "served_policy", None),
                             extra={"run_id": run_id, "scheduler": {

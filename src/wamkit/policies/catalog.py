@@ -5,6 +5,10 @@ A policy is named by
 - `package.module:Class` (any importable class: a module on PYTHONPATH or in the current directory), or
 - a directory written by `wamkit export` (`registry.make_policy` loads those; see `manifest.py`).
 
+A class named by a manifest on disk (an export's or a checkpoint's, which may come from anyone) is resolved by
+`manifest_policy_class`: its module is imported only from sys.path as it stands (the current directory is not added)
+and never from files inside the manifest's directory; importing one that is not wamkit's own logs one line.
+
 Every class is checked when it is resolved (`check_policy_class`): a bad path, a missing attribute, something that
 is not a policy class, or a Policy subclass that leaves `predict` abstract is one line (UserError) naming it.
 `construct` builds one from keyword options (a `config_class` dataclass, or the keyword parameters of `__init__`),
@@ -18,13 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from wamkit.core.errors import ConfigError, UserError, unknown_choice
+
+log = logging.getLogger(__name__)
 
 # the policies wamkit ships (register_policy refuses to replace one of these unless override=True)
 BUILTIN: dict[str, str] = {
@@ -56,16 +65,17 @@ def is_import_target(s: Any) -> bool:
     return all(p.isidentifier() for p in mod.split(".")) and all(p.isidentifier() for p in attr.split("."))
 
 
-def _import_module(mod: str, target: str, what: str):
-    """importlib.import_module, the current directory also searched (as `python -m` and uvicorn do), every failure
-    one line."""
+def _import_module(mod: str, target: str, what: str, search_cwd: bool = True):
+    """importlib.import_module, the current directory also searched (as `python -m` and uvicorn do) unless
+    search_cwd is false, every failure one line."""
     try:
         try:
             return importlib.import_module(mod)
         except ModuleNotFoundError as e:
             cwd = os.getcwd()
             missing = e.name or ""
-            if cwd in sys.path or "" in sys.path or not (mod == missing or mod.startswith(missing + ".")):
+            if not search_cwd or cwd in sys.path or "" in sys.path or \
+                    not (mod == missing or mod.startswith(missing + ".")):
                 raise
             sys.path.append(cwd)   # last: a module here never shadows an installed one
             importlib.invalidate_caches()
@@ -85,13 +95,14 @@ def _import_module(mod: str, target: str, what: str):
             from None
 
 
-def import_target(target: str, what: str = "import target"):
+def import_target(target: str, what: str = "import target", search_cwd: bool = True):
     """The object `package.module:attr` names (attr may be dotted: `mod:Outer.Inner`); one line (UserError) when
-    the module cannot be imported or has no such attribute."""
+    the module cannot be imported or has no such attribute. search_cwd: a module that is not on sys.path is also
+    looked for in the current directory."""
     mod, _, attr = target.partition(":")
     if not mod or not attr:
         raise UserError(f"{what} {target!r}: expected package.module:Name")
-    obj = _import_module(mod, target, what)
+    obj = _import_module(mod, target, what, search_cwd)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise UserError(f"{what} {target!r}: cannot import {attr!r}: module {mod!r} has no attribute {part!r}")
@@ -99,20 +110,50 @@ def import_target(target: str, what: str = "import target"):
     return obj
 
 
+def _spec(name: str, search: list[str] | None):
+    """The import spec of `name` (top-level: every finder; a submodule: the path finder over its package's
+    `search` locations), or None; nothing is imported."""
+    try:
+        return importlib.util.find_spec(name) if search is None else \
+            importlib.machinery.PathFinder.find_spec(name, search)
+    except (ImportError, ValueError):
+        return None
+
+
+def module_places(mod: str) -> list[Path] | None:
+    """The files and package directories `mod` and each package above it come from (a module already imported:
+    where it was; else where sys.path as it stands would find it), outermost first; nothing is imported or run.
+    None when it is not found."""
+    places: list[Path] = []
+    search = None
+    parts = mod.split(".")
+    for i in range(len(parts)):
+        name = ".".join(parts[: i + 1])
+        m = sys.modules.get(name)
+        spec = getattr(m, "__spec__", None) or _spec(name, search)
+        if spec is None:
+            return None
+        if spec.origin and spec.has_location:
+            places.append(Path(spec.origin))
+        search = list(getattr(m, "__path__", None) or spec.submodule_search_locations or [])
+        places += [Path(p) for p in search]
+    return places
+
+
 def import_roots(target: str) -> list[str]:
-    """The sys.path entries `target`'s top-level package was imported from (imported now if need be): what another
-    process needs on its PYTHONPATH to import it too. [] for wamkit's own modules or where it cannot be told."""
+    """The sys.path entries `target`'s top-level package comes from (where it was imported, else where it would be:
+    nothing is imported here): what another process needs on its PYTHONPATH to import it too. [] for wamkit's own
+    modules or where it cannot be told (not importable here: the other process says why)."""
     top = target.partition(":")[0].split(".")[0]
     if top == "wamkit":
         return []
-    if top not in sys.modules:
-        import_target(target)
     m = sys.modules.get(top)
-    paths = list(getattr(m, "__path__", None) or [])
+    spec = getattr(m, "__spec__", None) or (_spec(top, None) if m is None else None)
+    paths = list(getattr(m, "__path__", None) or getattr(spec, "submodule_search_locations", None) or [])
     if paths:                                   # a package (or namespace package): the directory above it
         roots = {str(Path(p).resolve().parent) for p in paths}
     else:
-        f = getattr(m, "__file__", None)
+        f = getattr(m, "__file__", None) or (spec.origin if spec is not None and spec.has_location else None)
         roots = {str(Path(f).resolve().parent)} if f else set()
     # an installed package (this interpreter's prefixes: stdlib, site-packages) is found there anyway; putting such
     # a directory on PYTHONPATH would put it ahead of the standard library
@@ -159,9 +200,10 @@ def class_target(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def policy_class(name: str):
+def policy_class(name: str, search_cwd: bool = True):
     """The class of a registered name or of `package.module:Class`, checked (check_policy_class). Anything else is
-    one line naming the valid choices."""
+    one line naming the valid choices. search_cwd: a module not on sys.path is also looked for in the current
+    directory (a name typed by the user; not for a manifest's, see manifest_policy_class)."""
     if name in _REGISTRY:
         target = _REGISTRY[name]
     elif is_import_target(name):
@@ -174,9 +216,34 @@ def policy_class(name: str):
             err = UserError(f"{name} is a training run or checkpoint, not a servable policy: `wamkit export {name} "
                             f"OUT` writes one (then policy=OUT)")
         raise err
-    cls = import_target(target, what="policy")
+    cls = import_target(target, what="policy", search_cwd=search_cwd)
     check_policy_class(cls, name if name == target else f"{name} ({target})")
     return cls
+
+
+def manifest_policy_class(name: str, manifest: str | Path):
+    """policy_class for the policy a manifest file on disk names (an export's wamkit_policy.json, a checkpoint's
+    policy.json: files that may come from anyone, e.g. downloaded). A module other than wamkit's own is imported
+    only from sys.path as it stands, never the current directory added to it nor from a file inside the manifest's
+    directory (which `python -m` from there would put on sys.path): else one line (UserError) saying so; it is named
+    in one logged line before it is imported (importing a module runs it)."""
+    target = _REGISTRY.get(name, name)
+    mod = target.partition(":")[0]
+    if is_import_target(target) and mod.split(".")[0] != "wamkit":
+        manifest = Path(manifest)
+        home = manifest.resolve().parent
+        places = module_places(mod)
+        how = ("install it, or put the directory that holds it on PYTHONPATH (outside the export) to import it on "
+               "purpose")
+        if places is None:
+            raise UserError(f"policy {target!r} named by {manifest.name}: module {mod!r} is not importable from "
+                            f"sys.path (a manifest's module is not looked for in the current directory): {how}")
+        inside = next((p for p in places if p.resolve() == home or home in p.resolve().parents), None)
+        if inside is not None:
+            raise UserError(f"policy {target!r} named by {manifest.name}: module {mod!r} would be imported from "
+                            f"{inside}, inside that directory, whose files are never run: {how}")
+        log.warning("policy %s named by %s: importing module %s from %s", target, manifest, mod, places[-1])
+    return policy_class(name, search_cwd=False)
 
 
 def check_policy_class(cls: Any, name: str) -> None:

@@ -9,7 +9,9 @@
 
 A policy is exportable when it implements `wamkit.policies.base.ExportablePolicy`. The manifest names a built-in
 policy by its registry name and any other class by `package.module:Class` (a name registered with register_policy
-exists only in the process that registered it), so every process can load the directory. Loading rebuilds the
+exists only in the process that registered it), so every process that can import that module from its sys.path can
+load the directory (catalog.manifest_policy_class: an export may come from anyone, so its module is never looked for
+in the current directory nor imported from the export's own files). Loading rebuilds the
 policy from its `export_config()` plus overrides (`device=`, `num_inference_steps=`...; the common keys
 action_dim / horizon / device are dropped where the class takes none), then loads the weights strictly. An override
 of one of the class's `architecture_keys` (wam-ref: size, und_config, ...) to another value than the saved one is
@@ -23,8 +25,8 @@ from typing import Any
 
 from wamkit.core.errors import UserError
 from wamkit.policies.base import ExportablePolicy, missing_members
-from wamkit.policies.catalog import (BUILTIN, class_target, construct, import_target, is_import_target, policy_class,
-                                     policy_names, policy_target)
+from wamkit.policies.catalog import (BUILTIN, class_target, construct, import_target, is_import_target,
+                                     manifest_policy_class, policy_class, policy_names, policy_target)
 from wamkit.policies.manifest import EXPORT_MARKER, PolicyManifest, read_export_manifest
 
 WEIGHTS = "model.safetensors"
@@ -110,7 +112,7 @@ def load_exported(directory, **overrides):
             raise UserError(f"{d}: {pipe_file.name}, named in {EXPORT_MARKER}, is missing (export again)")
         overrides["action_pipeline"] = ActionPipeline.load(pipe_file) if pipe_file.exists() else None
     try:
-        cls = policy_class(meta.policy)
+        cls = manifest_policy_class(meta.policy, d / EXPORT_MARKER)   # its module: never from the directory itself
     except UserError as e:
         if is_import_target(meta.policy) or "unknown policy" not in str(e):
             raise UserError(f"{d}: {e}") from None

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from wamkit.protocol.errors import ProtocolError
+from wamkit.protocol.errors import ProtocolError, public_text
 from wamkit.protocol.limits import MAX_SIDE, DecodeLimits, ImageBudget, parse_dtype
 
 ENCODED_FORMATS = ("PNG", "JPEG")           # the only encoded image formats decoded (PIL is asked for no other)
@@ -213,7 +213,9 @@ def _from_encoded(data: Any, path: str, budget: ImageBudget) -> np.ndarray:
     except Exception as e:  # noqa: BLE001 - hostile bytes make PIL raise many types; all mean "not a valid image"
         if type(e).__name__ == "DecompressionBombError":
             raise ProtocolError(path, f"image too large to decode: {e}", status=413) from None
-        raise ProtocolError(path, f"not a decodable PNG/JPEG image ({type(e).__name__}: {str(e)[:120]})") from None
+        why = "its header is not one PIL reads" if type(e).__name__ == "UnidentifiedImageError" else \
+            public_text(str(e)[:120])   # (never the object repr PIL puts in its text, nor a path)
+        raise ProtocolError(path, f"not a decodable PNG/JPEG image ({type(e).__name__}: {why})") from None
     if arr.shape != (h, w, 3):
         raise ProtocolError(path, f"decoded to shape {list(arr.shape)}, header declared {w}x{h}")
     return arr

@@ -5,6 +5,7 @@ ServeConfig; the defaults here are what any decoder gets unless it asks for othe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,8 @@ class DecodeLimits:
     max_text_chars: int = 16384                  # each task/prompt string and the request_id
     max_observations: int = 1024                 # observations in one request (the server: its max_queue)
     max_param_items: int = 1024                  # items of a list-valued parameter (condition_frame_indexes)
+    max_containers: int = 2 ** 20                # mappings + lists in one body (numbers not counted): ~20 images of
+                                                 # 224x224 as nested pixel lists; raw bytes/PNG/array markers: a few
 
 
 def check_count(n: int, limits: DecodeLimits, path: str) -> None:
@@ -44,16 +47,21 @@ def check_count(n: int, limits: DecodeLimits, path: str) -> None:
 
 
 class ImageBudget:
-    """Decoded image bytes left for one request: take() before building an array, 413 when it would overflow."""
+    """Decoded image bytes left for one request: take() before building an array, 413 when it would overflow.
+    shared: what the bytes are also taken from, past the request (a server's budget over every request it holds:
+    an object with take(nbytes), which raises when they do not fit)."""
 
-    def __init__(self, limits: DecodeLimits):
+    def __init__(self, limits: DecodeLimits, shared: Any = None):
         self.limits = limits
+        self.shared = shared
         self.used = 0
 
     def take(self, nbytes: int, path: str) -> None:
         if self.used + nbytes > self.limits.max_decoded_bytes:
             raise ProtocolError(path, f"the request's images would decode to more than "
                                       f"{self.limits.max_decoded_bytes} bytes (server max_decoded_mb)", status=413)
+        if self.shared is not None:
+            self.shared.take(nbytes)
         self.used += nbytes
 
     def check_pixels(self, h: int, w: int, path: str) -> None:

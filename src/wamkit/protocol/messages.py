@@ -594,9 +594,11 @@ def _parse_runtime(body: dict, params: dict[str, Any]) -> Runtime:
     return runtime
 
 
-def parse_request(body: dict[str, Any], limits: DecodeLimits | None = None) -> ActionRequest:
+def parse_request(body: dict[str, Any], limits: DecodeLimits | None = None,
+                  budget: ImageBudget | None = None) -> ActionRequest:
     """A decoded request body (decode_body's output) -> ActionRequest (Observations + seeds + parameters).
-    `limits`: image pixel/decoded-byte caps and text lengths (default DecodeLimits()). Raises ProtocolError."""
+    `limits`: image pixel/decoded-byte caps and text lengths (default DecodeLimits()); `budget`: the request's image
+    budget (default: a fresh one of `limits`). Raises ProtocolError."""
     limits = limits or DecodeLimits()
     _expect_mapping(body, "")
     _refuse_unknown(body, TOP_NAMES, "")
@@ -605,7 +607,7 @@ def parse_request(body: dict[str, Any], limits: DecodeLimits | None = None) -> A
     if "input" not in body:
         raise ProtocolError("input", "missing required field")
     inp = _collect_input(_expect_mapping(body["input"], "input"))
-    frames = _decode_frames(inp, limits, ImageBudget(limits))
+    frames = _decode_frames(inp, limits, budget or ImageBudget(limits))
     n = len(frames)
     tasks = _decode_tasks(inp.task, n, limits)
     states: list[np.ndarray | None] = [None] * n

@@ -65,10 +65,12 @@ def packb(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True, default=_pack_default)
 
 
-def unpackb(data: bytes, max_depth: int = DecodeLimits.max_depth) -> dict[str, Any]:
+def unpackb(data: bytes, max_depth: int = DecodeLimits.max_depth,
+            max_containers: int = DecodeLimits.max_containers) -> dict[str, Any]:
     """A frame -> mapping; array markers stay mappings (decoded, with validation, by the field decoders). Refuses
-    msgpack extension types, non-mapping frames and nesting deeper than max_depth (ProtocolError)."""
-    return decode_body(data, MSGPACK, max_depth)
+    msgpack extension types, non-mapping frames, nesting deeper than max_depth and more than max_containers
+    mappings/lists (ProtocolError)."""
+    return decode_body(data, MSGPACK, max_depth, max_containers)
 
 
 def bytes_keyed_marker(values: dict[str, Any]) -> dict[bytes, Any]:
@@ -101,8 +103,8 @@ def _state(value: Any, path: str) -> np.ndarray:
 class _Frame:
     """What one openpi observation dict holds, read key by key (ProtocolError names the key)."""
 
-    def __init__(self, limits: DecodeLimits):
-        self.limits, self.budget = limits, ImageBudget(limits)
+    def __init__(self, limits: DecodeLimits, budget: ImageBudget | None = None):
+        self.limits, self.budget = limits, budget or ImageBudget(limits)
         self.images: dict[str, np.ndarray] = {}
         self.state: np.ndarray | None = None
         self.task = ""
@@ -170,12 +172,13 @@ class _Frame:
                                      "action_horizon, num_inference_steps, ...)")
 
 
-def openpi_request(d: dict[str, Any], limits: DecodeLimits | None = None) -> ActionRequest:
+def openpi_request(d: dict[str, Any], limits: DecodeLimits | None = None,
+                   budget: ImageBudget | None = None) -> ActionRequest:
     """openpi (or SGLang raw) observation dict -> a one-observation ActionRequest: the observation, its seed
     (DEFAULT_SEED when none) and the parameters the frame carries (action_horizon, num_inference_steps, ...;
     validated as `parameters` over HTTP, errors naming the frame's key). `limits`: the server's decode limits (one
-    image budget for the whole dict, as for an HTTP request)."""
-    frame = _Frame(limits or DecodeLimits())
+    image budget for the whole dict, as for an HTTP request: `budget`, default a fresh one)."""
+    frame = _Frame(limits or DecodeLimits(), budget)
     for key, value in d.items():
         frame.read(key, value)
     if not frame.images:

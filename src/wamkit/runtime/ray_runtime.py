@@ -535,6 +535,12 @@ class RayServerWorker(StartStopContext):
         return self._url
 
     @property
+    def token(self) -> str | None:
+        """The token its server requires (what a client sends): it travels in the actor's arguments and reaches the
+        `wamkit serve` process in its environment (WamkitServerWorker), never a command line or a file."""
+        return self.worker_kwargs.get("token")
+
+    @property
     def actor(self):
         return self._actor
 

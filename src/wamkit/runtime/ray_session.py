@@ -10,8 +10,9 @@ Rules
   retries for minutes). With a token configured and RAY_AUTH_MODE unset, token mode is set for an explicit address
   (Ray 2.60 does so only for "auto") until the session ends.
 - no `address` and Ray not initialized: start a local Ray with a fresh temp dir (RAY_TMPDIR points there, so the
-  address file and session logs stay inside it), no dashboard UI, node address 127.0.0.1 (Ray 2.60's own agents
-  still listen on wildcard gRPC ports: token auth guards them), `num_cpus` from the options if given. RAY_ADDRESS in
+  address file and session logs stay inside it), no dashboard UI, no metrics agent (enable_metrics_collection off),
+  node address 127.0.0.1 with every Ray listener bound to it (LOOPBACK_ENV; token auth guards the gRPC ones against
+  other local users), `num_cpus` from the options if given. RAY_ADDRESS in
   the environment is ignored (with a warning; ray.address=auto uses it). Shut down when the last holder releases
   it, or at exit; a failed or interrupted start removes what it made, and the temp dirs of drivers that died
   (SIGKILL) are removed at the next start.
@@ -25,6 +26,7 @@ Rules
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import secrets
@@ -254,10 +256,13 @@ def _start_private(opts: RayOptions) -> RaySession:
     if os.environ["RAY_AUTH_MODE"].lower() == "token" and not _token_configured():
         _setenv(s, "RAY_AUTH_TOKEN", secrets.token_hex(32))   # ephemeral, never written to disk by us
     _refresh_ray_auth_config()
+    _setenv(s, LOOPBACK_ENV, "0")   # read by every Ray process we start: each binds 127.0.0.1 only
     try:
-        _init_ray(num_cpus=opts.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                  _temp_dir=os.path.join(tmp, "ray"), namespace=opts.namespace,
-                  log_to_driver=opts.log_to_driver, logging_level=logging.WARNING)
+        with _loopback_node():
+            _init_ray(num_cpus=opts.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                      _temp_dir=os.path.join(tmp, "ray"), namespace=opts.namespace,
+                      _system_config={"enable_metrics_collection": False},
+                      log_to_driver=opts.log_to_driver, logging_level=logging.WARNING)
     except BaseException as e:   # KeyboardInterrupt too: whatever ray.init started goes
         try:
             ray.shutdown()
@@ -271,6 +276,30 @@ def _start_private(opts: RayOptions) -> RaySession:
             raise UserError(f"could not start a local Ray: {first}") from None
         raise
     return s
+
+
+# Ray's switch for a single-node Ray (its default on macOS and Windows): "0" makes the node's address 127.0.0.1, which
+# ray.init's own _node_ip_address="127.0.0.1" does not (Ray 2.60 swaps a loopback address for the host's routable
+# one), and then every Ray server binds it: GCS, raylet, object manager, core workers' gRPC, the dashboard agent's
+# HTTP and gRPC, the runtime-env agent, the Prometheus endpoints of the dashboard head and the autoscaler monitor
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def _loopback_node():
+    """While ray.init starts a private Ray: this process's Ray reads LOOPBACK_ENV when it is imported, which may
+    have been before we set it (a test, a notebook, the CLI's own import): its copy follows the variable meanwhile."""
+    try:
+        from ray._private import ray_constants
+    except ImportError:   # another Ray layout: the environment variable alone
+        yield
+        return
+    old = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old
 
 
 def _init_ray(**kwargs: Any) -> None:

@@ -16,11 +16,14 @@ Routes
 - ``WS   /openpi/policy``, ``/``, ``/v1/actions/realtime``, ``GET /healthz``: openpi / SGLang websockets (serve.ws).
 
 Token: ``Authorization: Bearer <token>`` or openpi's ``Api-Key <token>`` on every route but /health (one check,
-serve.errors.token_accepted, for HTTP and websockets).
+serve.errors.token_accepted, for HTTP and websockets); with a token, an unknown route or a wrong method answers 401
+before 404/405, so the routes cannot be listed without it.
 Errors answer ``{"error": {"message", "type", "path", "code"}, "detail": message}``: 400 malformed (the message names
 the field path), 401 bad/missing token, 408 body not received within body_timeout_s, 413 body or decoded images too
 large, 415 content type, 422 valid but unsupported here (also: the policy's own input check refused it, a UserError
-from predict), 500 the policy failed, 503 queue full or shutting down (with Retry-After; also a request still in
+from predict), 500 the policy failed (its exception's type and text, without absolute paths or object addresses:
+serve.errors.failure_message; the log has them whole), 503 queue full, the decoded images of the requests held over
+max_inflight_decoded_mb (serve.inflight) or shutting down (with Retry-After; also a request still in
 flight when graceful_timeout_s runs out), 404 unknown route, 405 wrong method (Starlette's own refusals, through
 create_app's exception handler). Decoding a request never answers 5xx: an unexpected error while decoding is a 400
 (and counted in /metrics as decode_unexpected). Requests are never unpickled: JSON or msgpack without extension types
@@ -53,6 +56,7 @@ from wamkit.policies.checks import PolicyOutputError, observation_problem
 from wamkit.protocol import ProtocolError, build_response, decode_body, encode_body, is_msgpack, parse_request
 from wamkit.protocol.messages import ActionRequest, build_raw_response
 from wamkit.protocol.errors import POLICY_OUTPUT_ERROR
+from wamkit.protocol.limits import ImageBudget
 from wamkit.protocol.sglang import sglang_parameter_refusal
 from wamkit.protocol.shm import ShmReader
 from wamkit.protocol.shm import available as shm_available
@@ -60,7 +64,8 @@ from wamkit.serve.batcher import DynamicBatcher, QueueFull
 from wamkit.serve.config import INSTANCE_ENV, ServeConfig
 from wamkit.serve.metadata import default_steps, metadata_of
 from wamkit.serve.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics, wants_prometheus
-from wamkit.serve.errors import OFFLOAD_BYTES, error_response, token_accepted
+from wamkit.serve.errors import OFFLOAD_BYTES, error_response, failure_message, token_accepted
+from wamkit.serve.inflight import DecodedBytes, DecodedBytesFull
 from wamkit.serve.ws import websocket_routes
 
 log = logging.getLogger("wamkit.serve")
@@ -102,6 +107,7 @@ class ActionServer:
         self.batcher = DynamicBatcher([p.predict for p in self.replicas], self.max_batch_size, cfg.max_wait_ms,
                                       cfg.max_queue, self.metrics, max_wait_fraction=cfg.max_wait_fraction,
                                       idle_dispatch=cfg.idle_dispatch, check_output=self.spec)
+        self.decoded = DecodedBytes(cfg.inflight_decoded_bytes(), self.batcher.retry_after_s)
         self.decode_pool = ThreadPoolExecutor(max_workers=cfg.decode_threads, thread_name_prefix="wamkit-decode")
         self._log_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -199,9 +205,14 @@ class ActionServer:
             if (problem := observation_problem(self.spec, o, i)) is not None:
                 raise ProtocolError(*problem, status=422)
 
-    def _decode(self, body: bytes, content_type: str) -> ActionRequest:
+    def image_budget(self, ticket) -> ImageBudget:
+        """A request's image budget: max_decoded_mb for it, its bytes also taken from the server's (its ticket)."""
+        return ImageBudget(self.limits, ticket)
+
+    def _decode(self, body: bytes, content_type: str, budget: ImageBudget) -> ActionRequest:
         try:
-            return parse_request(decode_body(body, content_type, self.limits.max_depth), self.limits)
+            return parse_request(decode_body(body, content_type, self.limits.max_depth, self.limits.max_containers),
+                                 self.limits, budget)
         except ProtocolError:
             raise
         except Exception as e:  # noqa: BLE001 - bad input must never be a 5xx; counted so tests can catch the gap
@@ -264,7 +275,8 @@ class ActionServer:
         (what a Prometheus scrape sends)."""
         self._check_token(request)
         gauges = dict(queued=self.batcher.queued, max_batch_size=self.max_batch_size, max_wait_ms=self.cfg.max_wait_ms,
-                      refill_window_ms=round(self.batcher.refill_window_s() * 1000.0, 3))
+                      refill_window_ms=round(self.batcher.refill_window_s() * 1000.0, 3),
+                      inflight_decoded_bytes=self.decoded.used)
         if request.url.path.endswith("/prometheus") or wants_prometheus(request.headers.get("accept", "")):
             return Response(self.metrics.prometheus(**gauges), media_type=PROMETHEUS_CONTENT_TYPE)
         return JSONResponse(self.metrics.snapshot(**gauges))
@@ -275,26 +287,30 @@ class ActionServer:
         self._check_token(request)
         ct = request.headers.get("content-type", "")
         binary = is_msgpack(ct) or "msgpack" in request.headers.get("accept", "").lower()
-        # idle dispatch waits for requests in intake (wamkit.serve.batcher); the block ends right before submit
-        with self.batcher.intake():
-            body = await self._read_body(request)
-            if len(body) > OFFLOAD_BYTES:
-                req = await asyncio.get_running_loop().run_in_executor(self.decode_pool, self._decode, body, ct)
+        # idle dispatch waits for requests in intake (wamkit.serve.batcher); the block ends right before submit.
+        # The ticket holds the request's decoded images against max_inflight_decoded_mb until it is answered
+        with self.decoded.ticket() as ticket:
+            with self.batcher.intake():
+                body = await self._read_body(request)
+                budget = self.image_budget(ticket)
+                if len(body) > OFFLOAD_BYTES:
+                    req = await asyncio.get_running_loop().run_in_executor(self.decode_pool, self._decode, body, ct,
+                                                                           budget)
+                else:
+                    req = self._decode(body, ct, budget)
+                n = len(req)
+                if n > self.cfg.max_queue:
+                    raise _HTTPError(413, f"{n} observations in one request; the server queues at most "
+                                          f"{self.cfg.max_queue}", path="input")
+                self._check_against_policy(req)
+                keys = [req.group_key(i) for i in range(n)]
+            self.metrics.count("observations", n)
+            actions, timing = await self.batcher.submit(req.observations, req.seeds, keys)
+            if req.runtime.response_format == "raw":   # SGLang's pipeline output as it is
+                out = build_raw_response(req, actions, binary, timing=timing, denoise_steps=self.denoise_steps(req))
             else:
-                req = self._decode(body, ct)
-            n = len(req)
-            if n > self.cfg.max_queue:
-                raise _HTTPError(413, f"{n} observations in one request; the server queues at most "
-                                      f"{self.cfg.max_queue}", path="input")
-            self._check_against_policy(req)
-            keys = [req.group_key(i) for i in range(n)]
-        self.metrics.count("observations", n)
-        actions, timing = await self.batcher.submit(req.observations, req.seeds, keys)
-        if req.runtime.response_format == "raw":   # SGLang's pipeline output as it is
-            out = build_raw_response(req, actions, binary, timing=timing, denoise_steps=self.denoise_steps(req))
-        else:
-            out = build_response(req, actions, self.model, binary, timing=timing,
-                                 denoise_steps=self.denoise_steps(req))
+                out = build_response(req, actions, self.model, binary, timing=timing,
+                                     denoise_steps=self.denoise_steps(req))
         data, media = encode_body(out, binary)
         self.metrics.response(200, (time.perf_counter() - t0) * 1000.0)
         return Response(data, media_type=media)
@@ -335,18 +351,18 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
         async def handler(request: Request) -> Response:
             try:
                 return await fn(request)
+            except (QueueFull, DecodedBytesFull) as e:
+                srv.metrics.count("rejected_busy")
+                resp = error_response(503, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
             except ProtocolError as e:
                 resp = error_response(e.status, str(e), e.path)
             except _HTTPError as e:
                 resp = error_response(e.status, e.message, e.path, e.headers)
-            except QueueFull as e:
-                srv.metrics.count("rejected_busy")
-                resp = error_response(503, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
             except UserError as e:  # the policy refused this request's input (its own check): not the server's fault
                 resp = error_response(422, str(e), "input")
             except Exception as e:  # the policy failed: answer 500, keep serving
                 srv.log_failure(e, "request")
-                resp = error_response(500, f"{type(e).__name__}: {e}",
+                resp = error_response(500, failure_message(e),
                                       kind=POLICY_OUTPUT_ERROR if isinstance(e, PolicyOutputError) else None)
             except asyncio.CancelledError:
                 if not srv.batcher.closing:   # not uvicorn's end of the graceful shutdown: not ours to answer
@@ -357,7 +373,13 @@ def create_app(cfg: ServeConfig, policy: Policy | None = None) -> Starlette:
         return handler
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        """Starlette's own refusals (404 unknown route, 405 wrong method) in the error layout of every route."""
+        """Starlette's own refusals (404 unknown route, 405 wrong method) in the error layout of every route; with a
+        token, only to a request that carries it (401 otherwise, as on the routes)."""
+        try:
+            srv._check_token(request)
+        except _HTTPError as e:
+            srv.metrics.response(e.status)
+            return error_response(e.status, e.message, headers=e.headers)
         path, message = request.url.path, exc.detail
         if exc.status_code == 404:
             message = f"no such route: {path}"

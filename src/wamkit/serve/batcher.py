@@ -207,7 +207,7 @@ class DynamicBatcher:
             raise ShuttingDown("server is shutting down", retry_after_s=1.0)
         if self._queued + n > self.max_queue:
             raise QueueFull(f"queue full ({self._queued} of {self.max_queue} observations waiting)",
-                            retry_after_s=self._retry_after())
+                            retry_after_s=self.retry_after_s())
         loop = asyncio.get_running_loop()
         req = _Request(n=n, t_arrival=time.time(), future=loop.create_future(), remaining=n)
         now = time.perf_counter()
@@ -228,7 +228,7 @@ class DynamicBatcher:
             self.metrics.queued(timing["queue_ms"])
         return actions, timing
 
-    def _retry_after(self) -> float:
+    def retry_after_s(self) -> float:   # when a refused request may find room (at least 1 s)
         batches_ahead = self._queued / self.max_batch_size + 1
         return max(1.0, round(batches_ahead * max(self._ema_batch_s, 0.01), 1))
 

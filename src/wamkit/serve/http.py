@@ -9,26 +9,34 @@ idle clients (uvicorn alone closes idle keep-alive connections only).
     never comes for a route that does not read it); a connection upgraded to a websocket is past its headers, and
     the deadline ends with the upgrade;
   * a connection cap: past max_connections open sockets (websockets included), the oldest one still waiting for
-    headers is dropped (the new one when every open socket is busy with a request), so a flood of idle sockets can
-    neither exhaust file descriptors nor lock out /health; websockets never take the cap's last _WS_RESERVE
-    connections (an upgrade past that is answered 503).
+    headers is dropped, else the one whose body arrives slowest when that is below min_body_kb_per_s on average since
+    its headers (answered 408), else the new one (every open socket is busy with a request), so a flood of idle
+    sockets or of bodies sent a byte at a time can neither exhaust file descriptors nor lock out /health; websockets
+    never take the cap's last _WS_RESERVE connections (an upgrade past that is answered 503).
   The body deadline (body_timeout_s, 408) lives in the app, which reads the body.
+- host_guard(): bound to loopback, a request (or websocket handshake) whose Host header is not a loopback name is
+  refused with 400 (DNS rebinding: a page of any site whose name resolves to 127.0.0.1 would otherwise reach a
+  server without a token from the browser; allowed_hosts adds names). An ASGI wrapper of the app, on the listener
+  only.
+- redact_logs(): Authorization / Api-Key header values never reach a log (uvicorn and websockets log handshake headers
+  at debug and trace levels).
 - connection_limits(): the connection cap and listen backlog that fit the open-file limit.
 - tune_malloc(): large request buffers from malloc's heap, not a fresh mmap (and page faults) per copy.
 - uvicorn_config(): the uvicorn.Config of a ServeConfig (keep-alive timeout, header size cap, backlog, the protocol
-  above).
+  and the guards above; websockets without permessage-deflate).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import re
 import resource
 import socket
 from typing import Any
 
 from wamkit.core.errors import UserError
-from wamkit.serve.config import ServeConfig
+from wamkit.serve.config import ServeConfig, is_loopback
 from wamkit.serve.errors import error_response
 
 log = logging.getLogger("wamkit.serve")
@@ -106,9 +114,19 @@ def connection_limits(wanted: int) -> tuple[int, int]:
     return cap, backlog
 
 
-def guarded_protocol(header_timeout_s: float, max_connections: int, counters: Any = None) -> type:
+def _answer_and_close(transport, status: int, reason: str, message: str) -> None:
+    """A JSON error response written straight to the socket, which is then closed (a guard's last word)."""
+    body = error_response(status, message).body
+    transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                    b"connection: close\r\n\r\n%s" % (status, reason.encode(), len(body), body))
+    transport.close()
+
+
+def guarded_protocol(header_timeout_s: float, max_connections: int, counters: Any = None,
+                     min_body_kb_per_s: float = 0.0) -> type:
     """uvicorn's H11Protocol with the header deadline and the connection cap (module doc). counters: an object with
     count(name) (the server's metrics), told of every socket closed by a guard."""
+    min_rate = min_body_kb_per_s * 1024.0   # bytes per second
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     def count(name: str) -> None:
@@ -126,6 +144,8 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, counters: An
         _hdr_timer = None
         _hdr_cycle = None
         _armed_at = 0.0
+        _body_since = 0.0   # when the current request's headers were in
+        _body_bytes = 0     # bytes received since
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -148,6 +168,17 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, counters: An
             super().data_received(data)
             if self._hdr_timer is not None and self.cycle is not self._hdr_cycle:
                 self._disarm()
+                self._body_since, self._body_bytes = self.loop.time(), 0
+            self._body_bytes += len(data)
+
+        def _body_rate(self, now: float) -> float | None:
+            """Bytes per second since the headers while the request's body is still arriving (and the server is
+            reading it); None otherwise."""
+            cycle = self.cycle
+            if (self._hdr_timer is not None or cycle is None or not cycle.more_body or cycle.response_complete or
+                    self.flow.read_paused or self.transport.is_closing()):
+                return None
+            return self._body_bytes / max(now - self._body_since, 1e-9)
 
         def handle_websocket_upgrade(self, event) -> None:
             # the headers are complete and the socket is the websocket's from now on: the deadline (and this
@@ -158,10 +189,8 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, counters: An
             self._disarm()
             if open_websockets() >= ws_cap:
                 count("closed_websocket_cap")
-                body = error_response(503, f"too many open websockets (max_connections={max_connections})").body
-                self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                                     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
-                self.transport.close()
+                _answer_and_close(self.transport, 503, "Service Unavailable",
+                                  f"too many open websockets (max_connections={max_connections})")
                 return
             upgraded.add(self.transport)
             super().handle_websocket_upgrade(event)
@@ -183,13 +212,28 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, counters: An
                 self.transport.close()
 
         def _drop_one(self) -> None:
-            waiting = [c for c in self.connections
-                       if getattr(c, "_hdr_timer", None) is not None and c is not self and
-                       not c.transport.is_closing()]
-            victim = min(waiting, key=lambda c: c._armed_at) if waiting else self
+            others = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c is not self and
+                      not c.transport.is_closing()]
+            waiting = [c for c in others if c._hdr_timer is not None]
             count("closed_connection_cap")
-            victim._disarm()
-            victim.transport.close()
+            if waiting:
+                victim = min(waiting, key=lambda c: c._armed_at)
+                victim._disarm()
+                victim.transport.close()
+                return
+            now = self.loop.time()
+            rates = [(rate, c) for c in others if (rate := c._body_rate(now)) is not None and rate < min_rate]
+            if not rates:
+                self._disarm()
+                self.transport.close()
+                return
+            rate, victim = min(rates, key=lambda rc: rc[0])
+            if victim.cycle.response_started:
+                victim.transport.close()
+            else:
+                _answer_and_close(victim.transport, 408, "Request Timeout",
+                                  f"body arriving at {rate / 1024:.2g} KB/s, below min_body_kb_per_s="
+                                  f"{min_body_kb_per_s:g}, while the server is at max_connections={max_connections}")
 
     return GuardedH11Protocol
 
@@ -232,13 +276,94 @@ def draining_websocket_protocol() -> type:
     return DrainingWebSocketProtocol
 
 
+def host_name(host: str) -> str:
+    """The name of a Host header, without its port: 'LocalHost:8000' -> 'localhost', '[::1]:8000' -> '::1'."""
+    h = host.strip().lower()
+    if h.startswith("["):
+        return h[1:h.index("]")] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+def host_guard(app: Any, cfg: ServeConfig, counters: Any = None) -> Any:
+    """`app` behind the Host check (module doc): the app itself when the server is not bound to loopback or
+    allowed_hosts holds "*"."""
+    allowed = {h.strip().lower() for h in cfg.allowed_hosts}
+    if not is_loopback(cfg.host) or "*" in allowed:
+        return app
+
+    async def guarded(scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            raw = dict(scope.get("headers") or ()).get(b"host")   # none: HTTP/1.0, not a browser
+            host = raw.decode("latin-1") if raw is not None else None
+            if host is not None and not (is_loopback(host_name(host)) or host_name(host) in allowed):
+                await _refuse_host(scope, receive, send, host, counters)
+                return
+        await app(scope, receive, send)
+
+    return guarded
+
+
+async def _refuse_host(scope, receive, send, host: str, counters: Any) -> None:
+    from starlette.websockets import WebSocket
+
+    resp = error_response(400, f"Host header {host[:100]!r} is not a loopback name, and this server is bound to "
+                               f"loopback (server allowed_hosts adds names)")
+    if counters is not None:
+        counters.count("requests")
+        counters.response(400)
+    if scope["type"] == "http":
+        await resp(scope, receive, send)
+        return
+    ws = WebSocket(scope, receive, send)
+    if "websocket.http.response" in scope.get("extensions", {}):
+        await ws.send_denial_response(resp)
+    else:   # an ASGI server without denial responses: refuse the handshake (HTTP 403)
+        await ws.close(code=1008)
+
+
+# a credential header's value as uvicorn and websockets log it: 'authorization: Bearer x' (websockets, debug) or
+# "(b'authorization', b'Bearer x')" (uvicorn's ASGI scope, trace)
+_SECRET_HEADER = re.compile(r"(?i)\b((?:x-)?api-key|authorization)(['\"]?\s*(?::|=|,)\s*b?['\"]?)([^'\"\r\n]+)")
+
+
+class RedactSecrets(logging.Filter):
+    """Replaces credential header values in a log record by [redacted] (it always lets the record through)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record that cannot format is left to logging's own handling
+            return True
+        red = _SECRET_HEADER.sub(r"\1\2[redacted]", text)
+        if red != text:
+            record.msg, record.args = red, None
+        return True
+
+
+def redact_logs() -> None:
+    """RedactSecrets on the loggers that log request headers and on every handler the server's logging has (uvicorn
+    configures its own when its Config is built: call this after)."""
+    f = RedactSecrets()
+    loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.error", "uvicorn.asgi", "uvicorn.access",
+                                              "websockets", "websockets.server", "wamkit")]
+    for lg in loggers:
+        for target in [lg, *lg.handlers]:
+            if not any(isinstance(x, RedactSecrets) for x in target.filters):
+                target.addFilter(f)
+
+
 def uvicorn_config(app: Any, cfg: ServeConfig, counters: Any = None):
     import uvicorn
 
     cap, backlog = connection_limits(cfg.max_connections)
-    proto = guarded_protocol(cfg.header_timeout_s, cap, counters)
-    return uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                          timeout_graceful_shutdown=cfg.graceful_timeout_s, lifespan="on", http=proto, backlog=backlog,
-                          timeout_keep_alive=cfg.keep_alive_timeout_s,
-                          h11_max_incomplete_event_size=cfg.max_header_kb * 1024, ws=draining_websocket_protocol(),
-                          ws_max_size=int(cfg.max_body_mb * 1024 * 1024) + 1024)  # websocket frames: the body cap
+    proto = guarded_protocol(cfg.header_timeout_s, cap, counters, cfg.min_body_kb_per_s)
+    config = uvicorn.Config(host_guard(app, cfg, counters), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                            access_log=False, timeout_graceful_shutdown=cfg.graceful_timeout_s, lifespan="on",
+                            http=proto, backlog=backlog, timeout_keep_alive=cfg.keep_alive_timeout_s,
+                            h11_max_incomplete_event_size=cfg.max_header_kb * 1024, ws=draining_websocket_protocol(),
+                            ws_max_size=int(cfg.max_body_mb * 1024 * 1024) + 1024,  # websocket frames: the body cap
+                            # no permessage-deflate: frames of images do not compress, and a few KB of deflate
+                            # inflated to a max_body_mb frame (openpi's and wamkit's clients turn it off anyway)
+                            ws_per_message_deflate=False)
+    redact_logs()   # after uvicorn's logging config (built with the Config)
+    return config

@@ -18,8 +18,18 @@ def default_steps(spec: PolicySpec) -> int | None:
 
 
 def model_path(policy: str) -> str | None:
-    """The export directory the policy was loaded from (SGLang's model_path), None for a registered name."""
-    return str(Path(policy).resolve()) if is_export_dir(policy) else None   # (a folder named like a policy: not one)
+    """The export directory the policy was loaded from (SGLang's model_path: what its server was given), None for a
+    registered name (a folder named like a policy is not one). Never the absolute path, which tells a client the
+    server's file system: the path below the server's working directory (`runs/export/wam-ref-libero`), else the
+    directory's own name."""
+    if not is_export_dir(policy):
+        return None
+    path = Path(policy).resolve()
+    try:
+        rel = path.relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return path.name
+    return rel if rel != "." else path.name
 
 
 def metadata_of(srv: Any) -> dict[str, Any]:

@@ -45,7 +45,7 @@ import httpx
 from wamkit.core.cpu_pinning import change_pin, pin_process, pinnable_env
 from wamkit.core.errors import RunError, UserError
 from wamkit.core.lifecycle import StartStopContext
-from wamkit.serve.config import INSTANCE_ENV, http_url
+from wamkit.serve.config import INSTANCE_ENV, TOKEN_ENV, http_url
 
 
 logger = logging.getLogger(__name__)
@@ -318,9 +318,9 @@ class WamkitServerWorker(ServerWorker):
 
     def child_env(self) -> dict[str, str]:
         env = super().child_env()
-        env.pop("WAMKIT_TOKEN", None)
+        env.pop(TOKEN_ENV, None)
         if self.token:
-            env["WAMKIT_TOKEN"] = self.token
+            env[TOKEN_ENV] = self.token
         env[INSTANCE_ENV] = self.instance_id or ""
         env.setdefault("PYTHONUNBUFFERED", "1")
         roots = self.import_roots()

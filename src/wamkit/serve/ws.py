@@ -11,8 +11,11 @@ Routes (registered by wamkit.serve.app.create_app; frames per wamkit.protocol.op
 Every connection gets the metadata frame first (``GET /v1/actions/metadata``'s document), then one reply per
 request frame, in order. Observations from every connection (and from HTTP requests) go through the one dynamic
 batcher, so concurrent connections share batches. Same token (``Authorization: Bearer <token>``, or openpi's
-``Api-Key <token>``; a refused handshake answers 401), same limits (a frame is at most max_body_mb; the queue bound
-answers 503 with ``retry_after_s``). ``server_timing``: ``infer_ms`` (frame decoded -> actions ready),
+``Api-Key <token>``; a refused handshake answers 401), same limits (a frame is at most max_body_mb and
+max_containers; the queue bound and max_inflight_decoded_mb answer 503 with ``retry_after_s``). A handshake that
+carries an ``Origin`` header (a browser page) is refused with 403 unless allowed_origins lists it: non-browser
+clients (openpi's, websockets', wamkit's) send none. A connection without a frame for ws_idle_timeout_s is closed
+(1000). ``server_timing``: ``infer_ms`` (frame decoded -> actions ready),
 ``prev_total_ms`` (the previous request's frame received -> reply sent), and wamkit's queue/compute split.
 A bad frame is answered with the HTTP API's error body (``{"error": {"message", "type", "path", "code"}, "detail"}``):
 as a text frame on the openpi routes (openpi's client raises it as an error), as a msgpack frame on the realtime
@@ -22,6 +25,7 @@ route; the connection stays open and the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -34,12 +38,13 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from wamkit.core.errors import UserError
 from wamkit.protocol import ProtocolError, build_response, parse_request
-from wamkit.protocol.limits import DecodeLimits
+from wamkit.protocol.limits import ImageBudget
 from wamkit.protocol.messages import ActionRequest
 from wamkit.protocol.shm import refuse as refuse_shm
 from wamkit.protocol.openpi import bytes_keyed_marker, is_action_request, openpi_request, packb, unpackb
 from wamkit.serve.batcher import QueueFull
-from wamkit.serve.errors import OFFLOAD_BYTES, error_response, token_accepted
+from wamkit.serve.errors import OFFLOAD_BYTES, error_response, failure_message, token_accepted
+from wamkit.serve.inflight import DecodedBytesFull
 
 
 OPENPI_PATHS = ("/openpi/policy", "/")
@@ -63,12 +68,21 @@ def _token_ok(srv: Any, ws: WebSocket) -> bool:
     return token_accepted(srv.token, ws.headers.get("authorization", ""))   # the HTTP routes' check
 
 
-def _parse(body: dict[str, Any], limits: DecodeLimits) -> tuple[ActionRequest, bool]:
+def origin_allowed(origin: str | None, allowed: list[str]) -> bool:
+    """A handshake without Origin (not a browser) is allowed; one with it only when `allowed` lists it (any case, a
+    trailing / ignored) or holds "*"."""
+    if origin is None:
+        return True
+    want = origin.strip().rstrip("/").lower()
+    return any(a == "*" or a.strip().rstrip("/").lower() == want for a in allowed)
+
+
+def _parse(body: dict[str, Any], budget: ImageBudget) -> tuple[ActionRequest, bool]:
     """A decoded frame -> (request, True if it was one openpi observation dict), under the server's decode limits
     (the same as its HTTP route's: one image budget per frame, text and nesting caps)."""
     if is_action_request(body):
-        return parse_request(body, limits), False
-    return openpi_request(body, limits), True   # with the parameters the frame carries, as SGLang reads them
+        return parse_request(body, budget.limits, budget), False
+    return openpi_request(body, budget.limits, budget), True   # with the frame's parameters, as SGLang reads them
 
 
 def _openpi_path(path: str) -> str:
@@ -96,6 +110,10 @@ class _Connection:
 
     async def run(self) -> None:
         srv = self.srv
+        origin = self.ws.headers.get("origin")
+        if not origin_allowed(origin, srv.cfg.allowed_origins):   # a browser page, from a site not allowed
+            await self._refuse(403, f"websocket Origin {origin[:100]!r} is not allowed (server allowed_origins)")
+            return
         if not _token_ok(srv, self.ws):
             await self._refuse(401, "missing or invalid bearer token")
             return
@@ -105,8 +123,15 @@ class _Connection:
         await self.ws.accept()
         srv.metrics.count("ws_connections")
         await self.ws.send_bytes(packb(srv.metadata_dict()))
+        idle_s = srv.cfg.ws_idle_timeout_s or None
         while True:
-            msg = await self.ws.receive()
+            try:
+                async with asyncio.timeout(idle_s):
+                    msg = await self.ws.receive()
+            except TimeoutError:   # no frame for ws_idle_timeout_s: a normal close
+                with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+                    await self.ws.close(code=1000, reason=f"idle for {idle_s:g} s (server ws_idle_timeout_s)")
+                return
             if msg["type"] == "websocket.disconnect":
                 return
             t0 = time.perf_counter()
@@ -136,18 +161,18 @@ class _Connection:
         srv.metrics.count("requests")   # every frame is one request with one response, as on HTTP: the books balance
         try:
             return await self._infer(msg, t0)
+        except (QueueFull, DecodedBytesFull) as e:
+            srv.metrics.count("rejected_busy")
+            status, body = 503, _error_body(503, str(e), retry_after_s=round(e.retry_after_s, 3))
         except ProtocolError as e:
             status, body = e.status, _error_body(e.status, str(e), e.path)
         except _FrameError as e:
             status, body = e.status, _error_body(e.status, e.message, e.path)
-        except QueueFull as e:
-            srv.metrics.count("rejected_busy")
-            status, body = 503, _error_body(503, str(e), retry_after_s=round(e.retry_after_s, 3))
         except UserError as e:  # the policy refused this frame's input (its own check)
             status, body = 422, _error_body(422, str(e), "input")
         except Exception as e:  # the policy failed: answer 500, keep serving
             srv.log_failure(e, "websocket request")
-            status, body = 500, _error_body(500, f"{type(e).__name__}: {e}")
+            status, body = 500, _error_body(500, failure_message(e))
         srv.metrics.response(status)
         return packb(body) if self.envelope else json.dumps(body)
 
@@ -159,14 +184,21 @@ class _Connection:
         if len(data) > srv.max_body:
             raise _FrameError(413, f"frame of {len(data)} bytes exceeds the cap of {srv.max_body} bytes "
                                    f"(max_body_mb={srv.cfg.max_body_mb})")
+        # the ticket holds the frame's decoded images against max_inflight_decoded_mb until it is answered
+        with srv.decoded.ticket() as ticket:
+            return await self._infer_held(data, t0, srv.image_budget(ticket))
+
+    async def _infer_held(self, data: bytes, t0: float, budget: ImageBudget) -> bytes:
+        srv = self.srv
+        limits = srv.limits
         # idle dispatch waits for requests in intake, as on the HTTP route (a frame is whole by now: this covers its
         # decode, which runs off the event loop for large frames)
         with srv.batcher.intake():   # the block ends right before submit
             if len(data) > OFFLOAD_BYTES:
                 body = await asyncio.get_running_loop().run_in_executor(srv.decode_pool, unpackb, data,
-                                                                          srv.limits.max_depth)
+                                                                          limits.max_depth, limits.max_containers)
             else:
-                body = unpackb(data, srv.limits.max_depth)
+                body = unpackb(data, limits.max_depth, limits.max_containers)
             if self.shm is not None:
                 body = self.shm.resolve(body)
             else:
@@ -175,7 +207,7 @@ class _Connection:
             if ctrl is not None:  # openpi's episode_start / episode_end notifications: nothing to do but acknowledge
                 srv.metrics.response(200)
                 return packb({"__ack__": ctrl if ctrl in ("episode_start", "episode_end") else "ignored"})
-            req, single = _parse(body, srv.limits)
+            req, single = _parse(body, budget)
             n = len(req)
             if n > srv.cfg.max_queue:
                 raise _FrameError(413, f"{n} observations in one frame; the server queues at most "
