@@ -651,3 +651,23 @@ def test_a_replica_predicts_the_same_actions_at_the_same_time(one_thread):
             np.testing.assert_allclose(fa.result(), alone_a, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(fb.result(), alone_b, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(pol.predict(b_obs, [4, 5]), alone_b, rtol=1e-5, atol=1e-6)
+
+
+def test_an_export_keeps_its_horizon_and_eval_cuts_its_chunk(tmp_path):
+    """A probe's finding: `wamkit eval policy=<export> horizon=4` rebuilt the 16-step network with 4 action tokens
+    (horizon changes no weight shape, so it loaded), and scored a model nobody trained: its actions differed from
+    the trained chunk's first 4 by up to 8.6 on actions of ~15. Now an export refuses another horizon, eval builds
+    it as exported, and the chunk is cut (docs/evaluation.md), as `wamkit serve action_horizon=` did."""
+    from wamkit.core.config import load_config
+    from wamkit.eval.config import EvalConfig
+    from wamkit.eval.runner import policy_kwargs
+
+    pol = make_policy("wam-ref", size="tiny", num_inference_steps=1, init_seed=3)
+    out = pol.save_pretrained(tmp_path / "export")
+    with pytest.raises(UserError, match=r"horizon=4 would change the exported network \(saved: horizon=16\)"):
+        make_policy(str(out), horizon=4)
+    cfg = load_config(EvalConfig, None, ["env=metaworld", f"policy={out}", "horizon=4"])
+    kw = policy_kwargs(cfg, pol.spec.action.dim)
+    assert "horizon" not in kw and make_policy(str(out), **kw).spec.action.horizon == 16
+    cfg = load_config(EvalConfig, None, ["env=metaworld", "policy=wam-ref", "horizon=4"])
+    assert policy_kwargs(cfg, 7)["horizon"] == 4   # a policy built fresh takes the horizon asked for

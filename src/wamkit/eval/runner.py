@@ -80,8 +80,10 @@ def env_kwargs(cfg: EvalConfig) -> dict[str, Any]:
 
 
 def policy_kwargs(cfg: EvalConfig, action_dim: int) -> dict[str, Any]:
+    """The policy's constructor arguments. `horizon=` builds a policy of that chunk length, except an export's:
+    its network was trained for its own chunk, which Inference cuts to the horizon asked for."""
     kw = {"action_dim": action_dim, **cfg.policy_args}
-    if cfg.horizon is not None:
+    if cfg.horizon is not None and not is_export_dir(cfg.policy):
         kw["horizon"] = cfg.horizon
     return kw
 

@@ -55,9 +55,11 @@ class WamRefPolicy(WamRefTraining, Policy):
 
     name = "wam-ref"
     # what the saved weights fix: an export loaded with another value for one of these is refused (export.py);
-    # `size` is a preset whose shapes the export also saves as explicit keys, so changing it alone changed nothing
+    # `size` is a preset whose shapes the export also saves as explicit keys, so changing it alone changed nothing;
+    # `horizon` changes no shape, but the trained network denoises that many action tokens together: asked for
+    # fewer, it is another model (the chunk is cut instead: `action_horizon`, eval's `horizon=`)
     architecture_keys = ("size", "und_config", "und_path", "gen_hidden_size", "gen_intermediate_size", "image_size",
-                         "max_text_len", "state_dim", "action_dim")
+                         "max_text_len", "state_dim", "action_dim", "horizon")
 
     def __init__(self, config: WamRefConfig | None = None, **kwargs):
         cfg = WamRefConfig.from_kwargs(**kwargs) if config is None else dataclasses.replace(config, **kwargs)
