@@ -383,8 +383,8 @@ def test_denoise_steps_default_is_the_policys():
     with TestClient(create_app(ServeConfig(warmup=False, log_every_s=0), pol)) as c:
         body = {"input": {"image": img(0)[:8, :8].tolist()}}
         assert c.post(GEN, json=body).json()["usage"]["denoise_steps"] == 7
-        body["parameters"] = {"num_inference_steps": 3}
-        assert c.post(GEN, json=body).json()["usage"]["denoise_steps"] == 3
+        body["parameters"] = {"num_inference_steps": 3}   # not applied (predict takes no steps): not reported
+        assert c.post(GEN, json=body).json()["usage"]["denoise_steps"] == 7
         assert c.get("/v1/actions/metadata").json()["defaults"]["num_inference_steps"] == 7
 
 

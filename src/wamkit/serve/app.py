@@ -259,9 +259,11 @@ class ActionServer:
         return JSONResponse(body, status_code=status)
 
     def denoise_steps(self, req: ActionRequest) -> int:
-        """usage.denoise_steps: the request's num_inference_steps, else the policy's default (SGLang reports its
-        default too), else 0."""
-        return req.parameters.get("num_inference_steps", default_steps(self.spec) or 0)
+        """usage.denoise_steps: the steps that ran: the policy's own where it says (spec.extra.num_inference_steps;
+        a request's num_inference_steps does not reach predict, so it was echoed for steps that never ran), else
+        the request's value, else 0."""
+        own = default_steps(self.spec)
+        return own if own is not None else req.parameters.get("num_inference_steps", 0)
 
     def metadata_dict(self) -> dict[str, Any]:
         return metadata_of(self)
