@@ -238,3 +238,28 @@ def test_sglang_launch_builds_one_server_per_gpu_and_guards_the_stats(tmp_path):
     standin = load_config(EvalConfig, None, ["server.policy=cosmos3-standin"]).server
     assert server_policy("cosmos3", {"action_stats": "s.json"}, standin, client) == (
         "cosmos3-standin", {"action_stats": "s.json"})                    # the stand-in gets the adapter's stats
+
+
+def test_a_server_workers_temporary_log_goes_with_a_clean_with_block_and_stays_after_a_failure():
+    """A probe's finding: every WamkitServerWorker made without log_path left its /tmp log behind (46 of them from
+    earlier test runs). A `with` block that ends without error removes it; one that fails keeps it (it says why);
+    a log the caller named is never removed."""
+    from pathlib import Path
+
+    from wamkit.serve.workers import WamkitServerWorker
+
+    with WamkitServerWorker("zero") as w:
+        temp = w.log_path
+        assert temp.exists() and "wamkit-server-" in temp.name
+    assert not temp.exists()
+    with pytest.raises(KeyError):
+        with WamkitServerWorker("zero") as w:
+            kept = w.log_path
+            raise KeyError("the caller's failure")
+    assert kept.exists()
+    kept.unlink()
+    named = Path(os.environ.get("TMPDIR", "/tmp")) / f"wamkit-named-{os.getpid()}.log"
+    with WamkitServerWorker("zero", log_path=named):
+        pass
+    assert named.exists()
+    named.unlink()

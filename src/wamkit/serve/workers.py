@@ -113,6 +113,7 @@ class ServerWorker(StartStopContext, abc.ABC):
         self._was_healthy = False
         self.env = dict(env or {})
         self.stop_timeout = float(stop_timeout)
+        self._own_log = log_path is None   # a temporary log: removed by a `with` block that ends without error
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix=f"wamkit-server-{self.port}-", suffix=".log")
             os.close(fd)
@@ -243,6 +244,13 @@ class ServerWorker(StartStopContext, abc.ABC):
         if self._finalizer is not None:
             self._finalizer()  # runs _stop_group once and unregisters it
             self._finalizer = None
+
+    def _release(self, failed: bool) -> None:
+        """Leaving `with worker:`: stop; the temporary log this worker made goes too, unless the block failed (the
+        log says why)."""
+        self.stop()
+        if self._own_log and not failed:
+            self.log_path.unlink(missing_ok=True)
 
     def restart(self, timeout: float | None = None) -> "ServerWorker":
         self.stop()
