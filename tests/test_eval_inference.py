@@ -263,3 +263,29 @@ def test_a_server_workers_temporary_log_goes_with_a_clean_with_block_and_stays_a
         pass
     assert named.exists()
     named.unlink()
+
+
+@pytest.mark.parametrize("protocol", ["auto", "wamkit"])
+def test_the_horizon_asked_reaches_the_server_without_the_policys_arguments(protocol):
+    """A review's finding: eval builds an export without `horizon` (its network is trained for its own chunk), and
+    the server path read the horizon from the policy's arguments only: `horizon=` was silently dropped. The server
+    (horizon 4 here) is asked for, and cut to, the eval's horizon."""
+    from wamkit.serve.workers import WamkitServerWorker
+
+    with WamkitServerWorker("fixed-cost", {**ARGS, "base_ms": 1, "horizon": 4}) as w:
+        cfg = load_config(EvalConfig, None, [f"server.protocol={protocol}"])
+        got = {}
+        for horizon in (None, 3):
+            inf = ServerInference(policy="fixed-cost", policy_args={}, options=cfg.server, workers=[w],
+                                  horizon=horizon)
+
+            async def main():
+                await inf.start()
+                try:
+                    return await inf.predict(obs(2), [1, 2])
+                finally:
+                    await inf.close()
+
+            got[horizon] = asyncio.run(main())
+    assert got[None].shape == (2, 4, 2) and got[3].shape == (2, 3, 2)
+    np.testing.assert_array_equal(got[3], got[None][:, :3])

@@ -355,3 +355,22 @@ def test_a_private_ray_listens_on_loopback_only_and_its_servers_token_stays_secr
         except BrokenPipeError:   # it ended already (its error is on stderr)
             pass
         proc.wait(120)
+
+
+def test_review_mends_token_order_non_string_options_and_mapped_loopback(monkeypatch):
+    """A review's findings: WAMKIT_TOKEN (exported for wamkit servers) beat cosmos3's own policy_args.token for its
+    SGLang server; redaction hid a custom policy's numeric `num_token` (and dropped it from the resume check);
+    `::ffff:127.0.0.1` was not a loopback Host."""
+    from wamkit.core.secrets import redact
+    from wamkit.eval.inference import client_token
+    from wamkit.serve.config import is_loopback
+
+    monkeypatch.setenv("WAMKIT_TOKEN", "ENV")
+    cfg = load_config(EvalConfig, None, [])
+    assert client_token(cfg.server, None, "OWN") == "OWN" and client_token(cfg.server, None) == "ENV"
+    cfg = load_config(EvalConfig, None, ["server.token=GIVEN"])
+    assert client_token(cfg.server, None, "OWN") == "GIVEN"
+    assert redact({"num_token": 8, "use_token": True, "token": "s"}) == {"num_token": 8, "use_token": True,
+                                                                        "token": "***"}
+    assert is_loopback("::ffff:127.0.0.1") and is_loopback("[::ffff:127.0.0.1]") and is_loopback("ip6-localhost")
+    assert not is_loopback("::ffff:10.0.0.1")

@@ -34,7 +34,8 @@ def redact(value: Any) -> Any:
     """A copy of `value` (dicts, lists, strings, nested at any depth) with secret keys' values replaced by REDACTED
     and URL userinfo removed from strings; other values as they are."""
     if isinstance(value, dict):
-        return {k: (REDACTED if is_secret_key(k) and v not in (None, "") else redact(v)) for k, v in value.items()}
+        return {k: (REDACTED if is_secret_key(k) and isinstance(v, str) and v else redact(v))   # strings only: a
+                for k, v in value.items()}                                                   # num_token=8 stays
     if isinstance(value, (list, tuple)):
         return [redact(v) for v in value]
     if isinstance(value, str):

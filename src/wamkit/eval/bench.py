@@ -179,7 +179,7 @@ def _inference(base: EvalConfig, workers: list | None):
         from wamkit.eval.runner import remote_codec_of
 
         return ServerInference(policy=base.policy, policy_args=pkw, options=base.server, workers=workers,
-                               codec=remote_codec_of(base.policy, pkw))
+                               codec=remote_codec_of(base.policy, pkw), horizon=base.horizon)
     return InProcessInference(make_policy(base.policy, **pkw))
 
 

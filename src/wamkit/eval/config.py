@@ -67,12 +67,16 @@ class ServerOptions:
         """The token the user gave for the server(s): the file `token_file` names (read as `wamkit serve
         token_file=` reads it), else `token`, else the environment's WAMKIT_TOKEN; None: none (the servers started
         here then get one of their own: start_server_workers)."""
+        return self.given_token() or os.environ.get(TOKEN_ENV) or None
+
+    def given_token(self) -> str | None:
+        """The token given in the config (token_file, else token), without the environment's."""
         if self.token_file:
             try:
                 return read_token_file(self.token_file)
             except ConfigError as e:   # its message names `token_file=`: the key here is server.token_file
                 raise ConfigError(f"server.{e}") from None
-        return self.token or os.environ.get(TOKEN_ENV) or None
+        return self.token or None
 
     def validate(self) -> None:
         if self.token and self.token_file:

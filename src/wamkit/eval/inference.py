@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -31,6 +32,7 @@ from wamkit.eval.timeline import Timeline
 from wamkit.policies.base import RemoteCodec
 from wamkit.policies.checks import PolicyOutputError, check_chunks, env_problem, policy_label, read_only
 from wamkit.protocol.messages import observation_key
+from wamkit.serve.config import TOKEN_ENV
 
 log = logging.getLogger(__name__)
 
@@ -379,9 +381,12 @@ class ServerInference(Inference):
 
     def __init__(self, *, policy: str, policy_args: dict, options, timeline: Timeline | None = None,
                  worker_factory=None, workers: Sequence | None = None, codec: RemoteCodec | None = None,
-                 log_dir: str | Path | None = None):
+                 log_dir: str | Path | None = None, horizon: int | None = None):
         super().__init__(timeline)
         self.policy_name, self.policy_args, self.options = policy, dict(policy_args), options
+        # the chunk length asked of the server (action_horizon) and cut to: eval's horizon=, which an export does
+        # not take as an argument (runner.policy_kwargs), else the policy's horizon argument
+        self.chunk_horizon = horizon or self.policy_args.get("horizon")
         self.codec = codec
         self.worker_factory = worker_factory     # None: a local `wamkit serve` (or `sglang serve`) subprocess
         self.log_dir = log_dir                   # the servers we start log to LOG_DIR/server-<i>.log (None: a tempfile)
@@ -491,7 +496,7 @@ class ServerInference(Inference):
                   timeout_s=timeout, retries=o.retries, retry_s=o.retry_s,
                   max_request_size=own.get("max_request_size") or None)
         if self.protocol == "wamkit":
-            horizon = self.policy_args.get("horizon")
+            horizon = self.chunk_horizon
             return ActionClient(url, parameters={"action_horizon": int(horizon)} if horizon else None, **kw)
         if self.protocol == "sglang":
             if self.codec is not None:
@@ -503,7 +508,7 @@ class ServerInference(Inference):
 
             # arrays through shared memory to a server started on this host (used when its metadata offers it)
             shm = bool(getattr(self.options, "shm_arrays", False)) and worker is not None
-            return WebsocketActionClient(url, protocol=self.protocol, action_horizon=self.policy_args.get("horizon"),
+            return WebsocketActionClient(url, protocol=self.protocol, action_horizon=self.chunk_horizon,
                                          shm_arrays=shm, **kw)
         raise UserError(f"server.protocol={self.protocol!r} is not supported; valid choices: wamkit, sglang, openpi, "
                         f"sglang-ws")
@@ -538,7 +543,7 @@ class ServerInference(Inference):
         """With a horizon asked for (`horizon=`, sent to the server as action_horizon), a longer chunk is cut to it
         and a shorter one refused: a server that ignores the parameter must not change how many steps each chunk
         runs (a 9-step chunk would be executed whole)."""
-        h = self.policy_args.get("horizon")
+        h = self.chunk_horizon
         a = np.asarray(out)
         if not h or a.ndim != 3:
             return out
@@ -617,9 +622,10 @@ def server_policy(policy: str, policy_args: dict, options, codec: RemoteCodec | 
 
 def client_token(options, worker, own: str | None = None) -> str | None:
     """The bearer token a client sends to a server: the one a server started here was given (`worker.token`: the
-    user's, or this run's own), else the user's (server.token, token_file, WAMKIT_TOKEN), else the policy's own
-    (cosmos3's policy_args.token)."""
-    return getattr(worker, "token", None) or options.auth_token() or own or None
+    user's, or this run's own), else the one the config gives (server.token_file, server.token), else the policy's
+    own (cosmos3's policy_args.token, for its SGLang server), else the environment's WAMKIT_TOKEN."""
+    return (getattr(worker, "token", None) or options.given_token() or own
+            or os.environ.get(TOKEN_ENV) or None)
 
 
 def start_server_workers(policy: str, policy_args: dict, options, worker_factory=None, pinnable: bool = False,

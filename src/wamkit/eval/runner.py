@@ -394,7 +394,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None, *, env_workers=Non
         else:
             inference = ServerInference(policy=cfg.policy, policy_args=pkw, options=options, timeline=timeline,
                                         worker_factory=server_worker_factory, workers=server_workers, codec=codec,
-                                        log_dir=out)
+                                        log_dir=out, horizon=cfg.horizon)
         inference.prepare(spec, cfg.horizon, todo, cfg.seed)   # action dim, horizon; in process: the env checked
         # SGLang batches one prompt per request: requests of one task each unless told otherwise
         sglang = getattr(inference, "protocol", "") == "sglang"

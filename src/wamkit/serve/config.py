@@ -20,12 +20,14 @@ INSTANCE_ENV = "WAMKIT_INSTANCE_ID"   # set by WamkitServerWorker (random per st
 
 def is_loopback(host: str) -> bool:
     """True for localhost and loopback addresses (127.0.0.0/8, ::1); anything else may be reachable from outside."""
-    if host.strip().lower() in ("localhost", "localhost."):
+    if host.strip().lower() in ("localhost", "localhost.", "ip6-localhost", "ip6-loopback"):
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)   # ::ffff:127.0.0.1
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def http_url(host: str, port: int) -> str:
@@ -116,7 +118,7 @@ class ServeConfig:
     max_header_kb: int = 16                 # request line + headers still incomplete in h11's buffer (400 beyond)
     min_body_kb_per_s: float = 64.0         # at the connection cap, a body arriving slower than this on average is
                                             # dropped before a new connection is (0: bodies are never dropped)
-    ws_idle_timeout_s: float = 300.0        # a websocket without a frame for this long is closed (1000; 0: never)
+    ws_idle_timeout_s: float = 0.0          # a websocket without a frame for this long is closed (1000; 0: never)
 
     def validate(self) -> None:
         """Every number finite and in range (inf or NaN passed `x > 0` checks and hung requests or overflowed

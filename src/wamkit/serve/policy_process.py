@@ -40,9 +40,9 @@ from wamkit.core.errors import UserError
 from wamkit.core.heap import freeze_heap
 from wamkit.core.shm_names import SHM_DIR, owned_name, sweep_orphans
 from wamkit.core.types import Observation
+from wamkit.policies.base import Policy
 
 ARENA_PREFIX = "wamkit-policy-"   # + the server's pid (core.shm_names.owned_name)
-from wamkit.policies.base import Policy
 
 
 class _Arena:
