@@ -205,6 +205,9 @@ def test_websocket_origin_is_refused_unless_allowed(srv, tok_srv):
     assert e.value.response.status_code == 403 and b"allowed_origins" in e.value.response.body
     with connect(f"ws://{srv.host}:{srv.port}/", max_size=None) as ws:    # no Origin: openpi's client, websockets
         assert unpackb(ws.recv())["server"]["name"] == "wamkit"
+    # the same origin as the Host (websocket-client sends that by default; a review's finding: it got 403)
+    with connect(f"ws://{srv.host}:{srv.port}/", origin=f"http://{srv.host}:{srv.port}", max_size=None) as ws:
+        assert unpackb(ws.recv())["server"]["name"] == "wamkit"
     hdr = {"Authorization": f"Bearer {TOKEN}"}
     with connect(f"ws://{tok_srv.host}:{tok_srv.port}/", origin="http://ok.example", additional_headers=hdr) as ws:
         assert unpackb(ws.recv())["server"]["name"] == "wamkit"
@@ -420,3 +423,18 @@ def test_a_server_started_with_token_file_requires_that_token(tmp_path):
         assert httpx.get(w.url + "/v1/actions/metadata").status_code == 401
         md = httpx.get(w.url + "/v1/actions/metadata", headers={"authorization": f"Bearer {TOKEN}"})
         assert md.status_code == 200 and md.json()["server"]["auth"] is True
+
+
+def test_the_client_reads_a_json_answer_whatever_its_content_type():
+    """A review's finding: the exact content-type match (for requests: what a browser may send) was applied to the
+    answers wamkit's client reads too, so a server or proxy answering JSON as text/json, octet-stream or with no
+    type failed. The client reads any type but msgpack's as JSON; a request without one is still a 415."""
+    from wamkit.protocol.codec import decode_body
+    from wamkit.protocol.errors import ProtocolError
+
+    body = b'{"id": "x", "data": []}'
+    for ct in (None, "", "text/json", "application/octet-stream", "text/plain; charset=utf-8"):
+        assert decode_body(body, ct, lenient=True) == {"id": "x", "data": []}
+        with pytest.raises(ProtocolError) as e:
+            decode_body(body, ct)
+        assert e.value.status == 415

@@ -256,7 +256,7 @@ class ActionClient(RetryingClient):
         if self._metadata is None or refresh:
             r, _ = await self._request("GET", "/v1/actions/metadata")
             try:
-                md = decode_body(r.content, r.headers.get("content-type"))
+                md = decode_body(r.content, r.headers.get("content-type"), lenient=True)
             except Exception as e:  # noqa: BLE001 - e.g. a proxy's HTML page at that path
                 md = e
             if not isinstance(md, dict):
@@ -367,8 +367,8 @@ class ActionClient(RetryingClient):
         r, attempts = await self._request("POST", "/v1/actions/generations", content=data, headers=headers)
         t_recv = time.time()
         try:
-            resp = parse_response(decode_body(r.content, r.headers.get("content-type")), raw_action_dim=rad,
-                                  expect_n=len(obs))
+            resp = parse_response(decode_body(r.content, r.headers.get("content-type"), lenient=True),
+                                  raw_action_dim=rad, expect_n=len(obs))
         except ProtocolError as e:
             raise ActionClientError(f"{self.url}: bad response: {e}", r.status_code) from None
         rec = {"request_id": body["request_id"], "n": len(obs), "t_send": t_send, "t_recv": t_recv,

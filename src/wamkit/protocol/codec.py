@@ -248,10 +248,13 @@ def check_tree(obj: Any, max_depth: int = DecodeLimits.max_depth) -> None:
 
 
 def decode_body(body: bytes, content_type: str | None, max_depth: int = DecodeLimits.max_depth,
-                max_containers: int = DecodeLimits.max_containers) -> dict[str, Any]:
+                max_containers: int = DecodeLimits.max_containers, lenient: bool = False) -> dict[str, Any]:
     """Request/response bytes -> dict: msgpack or JSON as the content type says (415 for any other, or none), at
-    most max_containers mappings/lists (413), then check_tree."""
-    check_content_type(content_type)
+    most max_containers mappings/lists (413), then check_tree. lenient (a client reading a server's answer, which
+    a browser cannot forge: a proxy's or a bare framework's content type): any type other than msgpack's is read
+    as JSON."""
+    if not lenient:
+        check_content_type(content_type)
     if is_msgpack(content_type):
         # one count for mappings and lists; every container is at least one byte: a body no longer than the limit
         # needs none

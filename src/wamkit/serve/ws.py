@@ -68,12 +68,16 @@ def _token_ok(srv: Any, ws: WebSocket) -> bool:
     return token_accepted(srv.token, ws.headers.get("authorization", ""))   # the HTTP routes' check
 
 
-def origin_allowed(origin: str | None, allowed: list[str]) -> bool:
-    """A handshake without Origin (not a browser) is allowed; one with it only when `allowed` lists it (any case, a
-    trailing / ignored) or holds "*"."""
+def origin_allowed(origin: str | None, allowed: list[str], host: str | None = None) -> bool:
+    """A handshake without Origin (not a browser) is allowed; one with it when its host[:port] is the request's
+    own Host (the same origin: clients such as websocket-client send that by default; a loopback-bound server has
+    already refused a Host that is not loopback) or when `allowed` lists it (any case, a trailing / ignored) or
+    holds "*"."""
     if origin is None:
         return True
     want = origin.strip().rstrip("/").lower()
+    if host and want.split("://", 1)[-1] == host.strip().lower():
+        return True
     return any(a == "*" or a.strip().rstrip("/").lower() == want for a in allowed)
 
 
@@ -111,7 +115,7 @@ class _Connection:
     async def run(self) -> None:
         srv = self.srv
         origin = self.ws.headers.get("origin")
-        if not origin_allowed(origin, srv.cfg.allowed_origins):   # a browser page, from a site not allowed
+        if not origin_allowed(origin, srv.cfg.allowed_origins, self.ws.headers.get("host")):   # a page elsewhere
             await self._refuse(403, f"websocket Origin {origin[:100]!r} is not allowed (server allowed_origins)")
             return
         if not _token_ok(srv, self.ws):
