@@ -289,3 +289,16 @@ def test_the_horizon_asked_reaches_the_server_without_the_policys_arguments(prot
             got[horizon] = asyncio.run(main())
     assert got[None].shape == (2, 4, 2) and got[3].shape == (2, 3, 2)
     np.testing.assert_array_equal(got[3], got[None][:, :3])
+
+
+def test_served_policies_compare_their_export_by_its_directorys_name():
+    """A review's finding: servers now report model_path relative to their working directory (never absolute), so a
+    run recorded before (absolute) or a server started elsewhere no longer matched, and resume was refused."""
+    from wamkit.eval.inference import _same_served
+
+    old = {"name": "wam-ref", "model_path": "/home/u/runs/export/wam-ref-libero"}
+    assert _same_served(old, {"name": "wam-ref", "model_path": "runs/export/wam-ref-libero"})
+    assert _same_served(old, {"name": "wam-ref", "model_path": "wam-ref-libero"})
+    assert _same_served(old, {"name": "wam-ref"})                             # a server that does not say
+    assert not _same_served(old, {"name": "wam-ref", "model_path": "runs/export/wam-ref-metaworld"})
+    assert not _same_served(old, {"name": "pi0", "model_path": "wam-ref-libero"})

@@ -19,7 +19,7 @@ import queue
 import secrets
 import threading
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
 
 import numpy as np
@@ -42,9 +42,13 @@ __all__ = ["Inference", "InProcessInference", "ServerInference", "PolicyOutputEr
 
 def _same_served(a: dict, b: dict) -> bool:
     """Two servers' (or a server's and a resumed run's) served policies agree: the same name, and the same export
-    directory where both say which (a server that does not say, an older one, is not held against the other)."""
+    directory where both say which (a server that does not say, an older one, is not held against the other). The
+    directory is compared by its own name: servers report it relative to their working directory (never absolute,
+    since session 33), and a run recorded before that holds the absolute path."""
     paths = (a.get("model_path"), b.get("model_path"))
-    return a.get("name") == b.get("name") and (None in paths or paths[0] == paths[1])
+    if None in paths:
+        return a.get("name") == b.get("name")
+    return a.get("name") == b.get("name") and PurePosixPath(paths[0]).name == PurePosixPath(paths[1]).name
 
 
 class PolicyFailed(RunError):
