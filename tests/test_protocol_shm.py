@@ -111,6 +111,28 @@ def test_bad_references_are_refused_naming_the_field(tmp_path):
         slots.close()
 
 
+def test_many_references_to_one_slot_are_refused_before_their_bytes_are_copied():
+    """A probe's finding: a ~6 KB frame whose N image references all name one whole 32 MiB slot made the server
+    copy N x 32 MiB (60 refs: 2.1 GB) before the decode budget refused it. The copies of one frame are now held to
+    the server's max_decoded_mb: a 413 at the first reference past it, and an open-file count back where it was."""
+    rng = np.random.default_rng(3)
+    slots = ShmSlots()
+    try:
+        frame, _ = slots.pack(_body(rng))
+        body = unpackb(frame)
+        ref = body["input"]["images"][0]["image"]
+        one = int(np.prod(ref["shape"])) * np.dtype(ref["dtype"]).itemsize
+        body["input"]["images"] = [{"image": dict(ref)} for _ in range(10)]
+        assert len(ShmReader(1 << 20, 10 * one + 60).resolve(body)["input"]["images"]) == 10   # + 3 states
+        fds = _open_fds()
+        with pytest.raises(ProtocolError) as e:
+            ShmReader(1 << 20, 4 * one + one // 2).resolve(body)
+        assert e.value.status == 413 and e.value.path == "input.images[4].image" and "max_decoded_mb" in str(e.value)
+        assert _open_fds() == fds
+    finally:
+        slots.close()
+
+
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

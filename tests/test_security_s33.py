@@ -438,3 +438,32 @@ def test_the_client_reads_a_json_answer_whatever_its_content_type():
         with pytest.raises(ProtocolError) as e:
             decode_body(body, ct)
         assert e.value.status == 415
+
+
+def test_the_websocket_client_reads_no_frame_over_its_cap(monkeypatch):
+    """A probe's finding: wamkit's websocket client read frames of any size (max_size=None), so a server.url that
+    answers with a huge frame made the evaluating process buffer all of it. Frames over MAX_FRAME_BYTES close the
+    connection (1009) instead (here with the cap lowered to 1 MiB, against a server whose metadata frame is 2 MiB)."""
+    import asyncio
+
+    from websockets.asyncio.server import serve
+    from websockets.exceptions import ConnectionClosedError
+
+    import wamkit.serve.ws_pool as ws_pool
+
+    monkeypatch.setattr(ws_pool, "MAX_FRAME_BYTES", 1 << 20)
+
+    async def huge(ws):
+        await ws.send(b"\x00" * (2 << 20))
+        await asyncio.sleep(1)
+
+    async def main():
+        async with serve(huge, "127.0.0.1", 0, max_size=None) as server:
+            port = server.sockets[0].getsockname()[1]
+            pool = ws_pool.ConnectionPool(f"ws://127.0.0.1:{port}", {}, 1, 5.0, 5.0)
+            with pytest.raises(ConnectionClosedError) as e:
+                await pool.connect()
+            return e.value.rcvd or e.value.sent
+
+    frame = asyncio.run(main())
+    assert frame is not None and frame.code == 1009

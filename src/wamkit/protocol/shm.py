@@ -161,15 +161,24 @@ class ShmSlots:
 
 
 # ------------------------------------------------------------------------------------------------ server
+class _FrameFiles(dict):
+    """One frame's open slots (name -> (fd, size)) and the bytes its references have copied so far."""
+    copied = 0
+
+
 class ShmReader:
     """The server's reads of client slots (module doc)."""
 
-    def __init__(self, max_file_bytes: int):
+    def __init__(self, max_file_bytes: int, max_frame_bytes: int | None = None):
         self.max_file_bytes = int(max_file_bytes)
+        # all the arrays one frame's references copy out (the server's max_decoded_mb): many references to one
+        # large slot in a small frame (a probe: 60 refs to a 32 MiB slot, 2.1 GB copied before the decode budget
+        # refused it) are refused before anything is copied
+        self.max_frame_bytes = int(max_frame_bytes) if max_frame_bytes else None
 
     def resolve(self, obj: Any, path: str = "") -> Any:
         """A decoded frame with slot references -> the same frame with array markers holding copies of their bytes."""
-        files: dict[str, tuple[int, int]] = {}      # slot name -> (fd, size), for this frame only
+        files = _FrameFiles()                        # slot name -> (fd, size), for this frame only
         try:
             return self._resolve(obj, path, files)
         finally:
@@ -227,6 +236,10 @@ class ShmReader:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         if nbytes < 0 or off + nbytes > size:
             raise ProtocolError(path, f"bytes {off}..{off + nbytes} lie outside the slot ({size} bytes)")
+        files.copied += nbytes
+        if self.max_frame_bytes is not None and files.copied > self.max_frame_bytes:
+            raise ProtocolError(path, f"the frame's shared-memory arrays come to more than {self.max_frame_bytes} "
+                                      f"bytes (server max_decoded_mb)", 413)
         data = bytearray(nbytes)
         got = 0
         while got < nbytes:                       # the client may shrink its file under us: a short read, no signal

@@ -96,8 +96,9 @@ class ActionServer:
         self.max_batch_size = served_max_batch_size(cfg, policy)
         self.max_body = int(cfg.max_body_mb * 1024 * 1024)
         # shared-memory arrays (protocol/shm.py): a slot holds at most one frame's worth of arrays
-        self.shm = ShmReader(self.max_body) if cfg.shm_arrays and shm_available() else None
         self.limits = cfg.decode_limits()
+        self.shm = (ShmReader(self.max_body, self.limits.max_decoded_bytes) if cfg.shm_arrays and shm_available()
+                    else None)
         self.instance_id = os.environ.get(INSTANCE_ENV) or None
         self.token = cfg.resolved_token()
         self.model = cfg.model_name or self.spec.name

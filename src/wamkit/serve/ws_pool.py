@@ -13,6 +13,10 @@ from wamkit.serve.ws_codec import Refused
 # a whole observation frame (~400 kB for 2 cameras 256x256) is handed to the socket at once instead of draining in
 # 32 kB steps (a few event-loop round trips per frame)
 WRITE_LIMIT = 4 * 1024 * 1024
+# the largest frame read from a server: a chunk of actions is kilobytes, so only a broken or hostile server (a
+# server.url the user gave) sends more; websockets then closes the connection (1009) and the request is retried,
+# then the run stops naming the server, instead of this process buffering whatever it is sent
+MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
 class ConnectionPool:
@@ -30,8 +34,8 @@ class ConnectionPool:
         """A new connection, its metadata frame read (websockets' errors, or Refused for a text frame)."""
         from websockets.asyncio.client import connect
 
-        ws = await connect(self.url, additional_headers=self.headers or None, compression=None, max_size=None,
-                           open_timeout=self.connect_timeout_s, write_limit=WRITE_LIMIT)
+        ws = await connect(self.url, additional_headers=self.headers or None, compression=None,
+                           max_size=MAX_FRAME_BYTES, open_timeout=self.connect_timeout_s, write_limit=WRITE_LIMIT)
         try:
             first = await asyncio.wait_for(ws.recv(), self.timeout_s)
             if isinstance(first, str):
