@@ -104,6 +104,20 @@ if [ -n "$OTHER" ]; then
       [ -f "$r/timeline.png" ] && cp "$r/timeline.png" "$OUT/timeline_${E}_${n}_$(basename "$r")$TAG.png"
     done
   done
+  # each episode's actions digest and env time, per row and round: equal digests, equal trajectories, so two rows'
+  # (or rounds') env cost per chunk compare over the same physics (since session 34: was auto's excess its own?)
+  python3 - "/tmp/lib_${E}$TAG" "$OUT/episodes_${E}envs$TAG.json" <<'PYEOF'
+import json, pathlib, sys
+root, out = pathlib.Path(sys.argv[1]), {}
+for f in sorted(root.glob("*/round*/results.jsonl")) + sorted(root.glob("*/results.jsonl")):
+    eps = {}
+    for line in f.read_text().splitlines():
+        r = json.loads(line)
+        eps[r["key"]] = [r["actions_digest"][:16], r["sim_s"], r["chunks"], r["env_index"]]
+    out[str(f.parent.relative_to(root))] = eps
+pathlib.Path(sys.argv[2]).write_text(json.dumps(out))
+print(f"episodes: {len(out)} runs -> {sys.argv[2]}")
+PYEOF
 fi
 ROWS=""; BOUND=${BOUND2:-$BOUND}
 [ -n "${ROWS2:-}" ] && ROWS="$ROWS2"
