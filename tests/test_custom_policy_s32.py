@@ -494,7 +494,10 @@ def test_a_signal_during_a_slow_predict_stops_the_run_at_once_and_it_resumes(tmp
     argv = [WAMKIT, "eval", *MW, "progress=true", "progress_every_s=0.5", f"policy={mod}:TestPolicy",
             f"policy_args.slow_flag={flag}", f"out={tmp_path / 'out'}"]
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # SIGINT as a terminal gives it: a shell without job control starts background jobs (a suite run with `&`) with
+    # SIGINT ignored, and an ignored signal stays ignored in every child (session 34: this test hung that way)
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     try:
         deadline = time.monotonic() + 240
