@@ -69,8 +69,12 @@ $(TRITON_STAMP): $(STAMP)
 demo: setup
 	$(BIN)/python -m wamkit.cli.main demo out=runs/demo
 
+# the suite in TEST_WORKERS processes (pytest-xdist), each test file whole on one of them (its module fixtures start
+# once): on the 2-core machine 43 min in one process, 27.5 in two (session 34; its tests wait on servers and
+# subprocesses about half of the time); TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
 test: setup sglang-env triton-interp
-	$(BIN)/python -m pytest -q -rs --durations=25 tests
+	$(BIN)/python -m pytest -q -rs --durations=25 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
 
 test-fast: setup sglang-env triton-interp
 	$(BIN)/python -m pytest -q -rs -m "not slow" tests
