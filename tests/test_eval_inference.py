@@ -302,3 +302,32 @@ def test_served_policies_compare_their_export_by_its_directorys_name():
     assert _same_served(old, {"name": "wam-ref"})                             # a server that does not say
     assert not _same_served(old, {"name": "wam-ref", "model_path": "runs/export/wam-ref-metaworld"})
     assert not _same_served(old, {"name": "pi0", "model_path": "wam-ref-libero"})
+
+
+def test_the_call_latencies_kept_are_the_recent_ones_and_bounded(monkeypatch):
+    """Inference.latencies held every call of a run (~100 bytes each, to the end): now at most 2 x KEPT_LATENCIES, the
+    most recent last, which is all the planner reads (its last 100)."""
+    from types import SimpleNamespace
+
+    import wamkit.eval.inference as inference_mod
+    from wamkit.eval.inference import InProcessInference
+    from wamkit.policies import make_policy
+
+    monkeypatch.setattr(inference_mod, "KEPT_LATENCIES", 5)
+    inf = InProcessInference(make_policy("fixed-cost", **{**ARGS, "base_ms": 0}))
+    inf.prepare(SimpleNamespace(action_dim=2, max_steps=0))
+
+    async def main():
+        await inf.start()
+        try:
+            sizes = []
+            for k in range(23):
+                n = 1 + k % 3
+                await inf.predict(obs(n), list(range(n)))
+                sizes.append(n)
+                assert len(inf.latencies) < 10 and [b for b, _ in inf.latencies] == sizes[-len(inf.latencies):]
+            assert inf.requests == 23 and inf.observations == sum(sizes) and len(inf.latencies) >= 5
+        finally:
+            await inf.close()
+
+    asyncio.run(main())

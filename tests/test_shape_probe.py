@@ -546,3 +546,36 @@ def test_the_planners_estimates_are_computed_only_when_a_round_needs_them():
     # once (the check passed: no second round): far fewer than the ~400 answers
     assert calls == {"cycle": 3, "remaining": 1}, (calls, answers)
     assert lazy.rounds[0].check == pytest.approx(150.0, rel=0.05)
+
+
+def test_the_planners_decisions_kept_are_the_recent_ones_and_bounded(monkeypatch):
+    """RequestPlanner.decisions held every request of a run to its end: now at most 2 x KEPT_DECISIONS, the most
+    recent last (what the tests above read of a run)."""
+    import asyncio
+    import numpy as np
+    import time
+    from collections import deque
+    from types import SimpleNamespace
+
+    async def predict(observations, seeds):
+        return np.zeros((len(observations), 2, 2), np.float32)
+
+    monkeypatch.setattr(scheduler_mod, "KEPT_DECISIONS", 4)
+    inf = SimpleNamespace(max_request_size=64, latencies=[], merges_requests=False, predict=predict)
+    sched = SimpleNamespace(inference=inf, opts=scheduler_mod.SchedulerOptions(mode="auto", depth=64),
+                            episode_walls=deque(), active_envs=64, queue=deque(), started=time.monotonic())
+    planner = scheduler_mod.RequestPlanner(sched)
+
+    async def main():
+        loop, sizes = asyncio.get_running_loop(), []
+        for k in range(19):
+            n = 1 + k % 3
+            futs = [loop.create_future() for _ in range(n)]
+            planner.pending += [(None, i, SimpleNamespace(task_id=0), f, 0.0) for i, f in enumerate(futs)]
+            planner._dispatch(n)
+            sizes.append(n)
+            await asyncio.gather(*futs)
+            assert len(planner.decisions) < 8 and [m for m, _ in planner.decisions] == sizes[-len(planner.decisions):]
+        assert len(planner.decisions) >= 4
+
+    asyncio.run(main())

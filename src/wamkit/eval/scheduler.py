@@ -35,6 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from wamkit.core.errors import RunError
+from wamkit.core.recent import append_recent
 from wamkit.core.types import ChunkResult, Observation
 from wamkit.eval.affinity import TaskAffinity
 from wamkit.eval.inference import Inference
@@ -438,6 +439,7 @@ def send_by_shape(p: "RequestPlanner") -> None:
 # 0.938 of the greedy row (its envs waited 10 and 36 ms a cycle outside the request), and rows of 24-36 s were too
 # short for a probe round (4 shapes x 10 cycles of 0.4-0.7 s) to pay back. MetaWorld's chunks are 1-3x a call.
 GREEDY_CHUNK_CALLS = 5.0
+KEPT_DECISIONS = 4096   # RequestPlanner.decisions keeps at least this many of the most recent requests, < twice it
 
 
 def start_shape(p: "RequestPlanner") -> None:
@@ -499,7 +501,7 @@ class RequestPlanner:
         self.cap = max(1, min(self.cap, self.inf.max_request_size))
         self.fixed_depth = sched.opts.depth
         self._timer: asyncio.TimerHandle | None = None
-        self.decisions: list[tuple[int, int]] = []
+        self.decisions: list[tuple[int, int]] = []   # (observations, requests in flight) of the recent requests
         # a fixed depth is the user's plan: nothing to measure it against
         # (and sending at once only pays where the server merges what arrives together)
         merges = bool(getattr(self.inf, "merges_requests", False))
@@ -682,7 +684,7 @@ class RequestPlanner:
         self.pending = [p for p in self.pending if id(p[3]) not in ids]
         self.in_flight += 1
         self.obs_in_flight += len(take)
-        self.decisions.append((len(take), self.in_flight))
+        append_recent(self.decisions, (len(take), self.in_flight), KEPT_DECISIONS)
         asyncio.get_running_loop().create_task(self._send(take))
 
     async def _send(self, take) -> None:
