@@ -211,3 +211,36 @@ def test_server_keys_and_the_policys_own_transport_options_reach_the_client():
     assert (c.token, c.timeout_s, c._max_request) == ("s3cret", 2.0, 1)
     c = _server_inference(url, policy="cosmos3", codec=codec, token="other", request_timeout_s=9)._make_client(url, None)
     assert (c.token, c.timeout_s) == ("other", 9.0)
+
+
+def test_an_answer_longer_than_the_client_reads_is_refused_once_not_held(server):
+    """httpx read a whole answer of any size (or a compressed one of any decoded size) into memory: the client reads
+    at most max_answer_mb, counted on the decoded bytes, and a longer answer is one line naming the server, not
+    retried (the same request gets the same answer). A compressed answer within the limit still reads as usual."""
+    import gzip
+
+    from wamkit.protocol.client import AnswerTooLong
+
+    def answer(n_pad):
+        resp = build_response(parse_request(server.bodies[-1]), np.zeros((1, 2, 4), np.float32), "fake", False)
+        return json.dumps({**resp, "pad": "x" * n_pad}).encode()
+
+    cap_mb = 4096 / 2 ** 20
+    server.script = lambda h, m: (200, {"content-type": "application/json"}, answer(8000)) if m == "POST" else None
+    with pytest.raises(AnswerTooLong) as e:
+        _predict(server.url, max_answer_mb=cap_mb)
+    assert str(e.value).startswith(server.url) and "4096" in str(e.value) and "\n" not in str(e.value)
+    assert [m for m, _ in server.seen].count("POST") == 1
+
+    server.seen.clear()
+    server.script = lambda h, m: ((200, {"content-type": "application/json", "content-encoding": "gzip"},
+                                   gzip.compress(answer(8000))) if m == "POST" else None)
+    assert len(gzip.compress(answer(8000))) < 4096   # small on the wire, 8 KB decoded
+    with pytest.raises(AnswerTooLong):
+        _predict(server.url, max_answer_mb=cap_mb)
+    assert [m for m, _ in server.seen].count("POST") == 1
+
+    server.script = lambda h, m: ((200, {"content-type": "application/json", "content-encoding": "gzip"},
+                                   gzip.compress(answer(100))) if m == "POST" else None)
+    assert _predict(server.url, max_answer_mb=cap_mb).shape == (1, 2, 4)
+    assert _predict(server.url).shape == (1, 2, 4)   # the default limit: 256 MB

@@ -14,7 +14,8 @@ What it does per predict():
    first retry of an outage logged; 4xx (and 3xx: a url that redirects is the wrong url)
    raise at once (ActionClientError, one line naming the server and the server's message naming the field; 401/403
    as ActionAuthError, a UserError);
-4. sorts each response by input_index, keeps the first raw_action_dim channels, scatters chunks back into order, then
+4. reads at most max_answer_mb of an answer (decoded; a longer one is AnswerTooLong, not retried), sorts each
+   response by input_index, keeps the first raw_action_dim channels, scatters chunks back into order, then
    applies `postprocess` (e.g. a denormalizer) to the (N, H, D) array.
 mode="wamkit" sends wamkit's request forms (several cameras and states per request, one seed per observation) only to a
 server whose metadata says it is wamkit (`server.name`); any other server gets only forms SGLang accepts
@@ -86,6 +87,36 @@ def client_error(url: str, what: str, status: int | None, body: Any = None) -> A
         return ActionAuthError(f"{url}: {what} (check server.token, or the WAMKIT_TOKEN environment variable)",
                                status, body)
     return ActionClientError(f"{url}: {what}", status, body)
+
+
+MAX_ANSWER_MB = 256.0   # ActionClient(max_answer_mb=): the most of one answer it reads (a 1024-observation JSON answer
+                        # of 64 x 32 actions is ~40 MB); a longer one is refused, not read into memory
+
+
+class AnswerTooLong(ActionClientError):
+    """An answer longer than the client reads (max_answer_mb): not retried, the same request gets the same answer."""
+
+
+async def read_capped(http: httpx.AsyncClient, request: httpx.Request, cap: int, url: str) -> httpx.Response:
+    """Send `request`; its answer read whole (decoded) unless it declares or grows past `cap` bytes (AnswerTooLong,
+    naming the server): httpx's own read would hold a body of any size, or a compressed one of any decoded size."""
+    r = await http.send(request, stream=True)
+    try:
+        declared = r.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            raise AnswerTooLong(f"{url}: {request.method} {request.url.path}: the answer declares {int(declared)} "
+                                f"bytes, more than the client reads ({cap}: max_answer_mb)", r.status_code)
+        body = bytearray()
+        async for chunk in r.aiter_bytes():
+            body += chunk
+            if len(body) > cap:
+                raise AnswerTooLong(f"{url}: {request.method} {request.url.path}: the answer is longer than the "
+                                    f"client reads ({cap} bytes: max_answer_mb)", r.status_code)
+    finally:
+        await r.aclose()
+    # the bytes as read (decoded): the headers that described the encoded stream go
+    headers = [(k, v) for k, v in r.headers.multi_items() if k.lower() not in ("content-encoding", "content-length")]
+    return httpx.Response(r.status_code, headers=headers, content=bytes(body), request=request)
 
 
 def exception_text(e: BaseException) -> str:
@@ -174,13 +205,14 @@ class ActionClient(RetryingClient):
                  postprocess: Callable[[np.ndarray], np.ndarray] | None = None,
                  on_timing: Callable[[dict[str, Any]], None] | None = None, camera: str = DEFAULT_CAMERA,
                  raw_action_dim: int | None = None, max_connections: int = 64,
-                 worker: Any = None, retry_s: float = 0.0):
+                 worker: Any = None, retry_s: float = 0.0, max_answer_mb: float = MAX_ANSWER_MB):
         if mode not in ("wamkit", "sglang"):
             raise ValueError(f"mode must be 'wamkit' or 'sglang', got {mode!r}")
         self.url = url.rstrip("/")
         self.token = token
         self._max_request = max_request_size
         self.timeout_s = float(timeout_s)
+        self.max_answer_bytes = int(max_answer_mb * 1024 * 1024)
         self.retries, self.backoff, self.backoff_max = int(retries), float(backoff), float(backoff_max)
         self.retry_s = float(retry_s)
         self.mode, self.binary = mode, bool(binary)
@@ -229,7 +261,9 @@ class ActionClient(RetryingClient):
         while True:
             retry_after = None
             try:
-                r = await self._client().request(method, path, content=content, headers=headers)
+                http = self._client()
+                r = await read_capped(http, http.build_request(method, path, content=content, headers=headers),
+                                      self.max_answer_bytes, self.url)
             except httpx.TransportError as e:
                 last, status = exception_text(e), None
                 await self._maybe_restart_worker()
