@@ -213,7 +213,10 @@ def test_a_server_with_shm_arrays_answers_the_http_paths_actions_and_keeps_servi
     from wamkit.serve.ws_client import WebsocketActionClient
 
     obs, seeds = _obs(6), [3, 4, 5, 6, 7, 8]
-    before = set(glob.glob(os.path.join(SHM_DIR, "wamkit-shm-*")))
+    # this test's own slots only (named for their creator's pid): other tests run beside it (make test's xdist
+    # processes) and create slots of their own meanwhile
+    mine = os.path.join(SHM_DIR, f"wamkit-shm-{os.getpid()}_*")
+    before = set(glob.glob(mine))
     with WamkitServerWorker("fixed-cost", ARGS, max_batch_size=8, max_wait_ms=2,
                             extra_args={"shm_arrays": True}) as w:
         async def http():
@@ -251,7 +254,7 @@ def test_a_server_with_shm_arrays_answers_the_http_paths_actions_and_keeps_servi
                 assert len(reply["data"]) == 2 and "error" not in reply
         finally:
             slots.close()
-    assert set(glob.glob(os.path.join(SHM_DIR, "wamkit-shm-*"))) <= before
+    assert set(glob.glob(mine)) <= before
 
 
 def test_a_server_without_shm_arrays_refuses_references_and_the_client_sends_inline():
