@@ -305,8 +305,8 @@ def test_served_policies_compare_their_export_by_its_directorys_name():
 
 
 def test_the_call_latencies_kept_are_the_recent_ones_and_bounded(monkeypatch):
-    """Inference.latencies held every call of a run (~100 bytes each, to the end): now at most 2 x KEPT_LATENCIES, the
-    most recent last, which is all the planner reads (its last 100)."""
+    """Inference.latencies held every call of a run (~100 bytes each, to the end): now the KEPT_LATENCIES most
+    recent, the latest last, which covers all the planner reads (its last 100)."""
     from types import SimpleNamespace
 
     import wamkit.eval.inference as inference_mod

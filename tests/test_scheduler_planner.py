@@ -193,7 +193,7 @@ def test_envs_that_submit_at_the_same_instant_go_as_one_request():
         done = []
         sched = Scheduler(envs, ps.SimAccelerator(r), make_plan("sim", [0], r.episodes), opts, done.append)
         await sched.run()
-        return sched.batcher.decisions, done
+        return list(sched.batcher.decisions), done
 
     decisions, done = ps.run_virtual(go())
     assert len(done) == r.episodes

@@ -267,7 +267,7 @@ def test_auto_starts_greedy_where_a_chunk_lasts_many_calls_and_the_run_is_too_sh
     began = auto["auto_shape"]["began_with"]
     assert not auto["auto_shape"]["probed"] and auto["auto_shape"]["shape"] == GREEDY
     assert began["shape"] == GREEDY and began["chunk_ms"] > 5 * began["call_ms"], began
-    assert {n for n, _ in pl.decisions[r.envs:]} == {1}   # after the first requests, one observation each
+    assert {n for n, _ in list(pl.decisions)[r.envs:]} == {1}   # after the first requests, one observation each
     monkeypatch.setattr(scheduler_mod, "GREEDY_CHUNK_CALLS", 1e9)   # the rule off: the plan
     plan = ps.run(r, "auto")
     assert plan["auto_shape"]["began_with"]["shape"] == PLAN and plan["mean_batch"] > 1.3
@@ -305,7 +305,7 @@ def test_halves_is_kept_where_two_cohorts_overlap_and_never_has_more_than_two_re
     assert auto["episodes"] == r.episodes
     chosen_at = summary["rounds"][-1]["at_s"]
     assert chosen_at < 0.25 * auto["wall_s"]
-    halves = pl.decisions[-len(pl.decisions) // 2:]            # well after the round: the kept shape's requests
+    halves = list(pl.decisions)[-len(pl.decisions) // 2:]           # well after the round: the kept shape's requests
     assert max(k for _, k in halves) <= 2 and max(n for n, _ in halves) <= r.envs // 2
     assert sum(n for n, _ in halves) / len(halves) > 0.6 * r.envs / 2      # mostly full halves, not stragglers
 
@@ -549,11 +549,12 @@ def test_the_planners_estimates_are_computed_only_when_a_round_needs_them():
 
 
 def test_the_planners_decisions_kept_are_the_recent_ones_and_bounded(monkeypatch):
-    """RequestPlanner.decisions held every request of a run to its end: now at most 2 x KEPT_DECISIONS, the most
-    recent last (what the tests above read of a run)."""
+    """RequestPlanner.decisions held every request of a run to its end: now the KEPT_DECISIONS most recent, the
+    latest last (what the tests above read of a run)."""
     import asyncio
-    import numpy as np
     import time
+
+    import numpy as np
     from collections import deque
     from types import SimpleNamespace
 

@@ -19,6 +19,7 @@ import queue
 import secrets
 import threading
 import time
+from collections import deque
 from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
 
@@ -26,7 +27,6 @@ import numpy as np
 
 from wamkit.core.cpu_pinning import split_cpus
 from wamkit.core.errors import RunError, UserError
-from wamkit.core.recent import append_recent
 from wamkit.core.secrets import redact
 from wamkit.core.types import Observation
 from wamkit.eval.timeline import Timeline
@@ -56,7 +56,7 @@ class PolicyFailed(RunError):
     """The policy raised in predict (in this process): one line naming it, the episode(s) and the resume hint."""
 
 
-KEPT_LATENCIES = 1000   # Inference.latencies keeps at least this many of the most recent calls, at most twice it
+KEPT_LATENCIES = 200   # Inference.latencies: the most recent calls kept (the planner reads the last 100 at most)
 
 
 class Inference(abc.ABC):
@@ -73,9 +73,7 @@ class Inference(abc.ABC):
         self.horizon: int | None = None      # the chunk length asked for (`horizon=`), None: the policy's own
         self.observations = 0
         self.requests = 0
-        # (batch size, seconds) of the recent calls: the planner reads the last 100 at most; kept to KEPT_LATENCIES
-        # (a long run's every call was ~100 bytes each, held to the end)
-        self.latencies: list[tuple[int, float]] = []
+        self.latencies: deque[tuple[int, float]] = deque(maxlen=KEPT_LATENCIES)   # (batch size, seconds), latest
         self._plan: tuple[list, int, int] | None = None   # (episodes, seed, max steps): naming episodes in errors
 
     def prepare(self, env_spec, horizon: int | None = None, episodes: Sequence = (), seed: int = 0) -> None:
@@ -131,7 +129,7 @@ class Inference(abc.ABC):
         t1 = time.time()
         self.observations += len(observations)
         self.requests += 1
-        append_recent(self.latencies, (len(observations), t1 - t0), KEPT_LATENCIES)
+        self.latencies.append((len(observations), t1 - t0))
         if self.timeline is not None:
             self.timeline.add("request", "request", t0, t1, len(observations))
         return out

@@ -35,7 +35,6 @@ from typing import Any, Callable
 import numpy as np
 
 from wamkit.core.errors import RunError
-from wamkit.core.recent import append_recent
 from wamkit.core.types import ChunkResult, Observation
 from wamkit.eval.affinity import TaskAffinity
 from wamkit.eval.inference import Inference
@@ -439,7 +438,13 @@ def send_by_shape(p: "RequestPlanner") -> None:
 # 0.938 of the greedy row (its envs waited 10 and 36 ms a cycle outside the request), and rows of 24-36 s were too
 # short for a probe round (4 shapes x 10 cycles of 0.4-0.7 s) to pay back. MetaWorld's chunks are 1-3x a call.
 GREEDY_CHUNK_CALLS = 5.0
-KEPT_DECISIONS = 4096   # RequestPlanner.decisions keeps at least this many of the most recent requests, < twice it
+KEPT_DECISIONS = 4096   # RequestPlanner.decisions: the most recent requests kept
+
+
+def recent_calls(inf: Inference, last: int) -> list[tuple[int, float]]:
+    """The last `last` (batch size, seconds) of inf.latencies (a bounded deque, or a list)."""
+    lat = inf.latencies
+    return list(itertools.islice(lat, max(0, len(lat) - last), None))
 
 
 def start_shape(p: "RequestPlanner") -> None:
@@ -501,7 +506,7 @@ class RequestPlanner:
         self.cap = max(1, min(self.cap, self.inf.max_request_size))
         self.fixed_depth = sched.opts.depth
         self._timer: asyncio.TimerHandle | None = None
-        self.decisions: list[tuple[int, int]] = []   # (observations, requests in flight) of the recent requests
+        self.decisions: deque[tuple[int, int]] = deque(maxlen=KEPT_DECISIONS)   # (observations, in flight), latest
         # a fixed depth is the user's plan: nothing to measure it against
         # (and sending at once only pays where the server merges what arrives together)
         merges = bool(getattr(self.inf, "merges_requests", False))
@@ -523,7 +528,7 @@ class RequestPlanner:
 
     # -- measurements -> plan
     def _fit_inference(self) -> tuple[float, float]:
-        lat = self.inf.latencies[-100:]
+        lat = recent_calls(self.inf, 100)
         if not lat:
             return 0.05, 0.0
         ns = np.array([n for n, _ in lat], float)
@@ -590,7 +595,7 @@ class RequestPlanner:
                 **({"began_with": self.began_with} if self.began_with else {})}   # start_shape's choice
 
     def _median_call(self, last: int, default: float) -> float:   # the last `last` calls' (default before any)
-        lat = self.inf.latencies[-last:]
+        lat = recent_calls(self.inf, last)
         return statistics.median(t for _, t in lat) if lat else default
 
     def _cycle_s(self) -> float:
@@ -684,7 +689,7 @@ class RequestPlanner:
         self.pending = [p for p in self.pending if id(p[3]) not in ids]
         self.in_flight += 1
         self.obs_in_flight += len(take)
-        append_recent(self.decisions, (len(take), self.in_flight), KEPT_DECISIONS)
+        self.decisions.append((len(take), self.in_flight))
         asyncio.get_running_loop().create_task(self._send(take))
 
     async def _send(self, take) -> None:
